@@ -1,0 +1,52 @@
+//! # aam-models: AAM in Burn
+//!
+//! The modules of AAM (Attention All Microbes), generic over `B: Backend`, each
+//! built from a `Config`, computing what the PyTorch reference computes
+//! (`../shared/reference/aam-reference.md` §1; upstream `jbk708/aam`).
+//!
+//! Job: the model and nothing else. This crate never reads BIOM tables, parses
+//! arguments or trains; it depends on no other `aam-*` crate.
+//!
+//! The design choice to defend: **parameter paths are the reference's
+//! state-dict keys.** Linear weights keep torch's `[out, in]` layout, LayerNorm
+//! keeps `weight`/`bias`, attention keeps the packed `in_proj_weight`. A model
+//! file written by aam-rs is therefore a torch state dict, and importing a
+//! reference checkpoint is a short table of renames (sequential indices, column
+//! names; see [`import`]), with no transposes to get wrong.
+//!
+//! Training mode is Burn's: dropout and nucleotide masking run when the backend
+//! records gradients (`B::ad_enabled`), i.e. on an `Autodiff` backend; call
+//! `model.valid()` for evaluation.
+//!
+//! All multi-head attention goes through one op, [`attention::attention`].
+
+pub mod asv_encoder;
+pub mod attention;
+pub mod categorical;
+pub mod embedding;
+pub mod import;
+pub mod fusion;
+pub mod nn;
+pub mod output;
+pub mod pooling;
+pub mod sample_encoder;
+pub mod sequence_encoder;
+pub mod sequence_predictor;
+pub mod transformer;
+
+pub use attention::AttnImplementation;
+pub use nn::Activation;
+
+/// Errors of this crate: invalid configurations and weight files.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// A configuration field has an invalid value.
+    #[error("invalid model configuration: `{field}` {reason}")]
+    InvalidConfig {
+        /// The field at fault.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}

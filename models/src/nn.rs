@@ -1,0 +1,207 @@
+//! Torch-layout building blocks: `Linear`, `LayerNorm`, the activations and the
+//! initialisers the reference uses.
+//!
+//! Burn's own `Linear` stores its weight as `[d_input, d_output]` and its
+//! `LayerNorm` names its parameters `gamma`/`beta`. These keep PyTorch's layout
+//! and names (`weight [out, in]`, `bias`), so that every parameter path of an
+//! aam-rs model *is* the reference state-dict key and checkpoint import is a
+//! table of renames, never a transpose (see `import.rs`).
+
+use burn::module::{Initializer, Param};
+use burn::prelude::*;
+use burn::tensor::{activation, TensorPrimitive};
+use serde::{Deserialize, Serialize};
+
+/// How a [`Linear`] is initialised (only matters for training from scratch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LinearInit {
+    /// PyTorch's `nn.Linear` default: weight and bias `U(±1/√fan_in)`.
+    TorchDefault,
+    /// Xavier-uniform weight, zero bias (the reference's heads and projections).
+    XavierZeroBias,
+}
+
+/// Configuration of a torch-layout [`Linear`].
+#[derive(Config, Debug)]
+pub struct LinearConfig {
+    /// Input features.
+    pub d_input: usize,
+    /// Output features.
+    pub d_output: usize,
+    /// Whether the layer has a bias. Default: true.
+    #[config(default = true)]
+    pub bias: bool,
+    /// Initialisation. Default: `LinearInit::TorchDefault`.
+    #[config(default = "LinearInit::TorchDefault")]
+    pub init: LinearInit,
+}
+
+/// `y = x·Wᵀ + b`, with `weight` stored PyTorch-style as `[d_output, d_input]`.
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    /// `weight [d_output, d_input]`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// `bias [d_output]`.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl LinearConfig {
+    /// Builds the layer.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Linear<B> {
+        let fan_in = self.d_input as f64;
+        let fan_out = self.d_output as f64;
+        let (weight_init, bias_init) = match self.init {
+            LinearInit::TorchDefault => {
+                let k = 1.0 / fan_in.sqrt();
+                let u = Initializer::Uniform { min: -k, max: k };
+                (u.clone(), u)
+            }
+            LinearInit::XavierZeroBias => {
+                let a = (6.0 / (fan_in + fan_out)).sqrt();
+                (Initializer::Uniform { min: -a, max: a }, Initializer::Zeros)
+            }
+        };
+        Linear {
+            weight: weight_init.init([self.d_output, self.d_input], device),
+            bias: self
+                .bias
+                .then(|| bias_init.init([self.d_output], device)),
+        }
+    }
+}
+
+impl<B: Backend> Linear<B> {
+    /// # Shapes
+    /// - input: `[..., d_input]`
+    /// - output: `[..., d_output]`
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        burn::tensor::module::linear(
+            input,
+            self.weight.val().transpose(),
+            self.bias.as_ref().map(|b| b.val()),
+        )
+    }
+}
+
+/// Configuration of a torch-named [`LayerNorm`].
+#[derive(Config, Debug)]
+pub struct LayerNormConfig {
+    /// Normalised width.
+    pub d_model: usize,
+    /// Added to the variance. Default: 1e-5 (PyTorch's default).
+    #[config(default = 1e-5)]
+    pub eps: f64,
+}
+
+/// LayerNorm over the last axis with affine `weight`/`bias` (PyTorch names).
+#[derive(Module, Debug)]
+pub struct LayerNorm<B: Backend> {
+    /// `weight [d_model]` (γ).
+    pub weight: Param<Tensor<B, 1>>,
+    /// `bias [d_model]` (β).
+    pub bias: Param<Tensor<B, 1>>,
+    eps: f64,
+}
+
+impl LayerNormConfig {
+    /// Builds the layer (γ = 1, β = 0).
+    pub fn init<B: Backend>(&self, device: &B::Device) -> LayerNorm<B> {
+        LayerNorm {
+            weight: Initializer::Ones.init([self.d_model], device),
+            bias: Initializer::Zeros.init([self.d_model], device),
+            eps: self.eps,
+        }
+    }
+}
+
+impl<B: Backend> LayerNorm<B> {
+    /// # Shapes
+    /// - input / output: `[..., d_model]`
+    pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        // Burn's layer_norm op (biased variance, as torch.nn.LayerNorm); backends
+        // may fuse it, and Autodiff has its backward.
+        Tensor::from_primitive(TensorPrimitive::Float(B::layer_norm(
+            input.into_primitive().tensor(),
+            self.weight.val().into_primitive().tensor(),
+            Some(self.bias.val().into_primitive().tensor()),
+            self.eps,
+        )))
+    }
+}
+
+/// The feed-forward activation of a transformer stack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    /// Exact (erf) GELU, `nn.GELU()`. The reference default.
+    #[default]
+    Gelu,
+    /// ReLU.
+    Relu,
+}
+
+impl Activation {
+    /// Applies the activation element-wise.
+    pub fn forward<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Activation::Gelu => activation::gelu(x),
+            Activation::Relu => activation::relu(x),
+        }
+    }
+}
+
+/// `torch.nn.functional.softplus(x, beta=1, threshold=20)`: `ln(1 + eˣ)`, and `x`
+/// itself where `x > 20` (Burn's `softplus` has no threshold and overflows).
+pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let linear_region = x.clone().greater_elem(20.0);
+    let smooth = x.clone().clamp_max(20.0).exp().log1p();
+    smooth.mask_where(linear_region, x)
+}
+
+/// Xavier-uniform initialiser for a `[fan_out, fan_in]` matrix.
+pub(crate) fn xavier_uniform(fan_in: usize, fan_out: usize) -> Initializer {
+    let a = (6.0 / (fan_in + fan_out) as f64).sqrt();
+    Initializer::Uniform { min: -a, max: a }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::{Tolerance, TensorData};
+
+    type TB = NdArray<f32>;
+
+    #[test]
+    fn linear_is_x_times_w_transposed_plus_b() {
+        let device = Default::default();
+        let mut layer = LinearConfig::new(2, 3).init::<TB>(&device);
+        layer.weight = Param::from_tensor(Tensor::from_floats(
+            [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]],
+            &device,
+        ));
+        layer.bias = Some(Param::from_tensor(Tensor::from_floats([0.5, 0.0, -1.0], &device)));
+        let y = layer.forward(Tensor::<TB, 2>::from_floats([[1.0, -1.0]], &device));
+        y.into_data()
+            .assert_approx_eq::<f32>(&TensorData::from([[-0.5, -1.0, -2.0]]), Tolerance::default());
+    }
+
+    #[test]
+    fn softplus_is_linear_above_threshold_and_finite() {
+        let device = Default::default();
+        let y = softplus(Tensor::<TB, 1>::from_floats([0.0, 30.0, 1000.0, -5.0], &device));
+        let expected = [2f32.ln(), 30.0, 1000.0, (1.0 + (-5f32).exp()).ln()];
+        y.into_data()
+            .assert_approx_eq::<f32>(&TensorData::from(expected), Tolerance::default());
+    }
+
+    #[test]
+    fn layer_norm_of_zero_vector_is_bias() {
+        let device = Default::default();
+        let mut norm = LayerNormConfig::new(4).init::<TB>(&device);
+        norm.bias = Param::from_tensor(Tensor::from_floats([1.0, 2.0, 3.0, 4.0], &device));
+        let y = norm.forward(Tensor::<TB, 2>::zeros([1, 4], &device));
+        y.into_data()
+            .assert_approx_eq::<f32>(&TensorData::from([[1.0, 2.0, 3.0, 4.0]]), Tolerance::default());
+    }
+}
