@@ -274,3 +274,104 @@ pub fn span_mask(eligible: &[bool], length: usize, ratio: f64, draws: &[f32]) ->
 pub(crate) fn bool_vec<B: Backend, const D: usize>(t: Tensor<B, D, Bool>) -> Vec<bool> {
     t.into_data().convert::<bool>().to_vec::<bool>().expect("bool data")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+
+    type Cpu = NdArray<f32>;
+    type Train = Autodiff<Cpu>;
+
+    /// 16 ASVs of 60 tokens: START, 50 random nucleotides, 9 padding; and one
+    /// interior 0.
+    fn tokens<B: Backend>(device: &B::Device) -> Tensor<B, 3, Int> {
+        let mut values = Vec::new();
+        for row in 0..16i64 {
+            values.push(START_TOKEN);
+            values.extend((0..50).map(|i| 1 + (row * 7 + i * 13) % 4));
+            values.extend([0; 9]);
+        }
+        values[5] = 0;
+        Tensor::from_data(TensorData::new(values, [2, 8, 60]), device)
+    }
+
+    fn encoder<B: Backend>(strategy: MaskStrategy, device: &B::Device) -> AsvEncoder<B> {
+        AsvEncoderConfig::new()
+            .with_embedding_dim(16)
+            .with_num_layers(1)
+            .with_max_bp(59)
+            .with_predict_nucleotides(true)
+            .with_mask_ratio(0.3)
+            .with_mask_strategy(strategy)
+            .init(device)
+    }
+
+    #[test]
+    fn random_masking_touches_only_nucleotides_at_the_ratio() {
+        let device = Default::default();
+        Train::seed(&device, 7);
+        let enc = encoder::<Train>(MaskStrategy::Random, &device);
+        let tokens = tokens::<Train>(&device);
+        let mask = enc.forward(tokens.clone(), true).mask_indices.expect("masking ran");
+        let mask = bool_vec(mask);
+        let toks = tokens.into_data().convert::<i64>().to_vec::<i64>().unwrap();
+        let eligible = toks.iter().filter(|&&t| (1..=4).contains(&t)).count();
+        for (m, t) in mask.iter().zip(&toks) {
+            assert!(!m || (1..=4).contains(t), "masked a non-nucleotide token {t}");
+        }
+        let ratio = mask.iter().filter(|&&m| m).count() as f64 / eligible as f64;
+        assert!((ratio - 0.3).abs() < 0.05, "mask ratio {ratio}");
+    }
+
+    #[test]
+    fn span_masking_makes_runs_of_three_to_five_at_the_target_count() {
+        let length = 40;
+        let eligible: Vec<bool> = (0..200 * length).map(|i| i % length != 0 && i % length < 35).collect();
+        // deterministic pseudo-uniform draws
+        let draws: Vec<f32> = (0..200 * SPAN_ATTEMPTS * 2).map(|i| (i as f32 * 0.618_034) % 1.0).collect();
+        let chosen = span_mask(&eligible, length, 0.25, &draws);
+        for (row_c, row_e) in chosen.chunks(length).zip(eligible.chunks(length)) {
+            let n_eligible = row_e.iter().filter(|&&e| e).count();
+            let masked = row_c.iter().filter(|&&c| c).count();
+            assert_eq!(masked, (n_eligible as f64 * 0.25).floor() as usize);
+            assert!(row_c.iter().zip(row_e).all(|(c, e)| !c || *e), "masked an ineligible position");
+        }
+        // Span lengths: u0 picks 3 + floor(3·u0). The first attempt starts at 0;
+        // every later one starts at 50 and re-covers the same span.
+        let one_row = vec![true; 100];
+        for (u0, span) in [(0.0f32, 3usize), (0.4, 4), (0.99, 5)] {
+            let mut draws: Vec<f32> = (0..SPAN_ATTEMPTS).flat_map(|_| [0.0, 0.5]).collect();
+            draws[0] = u0;
+            draws[1] = 0.0;
+            let chosen = span_mask(&one_row, 100, 0.5, &draws);
+            let first_run = chosen.iter().take_while(|&&c| c).count();
+            assert_eq!(first_run, span, "u0 = {u0}");
+        }
+    }
+
+    #[test]
+    fn no_masking_in_eval_or_without_nucleotides() {
+        let device = Default::default();
+        let enc = encoder::<Cpu>(MaskStrategy::Span, &device);
+        assert!(enc.forward(tokens::<Cpu>(&device), true).mask_indices.is_none(), "eval backend must not mask");
+        let train = encoder::<Train>(MaskStrategy::Random, &device);
+        assert!(train.forward(tokens::<Train>(&device), false).mask_indices.is_none());
+    }
+
+    #[test]
+    fn empty_slots_are_skipped_and_chunking_changes_nothing() {
+        let device = Default::default();
+        let enc = encoder::<Cpu>(MaskStrategy::Random, &device);
+        let mut values = tokens::<Cpu>(&device).into_data().convert::<i64>().to_vec::<i64>().unwrap();
+        values[60 * 3..60 * 4].fill(0); // slot 3 of sample 0 empty
+        let tokens = Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values, [2, 8, 60]), &device);
+        let whole = enc.forward(tokens.clone(), true);
+        let chunked = AsvEncoder { asv_chunk_size: Some(3), ..enc.clone() }.forward(tokens, true);
+        whole.asv_embeddings.clone().into_data().assert_approx_eq::<f32>(&chunked.asv_embeddings.into_data(), burn::tensor::Tolerance::default());
+        // The empty slot pools to the norm's β and its logits are the head's bias.
+        let logits = whole.nuc_logits.unwrap().narrow(0, 0, 1).narrow(1, 3, 1).reshape([60, 7]);
+        let bias = enc.nucleotide_head.as_ref().unwrap().bias.as_ref().unwrap().val().unsqueeze::<2>().expand([60, 7]);
+        logits.into_data().assert_approx_eq::<f32>(&bias.into_data(), burn::tensor::Tolerance::default());
+    }
+}
