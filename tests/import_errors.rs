@@ -59,3 +59,28 @@ fn model_dir_round_trips_and_a_truncated_weights_file_is_detected() {
     let err = load_model_dir::<Cpu>(dir.path(), &device).unwrap_err().to_string();
     assert!(err.contains("model.safetensors") && err.contains("truncated or corrupt"), "{err}");
 }
+
+#[test]
+fn a_frozen_base_stays_frozen_after_loading_weights() {
+    use aam_models::import::{AamModel, ModelConfig};
+    use burn::backend::Autodiff;
+    type Ad = Autodiff<Cpu>;
+    let case = Case::load("predictor_default");
+    let device = Default::default();
+    let ckpt = TorchCheckpoint::read(&case.checkpoint()).unwrap();
+    let ModelConfig::SequencePredictor(mut predictor) = infer_config(&ckpt.shapes(), &case.hints(), &ckpt.path).unwrap() else {
+        panic!("a predictor")
+    };
+    predictor.freeze_base = true;
+    let config = ModelConfig::SequencePredictor(predictor).without_dropout();
+    let mut model = config.init::<Ad>(&device).unwrap();
+    model.load_state_dict(&config, ckpt.tensors, &ckpt.path).unwrap();
+    let AamModel::SequencePredictor(ref m) = model else { unreachable!() };
+    let out = m.forward(case.inputs::<Ad>(&device).tokens, None, None, false);
+    let aam_models::sequence_predictor::TargetPrediction::Point(y) = out.target_prediction else { unreachable!() };
+    let grads = y.sum().backward();
+    let named = model.named_gradients(&config, &grads);
+    let base_with_grad: Vec<_> = named.iter().filter(|(k, g)| k.starts_with("base_model.") && g.is_some()).collect();
+    assert!(base_with_grad.is_empty(), "frozen base got gradients: {:?}", base_with_grad.iter().map(|(k, _)| k).collect::<Vec<_>>());
+    assert!(named.iter().any(|(k, g)| k.starts_with("target_head") && g.is_some()), "the head must train");
+}

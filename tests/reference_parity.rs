@@ -66,7 +66,11 @@ fn check_case(name: &str) {
     let grads = f.backward();
     let want = reference_grads(&case);
     let no_grad = case.no_grad_params();
-    for (key, grad) in model_ad.named_gradients(&config_ad, &grads) {
+    let named = model_ad.named_gradients(&config_ad, &grads);
+    assert_eq!(named.len(), case.params().len(), "{name}: one gradient entry per parameter");
+    let with_grad = named.iter().filter(|(_, g)| g.is_some()).count();
+    assert_eq!(with_grad, want.len(), "{name}: parameters with a gradient");
+    for (key, grad) in named {
         match (grad, want.get(&key)) {
             (Some(g), Some(w)) => {
                 let g = g.convert::<f32>().to_vec::<f32>().unwrap();

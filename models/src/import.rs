@@ -799,15 +799,22 @@ impl<B: Backend> AamModel<B> {
     {
         struct GradCollector<'a, B: burn::tensor::backend::AutodiffBackend> {
             grads: &'a B::Gradients,
+            path: Vec<String>,
             out: Vec<(String, Option<TensorData>)>,
         }
         impl<B: burn::tensor::backend::AutodiffBackend> burn::module::ModuleVisitor<B> for GradCollector<'_, B> {
-            fn visit_float_with_path<const D: usize>(&mut self, path: &[String], _id: ParamId, tensor: &Tensor<B, D>) {
-                let grad = tensor.grad(self.grads).map(|g| g.into_data());
-                self.out.push((path.join("."), grad));
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+                let grad = param.val().grad(self.grads).map(|g| g.into_data());
+                self.out.push((self.path.join("."), grad));
             }
         }
-        let mut collector = GradCollector::<B> { grads, out: Vec::new() };
+        let mut collector = GradCollector::<B> { grads, path: Vec::new(), out: Vec::new() };
         match self {
             AamModel::SequenceEncoder(m) => m.visit(&mut collector),
             AamModel::SequencePredictor(m) => m.visit(&mut collector),

@@ -144,10 +144,22 @@ impl Activation {
     /// Applies the activation element-wise.
     pub fn forward<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
-            Activation::Gelu => activation::gelu(x),
+            Activation::Gelu => gelu(x),
             Activation::Relu => activation::relu(x),
         }
     }
+}
+
+/// Exact GELU, `x·Φ(x) = ½·x·(1 + erf(x/√2))`, built from `erf` so that its
+/// gradient is exact too.
+///
+/// Burn 0.21's fused `gelu` computes the erf form forward but differentiates
+/// the tanh approximation (`gelu_backward`), off by up to ~9e-4 per element;
+/// training would then follow a slightly different gradient than the
+/// reference's `nn.GELU()`.
+pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0);
+    x * cdf * 0.5
 }
 
 /// `torch.nn.functional.softplus(x, beta=1, threshold=20)`: `ln(1 + eˣ)`, and `x`
@@ -203,5 +215,38 @@ mod tests {
         let y = norm.forward(Tensor::<TB, 2>::zeros([1, 4], &device));
         y.into_data()
             .assert_approx_eq::<f32>(&TensorData::from([[1.0, 2.0, 3.0, 4.0]]), Tolerance::default());
+    }
+
+    #[test]
+    fn gelu_value_and_gradient_are_the_erf_form() {
+        use burn::backend::Autodiff;
+        type Ad = Autodiff<TB>;
+        let device = Default::default();
+        let xs: Vec<f32> = (0..61).map(|i| -3.0 + i as f32 * 0.1).collect();
+        let x = Tensor::<Ad, 1>::from_floats(xs.as_slice(), &device).require_grad();
+        let y = gelu(x.clone());
+        let values = y.clone().into_data().to_vec::<f32>().unwrap();
+        let grads = x.grad(&y.sum().backward()).unwrap().into_data().to_vec::<f32>().unwrap();
+        for ((x, v), g) in xs.iter().zip(values).zip(grads) {
+            let x = *x as f64;
+            let pdf = (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            let cdf = 0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2));
+            assert!((v as f64 - x * cdf).abs() < 1e-6, "gelu({x})");
+            assert!((g as f64 - (cdf + x * pdf)).abs() < 1e-6, "gelu'({x}) = {g}, want {}", cdf + x * pdf);
+        }
+    }
+
+    /// erf to ~1e-7 (Numerical Recipes' erfc Chebyshev fit), for test oracles.
+    fn erf(x: f64) -> f64 {
+        let t = 1.0 / (1.0 + 0.5 * x.abs());
+        let poly = -x * x - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+        let y = 1.0 - t * poly.exp();
+        if x >= 0.0 { y } else { -y }
     }
 }
