@@ -8,6 +8,7 @@
 //! real ASVs out of `token_limit` slots, so most rows are never computed.
 
 use burn::nn::Embedding;
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::{Distribution, IndexingUpdateOp};
 use serde::{Deserialize, Serialize};
@@ -134,7 +135,7 @@ impl AsvEncoderConfig {
     }
 }
 
-impl<B: Backend> AsvEncoder<B> {
+impl<B: AttentionBackend> AsvEncoder<B> {
     /// # Shapes
     /// - tokens: `[B, S, L]`
     /// - asv_embeddings: `[B, S, D]`; nuc_logits: `[B, S, L, V]`; mask_indices: `[B, S, L]`

@@ -2,8 +2,9 @@
 //!
 //! Every multi-head attention in AAM, at the nucleotide, ASV-set, count, target
 //! and fusion levels, goes through [`attention`]: `(q, k, v, key padding mask) →
-//! context`. The "math" implementation lives here; the fused CubeCL kernel plugs
-//! in behind the same function, chosen per run by [`AttnImplementation`].
+//! context`. The "math" implementation lives here; the fused CubeCL kernel
+//! (`aam-kernels`) plugs in behind the same function, chosen per run by
+//! [`AttnImplementation`] and by whether the backend has it.
 //!
 //! Masked keys contribute exactly zero, and a query row whose keys are *all*
 //! masked gets a zero context (never NaN), whichever implementation runs.
@@ -12,7 +13,11 @@
 //! the same, and a Rust service never sees a NaN.
 
 use burn::module::Param;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use aam_kernels::{fused_attention, AttentionDropout};
 use burn::nn::{Dropout, DropoutConfig};
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
@@ -27,12 +32,41 @@ use crate::nn::{xavier_uniform, Linear, LinearConfig};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum AttnImplementation {
-    /// The best implementation this backend has (the math path until a fused
-    /// kernel is compiled in for it).
+    /// The fused kernel where the backend has one (CubeCL: wgpu, CUDA, ROCm),
+    /// the math path elsewhere.
     #[default]
     Auto,
     /// Plain masked softmax attention from tensor ops; runs on every backend.
     Math,
+    /// The fused kernel; a backend without one is an error at the first call.
+    Fused,
+}
+
+impl AttnImplementation {
+    /// Whether backend `B` runs this choice through the fused kernel.
+    pub fn uses_fused<B: AttentionBackend>(self) -> bool {
+        match self {
+            AttnImplementation::Auto => B::has_fused_attention(),
+            AttnImplementation::Math => false,
+            AttnImplementation::Fused => {
+                assert!(
+                    B::has_fused_attention(),
+                    "--attn-implementation fused: this backend has no fused attention kernel (use auto or math)"
+                );
+                true
+            }
+        }
+    }
+}
+
+/// Seeds of attention dropout on the fused path: one per call, from a
+/// process-wide counter (set it with [`set_attention_dropout_seed`] for
+/// reproducible training), so no device→host read is needed per call.
+static DROPOUT_SEED: AtomicU32 = AtomicU32::new(0x5eed_0001);
+
+/// Sets the counter behind fused-attention dropout masks.
+pub fn set_attention_dropout_seed(seed: u64) {
+    DROPOUT_SEED.store((seed ^ (seed >> 32)) as u32, Ordering::Relaxed);
 }
 
 /// Fill value for masked scores before the softmax. Finite so that a fully
@@ -51,7 +85,7 @@ const MASKED_SCORE: f32 = -65_504.0;
 /// - q: `[N, H, Tq, Dh]`, k / v: `[N, H, Tk, Dh]`
 /// - key_padding_mask: `[N, Tk]`
 /// - context: `[N, H, Tq, Dh]`; weights: `[N, H, Tq, Tk]`
-pub fn attention<B: Backend>(
+pub fn attention<B: AttentionBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -60,11 +94,18 @@ pub fn attention<B: Backend>(
     implementation: AttnImplementation,
     need_weights: bool,
 ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
-    match implementation {
-        AttnImplementation::Auto | AttnImplementation::Math => {
-            math_attention(q, k, v, key_padding_mask, dropout, need_weights)
-        }
+    // The kernel never materialises the weights; callers that need them
+    // (the fusion modules) take the math path.
+    if need_weights || !implementation.uses_fused::<B>() {
+        return math_attention(q, k, v, key_padding_mask, dropout, need_weights);
     }
+    let training = B::ad_enabled(&q.device());
+    let attn_dropout = if training && dropout.prob > 0.0 {
+        AttentionDropout { prob: dropout.prob, seed: DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed) }
+    } else {
+        AttentionDropout::NONE
+    };
+    (fused_attention(q, k, v, key_padding_mask, attn_dropout), None)
 }
 
 /// The reference ("math") path: `softmax(q·kᵀ/√Dh + mask)·v`, with the
@@ -151,7 +192,7 @@ impl MultiheadAttentionConfig {
     }
 }
 
-impl<B: Backend> MultiheadAttention<B> {
+impl<B: AttentionBackend> MultiheadAttention<B> {
     /// Self-attention: one packed projection for q, k and v.
     ///
     /// # Shapes

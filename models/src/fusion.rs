@@ -2,6 +2,7 @@
 //! cross-attention and Perceiver. (Concat and add have no module of their
 //! own; they live in the predictor, §1.8 step 4.)
 
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::activation;
 
@@ -41,7 +42,7 @@ impl GmuConfig {
     }
 }
 
-impl<B: Backend> Gmu<B> {
+impl<B: AttentionBackend> Gmu<B> {
     /// `out = h + z ⊙ tanh(cat_transform(c))`, `z = σ(gate([h ‖ c]))`.
     ///
     /// # Shapes
@@ -96,7 +97,7 @@ impl CrossAttentionFusionConfig {
     }
 }
 
-impl<B: Backend> CrossAttentionFusion<B> {
+impl<B: AttentionBackend> CrossAttentionFusion<B> {
     /// With one key every weight is exactly 1, so every slot receives the same
     /// update (§8 item 10); ported as is.
     ///
@@ -177,7 +178,7 @@ impl PerceiverFusionConfig {
     }
 }
 
-impl<B: Backend> PerceiverFusion<B> {
+impl<B: AttentionBackend> PerceiverFusion<B> {
     /// Padded slots are not masked (as the reference).
     ///
     /// # Shapes

@@ -34,7 +34,8 @@ pub mod sequence_encoder;
 pub mod sequence_predictor;
 pub mod transformer;
 
-pub use attention::AttnImplementation;
+pub use aam_kernels::AttentionBackend;
+pub use attention::{set_attention_dropout_seed, AttnImplementation};
 pub use nn::Activation;
 
 /// Errors of this crate: invalid configurations and weight files.

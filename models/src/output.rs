@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 
 use crate::import::AamModel;
@@ -33,7 +34,7 @@ pub enum OutputTensor<B: Backend> {
     Bool3(Tensor<B, 3, Bool>),
 }
 
-impl<B: Backend> OutputTensor<B> {
+impl<B: AttentionBackend> OutputTensor<B> {
     /// Shape.
     pub fn shape(&self) -> Vec<usize> {
         match self {
@@ -69,7 +70,7 @@ impl<B: Backend> OutputTensor<B> {
     }
 }
 
-impl<B: Backend> AamModel<B> {
+impl<B: AttentionBackend> AamModel<B> {
     /// Runs the model and returns every output it has, named as the
     /// reference's output dict (with `return_sample_embeddings=True`).
     pub fn forward_named(&self, input: ModelInput<B>, return_nucleotides: bool) -> Vec<(&'static str, OutputTensor<B>)> {

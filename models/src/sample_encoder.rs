@@ -1,6 +1,7 @@
 //! §1.6 `SampleSequenceEncoder`: ASV embeddings of one sample → (optional count
 //! embedding) → sample position embedding → the ASV-set transformer.
 
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -107,7 +108,7 @@ impl SampleSequenceEncoderConfig {
     }
 }
 
-impl<B: Backend> SampleSequenceEncoder<B> {
+impl<B: AttentionBackend> SampleSequenceEncoder<B> {
     /// Whether this encoder needs counts.
     pub fn uses_counts(&self) -> bool {
         self.count_embed.is_some() || self.count_film.is_some()

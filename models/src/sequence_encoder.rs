@@ -2,6 +2,7 @@
 //! output goes through one more transformer and attention pooling into one
 //! embedding per sample, followed by a head chosen by `encoder_type`.
 
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
@@ -133,7 +134,7 @@ impl SequenceEncoderConfig {
     }
 }
 
-impl<B: Backend> SequenceEncoder<B> {
+impl<B: AttentionBackend> SequenceEncoder<B> {
     /// # Shapes
     /// - tokens: `[B, S, L]`; counts: `[B, S, 1]`
     /// - see [`SequenceEncoderOutput`]

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use burn::module::{Initializer, Param};
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig};
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
@@ -366,7 +367,7 @@ impl TargetHeadConfig {
     }
 }
 
-impl<B: Backend> TargetHead<B> {
+impl<B: AttentionBackend> TargetHead<B> {
     /// # Shapes
     /// - x: `[B, D]` → `[B, d_output]`
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -475,7 +476,7 @@ pub struct PredictorOutput<B: Backend> {
     pub mask_indices: Option<Tensor<B, 3, Bool>>,
 }
 
-impl<B: Backend> SequencePredictor<B> {
+impl<B: AttentionBackend> SequencePredictor<B> {
     /// # Shapes
     /// - tokens: `[B, S, L]`; counts: `[B, S, 1]`; categorical_ids: column → `[B]`
     /// - see [`PredictorOutput`]

@@ -7,6 +7,7 @@
 //! and keeps separate q/k/v projections.
 
 use burn::nn::{Dropout, DropoutConfig};
+use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
@@ -73,7 +74,7 @@ impl TransformerEncoderLayerConfig {
     }
 }
 
-impl<B: Backend> TransformerEncoderLayer<B> {
+impl<B: AttentionBackend> TransformerEncoderLayer<B> {
     /// # Shapes
     /// - x: `[N, T, D]`, key_padding_mask: `[N, T]` (true = ignore)
     /// - output: `[N, T, D]`
@@ -169,7 +170,7 @@ impl<B: Backend> burn::module::ModuleMapper<B> for FreshParamIds {
     }
 }
 
-impl<B: Backend> TransformerEncoder<B> {
+impl<B: AttentionBackend> TransformerEncoder<B> {
     /// # Shapes
     /// - x: `[N, T, D]`, key_padding_mask: `[N, T]` (true = ignore)
     /// - output: `[N, T, D]` (padded rows are computed, not zeroed)

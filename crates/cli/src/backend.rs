@@ -1,26 +1,255 @@
 //! The backends compiled into this binary, chosen at run time with `--backend`.
+//!
+//! Each backend is a cargo feature of this crate (`ndarray`, `candle`, `wgpu`,
+//! `cuda`, `rocm`, `tch`); a variant of [`BackendKind`] exists only when its
+//! feature is on, so `--backend` offers exactly what was compiled in.
+//! [`with_backend!`](crate::with_backend) turns the choice into a type, and
+//! [`list`] is `aam-rs backends`: what this binary has and which devices each
+//! backend sees, without panicking where a driver or GPU is missing.
 
+use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 
-/// A compute backend.
+#[cfg(not(feature = "ndarray"))]
+compile_error!("aam-cli needs its `ndarray` feature: `convert` runs on it (add GPU backends next to it)");
+
+/// A compute backend (all in float32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
 pub enum BackendKind {
-    /// ndarray on the CPU (f32), the default embedded backend.
+    /// ndarray on the CPU, the default.
+    #[cfg(feature = "ndarray")]
     #[default]
     Ndarray,
+    /// candle on the CPU (burn-candle is deprecated upstream after burn 0.21).
+    #[cfg(feature = "candle")]
+    Candle,
+    /// wgpu (CubeCL, WGSL kernels): Vulkan on Linux/Windows, Metal on macOS.
+    //  `CUBECL_WGPU_DEFAULT_DEVICE` picks another adapter (`DiscreteGpu(1)`, `Cpu`, ...).
+    #[cfg(feature = "wgpu")]
+    Wgpu,
+    /// CUDA (CubeCL), device 0.
+    #[cfg(feature = "cuda")]
+    Cuda,
+    /// ROCm/HIP (CubeCL), device 0.
+    #[cfg(feature = "rocm")]
+    Rocm,
+    /// libtorch on the CPU.
+    #[cfg(feature = "tch")]
+    Tch,
+    /// libtorch on GPU 0 (a CUDA or a ROCm build of libtorch).
+    #[cfg(feature = "tch")]
+    TchGpu,
+}
+
+impl BackendKind {
+    /// Every backend compiled into this binary.
+    pub fn compiled() -> Vec<BackendKind> {
+        BackendKind::value_variants().to_vec()
+    }
+
+    /// The `--backend` spelling.
+    pub fn name(self) -> String {
+        self.to_possible_value().expect("no skipped variants").get_name().to_string()
+    }
+
+    /// The devices this backend can run on here, or why it cannot run.
+    pub fn devices(self) -> Result<Vec<String>> {
+        match self {
+            #[cfg(feature = "ndarray")]
+            BackendKind::Ndarray => Ok(vec![cpu_device()]),
+            #[cfg(feature = "candle")]
+            BackendKind::Candle => Ok(vec![cpu_device()]),
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => wgpu_devices(),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => cuda_devices(),
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => rocm_devices(),
+            #[cfg(feature = "tch")]
+            BackendKind::Tch => Ok(vec![format!("cpu (libtorch, {} threads)", tch::utils::get_num_threads())]),
+            #[cfg(feature = "tch")]
+            BackendKind::TchGpu => tch_gpu_devices(),
+        }
+    }
+
+    /// Fails, naming the cause, where the backend has no device to run on;
+    /// [`with_backend!`](crate::with_backend) calls it before anything is
+    /// built, so a missing driver is an error message, not a panic.
+    pub fn ensure_available(self) -> Result<()> {
+        let devices = self.devices().with_context(|| format!("backend {} cannot run here", self.name()))?;
+        if devices.is_empty() {
+            bail!("backend {} sees no device (run `aam-rs backends`)", self.name());
+        }
+        Ok(())
+    }
 }
 
 /// Runs `$body` with the type alias `$B` bound to the chosen backend and
-/// `$device` to its default device.
+/// `$device` to its default device. `$body` is an `anyhow::Result`; a backend
+/// without a usable device fails with an error before `$body` runs.
 #[macro_export]
 macro_rules! with_backend {
-    ($kind:expr, |$B:ident, $device:ident| $body:expr) => {
-        match $kind {
-            $crate::backend::BackendKind::Ndarray => {
-                type $B = burn::backend::NdArray<f32>;
-                let $device = burn::backend::ndarray::NdArrayDevice::Cpu;
-                $body
-            }
+    ($kind:expr, |$B:ident, $device:ident| $body:expr) => {{
+        let kind: $crate::backend::BackendKind = $kind;
+        match kind.ensure_available() {
+            Err(err) => Err(err),
+            Ok(()) => match kind {
+                #[cfg(feature = "ndarray")]
+                $crate::backend::BackendKind::Ndarray => {
+                    type $B = burn::backend::NdArray<f32>;
+                    let $device = burn::backend::ndarray::NdArrayDevice::Cpu;
+                    $body
+                }
+                #[cfg(feature = "candle")]
+                $crate::backend::BackendKind::Candle => {
+                    #[allow(deprecated)] // burn-candle: deprecated upstream after 0.21, kept while it works
+                    type $B = burn::backend::Candle<f32, i64>;
+                    #[allow(deprecated)]
+                    let $device = burn::backend::candle::CandleDevice::Cpu;
+                    $body
+                }
+                #[cfg(feature = "wgpu")]
+                $crate::backend::BackendKind::Wgpu => {
+                    type $B = burn::backend::Wgpu<f32, i32>;
+                    let $device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+                    $body
+                }
+                #[cfg(feature = "cuda")]
+                $crate::backend::BackendKind::Cuda => {
+                    type $B = burn::backend::Cuda<f32, i32>;
+                    let $device = burn::backend::cuda::CudaDevice::new(0);
+                    $body
+                }
+                #[cfg(feature = "rocm")]
+                $crate::backend::BackendKind::Rocm => {
+                    type $B = burn::backend::Rocm<f32, i32>;
+                    let $device = burn::backend::rocm::RocmDevice::new(0);
+                    $body
+                }
+                #[cfg(feature = "tch")]
+                $crate::backend::BackendKind::Tch => {
+                    type $B = burn::backend::LibTorch<f32>;
+                    let $device = burn::backend::libtorch::LibTorchDevice::Cpu;
+                    $body
+                }
+                #[cfg(feature = "tch")]
+                $crate::backend::BackendKind::TchGpu => {
+                    type $B = burn::backend::LibTorch<f32>;
+                    let $device = burn::backend::libtorch::LibTorchDevice::Cuda(0);
+                    $body
+                }
+            },
         }
-    };
+    }};
+}
+
+/// `aam-rs backends`: one block per compiled backend with the devices it sees.
+pub fn list() -> Result<()> {
+    for kind in BackendKind::compiled() {
+        let help = kind.to_possible_value().and_then(|v| v.get_help().map(ToString::to_string)).unwrap_or_default();
+        println!("{:<9} {help}", kind.name());
+        match kind.devices() {
+            Ok(devices) if devices.is_empty() => println!("          no device found"),
+            Ok(devices) => devices.iter().enumerate().for_each(|(i, d)| println!("          [{i}] {d}")),
+            Err(err) => println!("          unavailable: {err:#}"),
+        }
+    }
+    Ok(())
+}
+
+fn cpu_device() -> String {
+    let threads = std::thread::available_parallelism().map(usize::from).unwrap_or(1);
+    format!("cpu ({threads} hardware threads)")
+}
+
+/// The adapters of the graphics API that `WgpuDevice::DefaultDevice` uses.
+#[cfg(feature = "wgpu")]
+fn wgpu_devices() -> Result<Vec<String>> {
+    use burn::backend::wgpu::graphics::{AutoGraphicsApi, GraphicsApi};
+    let backend = AutoGraphicsApi::backend();
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: backend.into(),
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let adapters = block_on(instance.enumerate_adapters(backend.into()));
+    if adapters.is_empty() {
+        bail!(
+            "no {backend:?} adapter: install a GPU driver with {backend:?} support \
+             (on Linux without a GPU, Mesa's lavapipe: `apt-get install mesa-vulkan-drivers libvulkan1`)"
+        );
+    }
+    Ok(adapters
+        .iter()
+        .map(|a| {
+            let info = a.get_info();
+            format!("{} ({:?}, {:?}, driver {} {})", info.name, info.backend, info.device_type, info.driver, info.driver_info)
+        })
+        .collect())
+}
+
+/// Polls a future that native wgpu resolves without waiting.
+#[cfg(feature = "wgpu")]
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        if let std::task::Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Result<Vec<String>> {
+    use cudarc::driver::CudaContext;
+    // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        bail!("no CUDA driver (libcuda.so not found): install the NVIDIA driver");
+    }
+    let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("CUDA driver: {e:?}"))?;
+    (0..count as usize)
+        .map(|i| {
+            let ctx = CudaContext::new(i).map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            let name = ctx.name().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            let mem = ctx.total_mem().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            Ok(format!("{name} (sm_{major}{minor}, {:.0} GiB)", mem as f64 / (1u64 << 30) as f64))
+        })
+        .collect()
+}
+
+#[cfg(feature = "rocm")]
+fn rocm_devices() -> Result<Vec<String>> {
+    use cubecl_hip_sys as hip;
+    if !hip::is_available() {
+        bail!("no HIP runtime (libamdhip64.so / libhiprtc.so not found): install ROCm or set ROCM_PATH");
+    }
+    let mut count = 0;
+    // SAFETY: the HIP libraries are loaded (checked above); `count` is writable.
+    let status = unsafe { hip::hipGetDeviceCount(&mut count) };
+    if status != hip::hipError_t_hipSuccess {
+        bail!("hipGetDeviceCount failed with HIP error {status}");
+    }
+    (0..count)
+        .map(|i| {
+            let mut name = [0 as std::os::raw::c_char; 256];
+            // SAFETY: `name` holds 256 writable chars and HIP NUL-terminates within `len`.
+            let status = unsafe { hip::hipDeviceGetName(name.as_mut_ptr(), name.len() as i32, i) };
+            if status != hip::hipError_t_hipSuccess {
+                bail!("hipDeviceGetName({i}) failed with HIP error {status}");
+            }
+            // SAFETY: NUL-terminated by HIP (above).
+            Ok(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+        })
+        .collect()
+}
+
+#[cfg(feature = "tch")]
+fn tch_gpu_devices() -> Result<Vec<String>> {
+    if !tch::Cuda::is_available() {
+        bail!("this libtorch sees no GPU (a CPU build of libtorch, or no CUDA/ROCm driver)");
+    }
+    let flavour = if tch::utils::has_hip() { "ROCm" } else { "CUDA" };
+    Ok((0..tch::Cuda::device_count()).map(|i| format!("cuda:{i} (libtorch {flavour})")).collect())
 }

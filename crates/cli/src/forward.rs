@@ -48,7 +48,7 @@ pub fn run(args: ForwardArgs) -> Result<()> {
     crate::with_backend!(args.backend, |B, device| run_on::<B>(&args, &device))
 }
 
-fn run_on<B: Backend>(args: &ForwardArgs, device: &B::Device) -> Result<()> {
+fn run_on<B: aam_models::AttentionBackend>(args: &ForwardArgs, device: &B::Device) -> Result<()> {
     let (config, model) = load_model_dir::<B>(&args.model, device)
         .with_context(|| format!("loading the model from {}", args.model.display()))?;
     let input = read_inputs::<B>(args, &config, device)?;
@@ -75,7 +75,7 @@ fn run_on<B: Backend>(args: &ForwardArgs, device: &B::Device) -> Result<()> {
     Ok(())
 }
 
-fn read_inputs<B: Backend>(args: &ForwardArgs, config: &ModelConfig, device: &B::Device) -> Result<ModelInput<B>> {
+fn read_inputs<B: aam_models::AttentionBackend>(args: &ForwardArgs, config: &ModelConfig, device: &B::Device) -> Result<ModelInput<B>> {
     let base = config.base();
     let tokens = read_int_array(&args.tokens)?;
     let shape = tokens.shape().to_vec();

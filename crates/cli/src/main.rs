@@ -2,8 +2,8 @@
 //!
 //! The only crate that picks a backend, parses arguments and uses `anyhow`.
 //! Subcommands: `convert` (reference PyTorch checkpoint → aam-rs model
-//! directory) and `forward` (run a model on raw token tensors, write every
-//! output to .npz).
+//! directory), `forward` (run a model on raw token tensors, write every
+//! output to .npz) and `backends` (what this binary can run on, here).
 
 mod backend;
 mod convert;
@@ -27,6 +27,8 @@ enum Command {
     Convert(convert::ConvertArgs),
     /// Run a model in eval mode on token tensors and write every output as .npz.
     Forward(forward::ForwardArgs),
+    /// List the backends compiled into this binary and the devices each one sees.
+    Backends,
 }
 
 fn main() -> ExitCode {
@@ -41,6 +43,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Convert(args) => convert::run(args),
         Command::Forward(args) => forward::run(args),
+        Command::Backends => backend::list(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

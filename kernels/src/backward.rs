@@ -1,0 +1,95 @@
+//! [`AttentionBackend`] for `Autodiff<B>`: the fused forward saves its inputs
+//! and row statistics, and the backward runs the dQ and dK/dV kernels, so a
+//! training step never materialises the `[T, T]` attention matrix.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
+use burn::backend::Autodiff;
+use burn::tensor::ops::{BoolTensor, FloatTensor};
+
+use crate::{AttentionBackend, AttentionDropout};
+
+#[derive(Debug)]
+struct FusedAttentionBackward;
+
+type State<B> = (
+    NodeId,
+    NodeId,
+    NodeId,
+    Option<BoolTensor<B>>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    f64,
+    AttentionDropout,
+);
+
+impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
+    type State = State<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let (q_state, k_state, v_state, mask, out, lse, scale, dropout) = ops.state;
+        let q: FloatTensor<B> = checkpointer.retrieve_node_output(q_state);
+        let k: FloatTensor<B> = checkpointer.retrieve_node_output(k_state);
+        let v: FloatTensor<B> = checkpointer.retrieve_node_output(v_state);
+        let (dq, dk, dv) = B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout);
+        if let Some(node) = node_q {
+            grads.register::<B>(node.id, dq);
+        }
+        if let Some(node) = node_k {
+            grads.register::<B>(node.id, dk);
+        }
+        if let Some(node) = node_v {
+            grads.register::<B>(node.id, dv);
+        }
+    }
+}
+
+impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
+    fn has_fused_attention() -> bool {
+        B::has_fused_attention()
+    }
+
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        match FusedAttentionBackward
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let q_state = prep.checkpoint(&q);
+                let k_state = prep.checkpoint(&k);
+                let v_state = prep.checkpoint(&v);
+                let (out, lse) = B::fused_attention_forward(
+                    q.primitive,
+                    k.primitive,
+                    v.primitive,
+                    key_padding_mask.clone(),
+                    scale,
+                    dropout,
+                );
+                let state = (q_state, k_state, v_state, key_padding_mask, out.clone(), lse, scale, dropout);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_masked_attention(
+                q.primitive,
+                k.primitive,
+                v.primitive,
+                key_padding_mask,
+                scale,
+                dropout,
+            )),
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! # aam-kernels: one fused masked-attention kernel, written once in CubeCL
+//!
+//! Job: multi-head attention `softmax(q·kᵀ·scale + mask)·v` with a per-sequence
+//! key padding mask, forward and backward, as a Burn backend extension. It knows
+//! nothing of AAM: it takes `[N, H, T, Dh]` tensors and an `[N, Tk]` mask, and
+//! depends on no `aam-*` crate.
+//!
+//! Why it exists: AAM attention is almost always masked (ASVs padded to 151
+//! tokens, samples padded to 1024 ASV slots), and the PyTorch reference's fast
+//! path (`mem_efficient` SDPA) was silently wrong with a padding mask on ROCm.
+//! This kernel is flash-style (tiled over keys, online softmax, O(T) memory),
+//! **skips key tiles that are entirely padding** (a sample with 200 real ASVs
+//! out of 1024 slots costs ~200 keys), gives a defined zero output for query
+//! rows whose keys are all masked (never NaN), and applies attention dropout
+//! from a counter-based hash so the backward pass regenerates the same mask
+//! without storing it.
+//!
+//! Layout (after Burn's custom-kernel example):
+//! - `lib.rs`: the [`AttentionBackend`] extension trait and the public
+//!   [`fused_attention`] / [`reference_attention`] pair (the plain-tensor
+//!   reference is the test oracle).
+//! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV).
+//! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
+//! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
+//!
+//! Backends without a kernel (ndarray, candle, libtorch) implement the trait
+//! with `has_fused_attention() == false`; callers then run their math path.
+
+use burn::prelude::*;
+use burn::tensor::activation;
+use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::TensorPrimitive;
+
+mod backward;
+#[cfg(feature = "cubecl")]
+mod forward;
+#[cfg(feature = "cubecl")]
+mod kernel;
+
+/// Attention dropout settings for one call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDropout {
+    /// Probability of dropping an attention probability (0 = off).
+    pub prob: f64,
+    /// Seed of the counter-based mask; the same seed gives the same mask.
+    pub seed: u32,
+}
+
+impl AttentionDropout {
+    /// No dropout.
+    pub const NONE: AttentionDropout = AttentionDropout { prob: 0.0, seed: 0 };
+}
+
+/// A Burn backend that may run masked attention as one fused kernel.
+pub trait AttentionBackend: Backend {
+    /// Whether [`AttentionBackend::fused_masked_attention`] runs a kernel here.
+    fn has_fused_attention() -> bool {
+        false
+    }
+
+    /// Fused masked attention.
+    ///
+    /// # Shapes
+    /// - q: `[N, H, Tq, Dh]`, k / v: `[N, H, Tk, Dh]`, Dh ≤ 128
+    /// - key_padding_mask: `[N, Tk]`, `true` = ignore this key
+    /// - output: `[N, H, Tq, Dh]`; rows whose keys are all masked are 0
+    ///
+    /// # Panics
+    /// When [`AttentionBackend::has_fused_attention`] is false.
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let _ = (q, k, v, key_padding_mask, scale, dropout);
+        panic!("this backend has no fused attention kernel; use the math path")
+    }
+
+    /// The forward kernel with its saved statistics: `(output, lse)`, where
+    /// `lse [N, H, Tq]` (f32) is each row's log-sum-exp of scaled scores.
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = (q, k, v, key_padding_mask, scale, dropout);
+        panic!("this backend has no fused attention kernel; use the math path")
+    }
+
+    /// The backward kernels: `(dq, dk, dv)` from the forward's inputs, output
+    /// and `lse`, and the output gradient `dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = (q, k, v, key_padding_mask, out, lse, dout, scale, dropout);
+        panic!("this backend has no fused attention kernel; use the math path")
+    }
+}
+
+/// Runs the fused kernel on tensors.
+///
+/// # Shapes
+/// as [`AttentionBackend::fused_masked_attention`].
+pub fn fused_attention<B: AttentionBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    key_padding_mask: Option<Tensor<B, 2, Bool>>,
+    dropout: AttentionDropout,
+) -> Tensor<B, 4> {
+    let scale = (q.dims()[3] as f64).sqrt().recip();
+    Tensor::from_primitive(TensorPrimitive::Float(B::fused_masked_attention(
+        q.into_primitive().tensor(),
+        k.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+        key_padding_mask.map(|m| m.into_primitive()),
+        scale,
+        dropout,
+    )))
+}
+
+/// The plain-tensor reference (no dropout): masked keys get zero weight and an
+/// all-masked row gets zero output. The oracle of the parity tests.
+pub fn reference_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    key_padding_mask: Option<Tensor<B, 2, Bool>>,
+) -> Tensor<B, 4> {
+    let [n, _h, _tq, head_dim] = q.dims();
+    let tk = k.dims()[2];
+    let scores = q.matmul(k.swap_dims(2, 3)) * (head_dim as f64).sqrt().recip();
+    let probs = match key_padding_mask {
+        Some(mask) => {
+            let mask = mask.reshape([n, 1, 1, tk]);
+            let shape = scores.dims();
+            let scores = scores.mask_fill(mask.clone().expand(shape), -65_504.0);
+            activation::softmax(scores, 3) * mask.bool_not().float()
+        }
+        None => activation::softmax(scores, 3),
+    };
+    probs.matmul(v)
+}
+
+#[cfg(feature = "ndarray")]
+impl AttentionBackend for burn::backend::NdArray<f32> {}
+#[cfg(feature = "ndarray")]
+impl AttentionBackend for burn::backend::NdArray<f64> {}
+
+#[cfg(feature = "candle")]
+impl<F, I> AttentionBackend for burn::backend::Candle<F, I>
+where
+    burn::backend::Candle<F, I>: Backend,
+    F: burn::backend::candle::FloatCandleElement,
+    I: burn::backend::candle::IntCandleElement,
+{
+}
+
+#[cfg(feature = "tch")]
+impl<E> AttentionBackend for burn::backend::LibTorch<E> where burn::backend::LibTorch<E>: Backend {}
