@@ -1,0 +1,137 @@
+//! Masked attention at AAM's two shapes: the fused CubeCL kernel against the
+//! math path (plain tensor ops) on the same backend, in the same run; the
+//! PyTorch reference is measured by `pt_attention.py` in the same device call.
+//!
+//! Shapes (as `shared/bench/pt_reference_bench.py`):
+//! - ASV level: `2048 × 4 heads × 151 × 32`, 400 of 2048 sequences 100 long;
+//! - sample level: `8 × 4 × 1024 × 32`, valid slots 120/250/80/400/300/150/500/200.
+//!
+//! Prints one JSON object per measurement: median ms over `ITERS` runs after
+//! `WARMUP`, for forward and forward+backward, f32 and bf16, and the relative
+//! error of the fused output against the f32 math path.
+
+use std::time::Instant;
+
+use aam_kernels::{fused_attention, reference_attention, AttentionBackend, AttentionDropout};
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::{bf16, Distribution};
+
+const WARMUP: usize = 5;
+const ITERS: usize = 30;
+/// Device-to-device copy bandwidth measured on the H100 here (bytes read + written per second).
+const HBM_BYTES_PER_S: f64 = 3.0e12;
+
+struct Shape {
+    name: &'static str,
+    n: usize,
+    h: usize,
+    t: usize,
+    dh: usize,
+    lengths: Vec<usize>,
+}
+
+fn shapes() -> Vec<Shape> {
+    // 400 of 2048 ASV rows are 100 long (deterministic positions).
+    let asv = (0..2048).map(|i| if (i * 7919) % 2048 < 400 { 100 } else { 151 }).collect();
+    vec![
+        Shape { name: "asv[2048x4x151x32]", n: 2048, h: 4, t: 151, dh: 32, lengths: asv },
+        Shape { name: "sample[8x4x1024x32]", n: 8, h: 4, t: 1024, dh: 32, lengths: vec![120, 250, 80, 400, 300, 150, 500, 200] },
+    ]
+}
+
+fn mask<B: Backend>(s: &Shape, device: &B::Device) -> Tensor<B, 2, Bool> {
+    let values: Vec<bool> = s.lengths.iter().flat_map(|&len| (0..s.t).map(move |j| j >= len)).collect();
+    Tensor::from_data(TensorData::new(values, [s.n, s.t]), device)
+}
+
+fn median_ms<F: FnMut()>(mut step: F, sync: &dyn Fn()) -> f64 {
+    for _ in 0..WARMUP {
+        step();
+    }
+    sync();
+    let mut times: Vec<f64> = (0..ITERS)
+        .map(|_| {
+            let start = Instant::now();
+            step();
+            sync();
+            start.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    times[ITERS / 2]
+}
+
+fn inputs<B: Backend>(s: &Shape, device: &B::Device) -> [Tensor<B, 4>; 4] {
+    core::array::from_fn(|_| Tensor::random([s.n, s.h, s.t, s.dh], Distribution::Normal(0.0, 1.0), device))
+}
+
+fn report(shape: &Shape, dtype: &str, pass: &str, path: &str, ms: f64, extra: serde_json::Value) {
+    let elem = if dtype == "f32" { 4.0 } else { 2.0 };
+    let tensors = if pass == "forward" { 4.0 } else { 10.0 }; // q,k,v,o (+ dO, dq, dk, dv, o, lse≈)
+    let bytes = tensors * (shape.n * shape.h * shape.t * shape.dh) as f64 * elem;
+    let mut row = serde_json::json!({
+        "shape": shape.name, "dtype": dtype, "pass": pass, "path": path, "ms": ms,
+        "bandwidth_floor_ms": bytes / HBM_BYTES_PER_S * 1e3,
+    });
+    if let (Some(obj), serde_json::Value::Object(more)) = (row.as_object_mut(), extra) {
+        obj.extend(more);
+    }
+    println!("{row}");
+}
+
+fn bench<B: AttentionBackend>(dtype: &str, device: &B::Device)
+where
+    Autodiff<B>: AttentionBackend,
+{
+    assert!(B::has_fused_attention(), "this backend has no fused kernel");
+    let sync = || B::sync(device).unwrap();
+    for shape in shapes() {
+        let [q, k, v, w] = inputs::<B>(&shape, device);
+        let m = mask::<B>(&shape, device);
+        // accuracy of the fused output against the math path (f32 math for reference)
+        let fused = fused_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()), AttentionDropout::NONE);
+        let math = reference_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()));
+        let diff = (fused.clone().cast(burn::tensor::DType::F32) - math.clone().cast(burn::tensor::DType::F32)).abs().max().into_scalar().elem::<f64>();
+        let scale = math.cast(burn::tensor::DType::F32).abs().max().into_scalar().elem::<f64>();
+        let rel = serde_json::json!({"rel_err_vs_math": diff / scale});
+        let ms = median_ms(|| { let _ = fused_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()), AttentionDropout::NONE); }, &sync);
+        report(&shape, dtype, "forward", "fused", ms, rel);
+        let ms = median_ms(|| { let _ = reference_attention(q.clone(), k.clone(), v.clone(), Some(m.clone())); }, &sync);
+        report(&shape, dtype, "forward", "math", ms, serde_json::json!({}));
+
+        let [qa, ka, va, wa] = [q, k, v, w].map(|t| Tensor::<Autodiff<B>, 4>::from_inner(t));
+        let ma = Tensor::<Autodiff<B>, 2, Bool>::from_inner(m);
+        let step = |fused: bool| {
+            let (q, k, v) = (qa.clone().require_grad(), ka.clone().require_grad(), va.clone().require_grad());
+            let out = if fused {
+                fused_attention(q.clone(), k.clone(), v.clone(), Some(ma.clone()), AttentionDropout::NONE)
+            } else {
+                reference_attention(q.clone(), k.clone(), v.clone(), Some(ma.clone()))
+            };
+            let grads = (out * wa.clone()).sum().backward();
+            let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
+        };
+        let ms = median_ms(|| step(true), &sync);
+        report(&shape, dtype, "forward+backward", "fused", ms, serde_json::json!({}));
+        let ms = median_ms(|| step(false), &sync);
+        report(&shape, dtype, "forward+backward", "math", ms, serde_json::json!({}));
+    }
+}
+
+fn main() {
+    #[cfg(feature = "cuda")]
+    {
+        use burn::backend::Cuda;
+        let device = burn::backend::cuda::CudaDevice::default();
+        bench::<Cuda<f32>>("f32", &device);
+        bench::<Cuda<bf16>>("bf16", &device);
+    }
+    #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+    {
+        use burn::backend::Wgpu;
+        let device = burn::backend::wgpu::WgpuDevice::default();
+        bench::<Wgpu<f32>>("f32", &device);
+    }
+    let _ = bf16::from_f32(0.0);
+}
