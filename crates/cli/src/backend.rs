@@ -76,11 +76,21 @@ impl BackendKind {
     /// [`with_backend!`](crate::with_backend) calls it before anything is
     /// built, so a missing driver is an error message, not a panic.
     pub fn ensure_available(self) -> Result<()> {
-        let devices = self.devices().with_context(|| format!("backend {} cannot run here", self.name()))?;
-        if devices.is_empty() {
+        let count = self.device_count().with_context(|| format!("backend {} cannot run here", self.name()))?;
+        if count == 0 {
             bail!("backend {} sees no device (run `aam-rs backends`)", self.name());
         }
         Ok(())
+    }
+
+    /// How many devices the backend sees, without opening any.
+    fn device_count(self) -> Result<usize> {
+        // Naming a CUDA device creates a context on it; counting does not.
+        #[cfg(feature = "cuda")]
+        if self == BackendKind::Cuda {
+            return cuda_count();
+        }
+        self.devices().map(|d| d.len())
     }
 }
 
@@ -201,14 +211,19 @@ fn block_on<F: std::future::Future>(future: F) -> F::Output {
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_devices() -> Result<Vec<String>> {
-    use cudarc::driver::CudaContext;
+fn cuda_count() -> Result<usize> {
     // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         bail!("no CUDA driver (libcuda.so not found): install the NVIDIA driver");
     }
-    let count = CudaContext::device_count().map_err(|e| anyhow::anyhow!("CUDA driver: {e:?}"))?;
-    (0..count as usize)
+    let count = cudarc::driver::CudaContext::device_count().map_err(|e| anyhow::anyhow!("CUDA driver: {e:?}"))?;
+    Ok(count as usize)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_devices() -> Result<Vec<String>> {
+    use cudarc::driver::CudaContext;
+    (0..cuda_count()?)
         .map(|i| {
             let ctx = CudaContext::new(i).map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
             let name = ctx.name().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
