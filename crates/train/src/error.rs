@@ -1,0 +1,80 @@
+//! The training crate's error type: every variant names the file, field or
+//! value at fault.
+
+use std::path::PathBuf;
+
+/// Errors of `aam-train`.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// A configuration value is out of range or inconsistent.
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument {
+        /// The option at fault (CLI flag spelling without dashes).
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Two tensors that must agree in shape do not.
+    #[error("shape mismatch in {what}: {left:?} vs {right:?}")]
+    Shape {
+        /// Which comparison.
+        what: String,
+        /// First shape.
+        left: Vec<usize>,
+        /// Second shape.
+        right: Vec<usize>,
+    },
+    /// A loss became NaN or infinite.
+    #[error("the {what} is not finite ({value}) at epoch {epoch}, step {step}: lower --lr, set --max-grad-norm, or check the inputs")]
+    NonFinite {
+        /// Which quantity.
+        what: String,
+        /// Its value.
+        value: f64,
+        /// Epoch (0-based).
+        epoch: usize,
+        /// Optimiser step.
+        step: u64,
+    },
+    /// A checkpoint cannot be read or does not fit.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The data pipeline failed.
+    #[error(transparent)]
+    Data(#[from] aam_data::Error),
+    /// Building or loading the model failed.
+    #[error(transparent)]
+    Model(#[from] aam_models::ModelError),
+    /// Importing or saving weights failed.
+    #[error(transparent)]
+    Import(#[from] aam_models::import::ImportError),
+}
+
+/// `Result` with [`TrainError`].
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;
+
+impl TrainError {
+    /// An I/O error on `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io { path: path.into(), source }
+    }
+
+    /// An invalid-argument error.
+    pub fn arg(field: &str, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument { field: field.into(), reason: reason.into() }
+    }
+}

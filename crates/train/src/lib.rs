@@ -1,0 +1,37 @@
+//! `aam-train`: everything between a batch and a trained checkpoint.
+//!
+//! **Job.** The reference's losses and metrics (§3: [`loss`], [`metrics`]),
+//! optimisers and learning-rate schedules (§4.1–4.2: [`optim`],
+//! [`schedule`]), checkpoints ([`checkpoint`]) and the epoch loop with
+//! validation, early stopping and logs (§4.3–4.4: [`run::fit`]), generic
+//! over any Burn autodiff backend that implements the attention extension.
+//!
+//! **Design choices to defend.**
+//! - *Parameters are named by their torch state-dict key everywhere*: in
+//!   checkpoints, in the optimiser state, in gradient buffers. A checkpoint
+//!   is one safetensors file that any tool can read, the reference's names
+//!   line up one to one, and resuming never depends on Burn's run-local
+//!   parameter ids. This is why the optimisers are written here rather than
+//!   taken from burn-optim (see [`optim`]).
+//! - *Randomness is a function of counters*: batch order of `(seed, epoch)`,
+//!   dropout and masking of `(seed, micro-step)`. Resuming from a checkpoint
+//!   reproduces the uninterrupted run exactly on the CPU.
+//! - *Where the reference is wrong, this crate is not* (reference §8): the
+//!   warm-up schedule, classification targets, count-embedding validation,
+//!   predictions in original units. Each deviation is marked `DEVIATION` or
+//!   described in the module that makes it.
+//!
+//! The crate never prints; it reports through [`run::Observer`] and
+//! `tracing`.
+
+#![deny(missing_docs)]
+
+pub mod checkpoint;
+mod error;
+pub mod loss;
+pub mod metrics;
+pub mod optim;
+pub mod run;
+pub mod schedule;
+
+pub use error::{Result, TrainError};

@@ -1,0 +1,705 @@
+//! Reference §4.3–4.4: the epoch loop. One function, [`fit`], for `pretrain`
+//! (a [`SequenceEncoder`](aam_models::sequence_encoder::SequenceEncoder)) and
+//! `train` (a [`SequencePredictor`](aam_models::sequence_predictor::SequencePredictor)).
+//!
+//! **Determinism.** Every random draw of a forward pass (dropout, nucleotide
+//! masking, attention dropout) comes from a stream seeded by
+//! `(seed, micro_step)`, and batch order from `(seed, epoch)`; a checkpoint
+//! stores the counters, so a resumed run repeats the uninterrupted one.
+//!
+//! **Outputs** under the output directory: `checkpoints/last.safetensors`
+//! (every epoch), `checkpoints/best.safetensors` (on improvement),
+//! `metrics.csv` (one row per epoch), `val_predictions.tsv` (train, best
+//! epoch, original units). All are written atomically.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use aam_data::{AsvSampling, Batch, BatchConfig, BatchLoader, Dataset};
+use aam_models::import::{write_atomic, AamModel, ModelConfig};
+use aam_models::output::ModelInput;
+use aam_models::sequence_predictor::TargetPrediction;
+use aam_models::{set_attention_dropout_seed, AttentionBackend};
+use burn::module::AutodiffModule;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochRecord, Progress, FORMAT_VERSION};
+use crate::error::{Result, TrainError};
+use crate::loss::{nucleotide_accuracy, pairwise_tanh_distances, LossConfig, LossParts, LossTargets, Predictions, Target};
+use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
+use crate::optim::{GradientBuffer, Optimizer, OptimizerConfig};
+use crate::schedule::{Scheduler, SchedulerConfig};
+
+/// Self-supervised pre-training or supervised training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    /// `aam-rs pretrain`.
+    Pretrain,
+    /// `aam-rs train`.
+    Train,
+}
+
+/// The metric that selects the best epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BestMetric {
+    /// Validation total loss (lower is better).
+    #[default]
+    ValLoss,
+    /// R² (higher).
+    R2,
+    /// MAE (lower).
+    Mae,
+    /// Accuracy (higher).
+    Accuracy,
+    /// Weighted F1 (higher).
+    F1,
+}
+
+impl BestMetric {
+    /// The key in the validation results.
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::ValLoss => "total_loss",
+            Self::R2 => "r2",
+            Self::Mae => "mae",
+            Self::Accuracy => "accuracy",
+            Self::F1 => "f1",
+        }
+    }
+
+    fn higher_is_better(self) -> bool {
+        matches!(self, Self::R2 | Self::Accuracy | Self::F1)
+    }
+}
+
+/// The run's hyper-parameters (everything but the model and the data).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    /// Pretrain or train.
+    pub task: Task,
+    /// Maximum epochs.
+    pub epochs: usize,
+    /// Samples per batch (even).
+    pub batch_size: usize,
+    /// Batches per optimiser step.
+    pub gradient_accumulation_steps: usize,
+    /// Global gradient-norm clipping threshold.
+    pub max_grad_norm: Option<f64>,
+    /// Learning rate of the categorical modules (default: the base lr).
+    pub categorical_lr: Option<f64>,
+    /// Optimiser.
+    pub optimizer: OptimizerConfig,
+    /// Learning-rate schedule (`total_steps` is filled in by [`fit`]).
+    pub scheduler: SchedulerConfig,
+    /// Loss weights and kinds.
+    pub loss: LossConfig,
+    /// Early-stopping patience in epochs.
+    pub patience: usize,
+    /// The metric that selects the best epoch.
+    pub best_metric: BestMetric,
+    /// Seed of the split, batch order, dropout and masking.
+    pub seed: u64,
+    /// ASV slots per sample.
+    pub token_limit: usize,
+    /// Which ASVs fill the slots when a sample has more.
+    pub asv_sampling: AsvSampling,
+    /// Batch-building threads.
+    pub workers: usize,
+}
+
+impl RunConfig {
+    /// Checks ranges, naming the flag at fault.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |f: &str, r: String| Err(TrainError::arg(f, r));
+        if self.epochs == 0 {
+            return bad("epochs", "must be ≥ 1".into());
+        }
+        if self.batch_size < 2 || self.batch_size % 2 == 1 {
+            return bad("batch-size", format!("must be even and ≥ 2 (UniFrac pairs), got {}", self.batch_size));
+        }
+        if self.gradient_accumulation_steps == 0 {
+            return bad("gradient-accumulation-steps", "must be ≥ 1".into());
+        }
+        if !(self.scheduler.lr > 0.0 && self.scheduler.lr.is_finite()) {
+            return bad("lr", format!("must be > 0, got {}", self.scheduler.lr));
+        }
+        if let Some(n) = self.max_grad_norm {
+            if !(n > 0.0) {
+                return bad("max-grad-norm", format!("must be > 0, got {n}"));
+            }
+        }
+        if self.token_limit == 0 {
+            return bad("token-limit", "must be ≥ 1".into());
+        }
+        self.loss.validate()
+    }
+}
+
+/// The samples of a run.
+#[derive(Clone, Debug)]
+pub struct TrainData {
+    /// All samples.
+    pub dataset: Arc<Dataset>,
+    /// Training positions.
+    pub train: Vec<usize>,
+    /// Validation positions (may be empty).
+    pub validation: Vec<usize>,
+    /// Transforms and provenance, stored in checkpoints.
+    pub info: DataInfo,
+}
+
+/// Progress of one batch, for a progress bar.
+#[derive(Clone, Debug)]
+pub struct BatchStatus {
+    /// Epoch (0-based) and total.
+    pub epoch: usize,
+    /// Maximum epochs.
+    pub epochs: usize,
+    /// Batch (1-based) within the epoch.
+    pub batch: usize,
+    /// Batches per epoch.
+    pub batches: usize,
+    /// This batch's total loss.
+    pub loss: f64,
+    /// Learning rate of the last step.
+    pub lr: f64,
+    /// Training samples per second in this epoch so far.
+    pub samples_per_sec: f64,
+}
+
+/// Receives progress; the CLI draws bars and logs from it.
+pub trait Observer {
+    /// After each training batch.
+    fn batch(&mut self, _status: &BatchStatus) {}
+    /// When validation starts (with its batch count).
+    fn validating(&mut self, _batches: usize) {}
+    /// After each epoch.
+    fn epoch(&mut self, _record: &EpochRecord, _improved: bool) {}
+    /// Checked after each epoch: true stops the run there (as an interruption
+    /// would; the checkpoint of that epoch is complete).
+    fn should_stop(&mut self) -> bool {
+        false
+    }
+}
+
+/// An observer that does nothing.
+pub struct Silent;
+impl Observer for Silent {}
+
+/// What [`fit`] leaves behind.
+#[derive(Clone, Debug)]
+pub struct FitSummary {
+    /// Every completed epoch.
+    pub history: Vec<EpochRecord>,
+    /// Best epoch.
+    pub best: Option<Best>,
+    /// `checkpoints/best.safetensors`.
+    pub best_checkpoint: PathBuf,
+    /// `checkpoints/last.safetensors`.
+    pub last_checkpoint: PathBuf,
+    /// Whether early stopping ended the run.
+    pub stopped_early: bool,
+}
+
+/// File names inside the output directory.
+pub mod files {
+    /// Checkpoint of the last completed epoch.
+    pub const LAST: &str = "checkpoints/last.safetensors";
+    /// Checkpoint of the best epoch.
+    pub const BEST: &str = "checkpoints/best.safetensors";
+    /// Per-epoch metrics.
+    pub const METRICS: &str = "metrics.csv";
+    /// Validation predictions of the best epoch.
+    pub const VAL_PREDICTIONS: &str = "val_predictions.tsv";
+}
+
+/// A model run on a batch: the forward pass in training or eval mode
+/// (decided by the backend: Autodiff trains).
+pub fn predict_batch<B: AttentionBackend>(
+    model: &AamModel<B>,
+    input: ModelInput<B>,
+    return_nucleotides: bool,
+) -> Predictions<B> {
+    match model {
+        AamModel::SequenceEncoder(m) => m.forward(input.tokens, input.counts, return_nucleotides).into(),
+        AamModel::SequencePredictor(m) => m
+            .forward(input.tokens, input.counts, input.categorical_ids.as_ref(), return_nucleotides)
+            .into(),
+    }
+}
+
+/// Tensors of a batch: the model input and the loss targets.
+pub fn batch_tensors<B: Backend>(batch: &Batch, device: &B::Device, classifier: bool) -> (ModelInput<B>, LossTargets<B>) {
+    let b = batch.batch_size();
+    let tokens = Tensor::<B, 3, Int>::from_data(TensorData::new(batch.tokens.clone(), batch.tokens_shape()), device);
+    let counts = Tensor::<B, 3>::from_data(TensorData::new(batch.counts.clone(), batch.counts_shape()), device);
+    let base = batch
+        .unifrac
+        .as_ref()
+        .map(|u| Tensor::<B, 2>::from_data(TensorData::new(u.clone(), batch.unifrac_shape()), device));
+    let target = batch.targets.as_ref().map(|t| {
+        if classifier {
+            let classes: Vec<i64> = t.iter().map(|&c| c as i64).collect();
+            Target::Classes(Tensor::from_data(TensorData::new(classes, [b]), device))
+        } else {
+            Target::Regression(Tensor::from_data(TensorData::new(t.clone(), batch.targets_shape()), device))
+        }
+    });
+    let categorical_ids = (!batch.categorical_ids.is_empty()).then(|| {
+        batch
+            .categorical_ids
+            .iter()
+            .map(|(col, ids)| (col.clone(), Tensor::<B, 1, Int>::from_data(TensorData::new(ids.clone(), [b]), device)))
+            .collect::<BTreeMap<_, _>>()
+    });
+    let input = ModelInput { tokens: tokens.clone(), counts: Some(counts.clone()), categorical_ids };
+    let targets = LossTargets { tokens, base, counts: Some(counts), target, sample_weights: None };
+    (input, targets)
+}
+
+fn scalar<B: Backend>(t: &Tensor<B, 1>) -> f64 {
+    t.clone().into_scalar().elem::<f64>()
+}
+
+/// A 64-bit mix (splitmix64) so neighbouring counters give unrelated seeds.
+fn mix(seed: u64, counter: u64) -> u64 {
+    let mut z = seed ^ counter.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Whether a torch key belongs to the categorical parameter group (§4.1).
+pub fn is_categorical_param(key: &str) -> bool {
+    ["categorical_embedder", "categorical_projection", "gmu", "output_scales", "cross_attn_fusion"]
+        .iter()
+        .any(|m| key.starts_with(&format!("{m}.")) || key.contains(&format!(".{m}.")))
+}
+
+fn loss_values<B: Backend>(parts: &LossParts<B>, means: &mut Means) -> f64 {
+    let total = scalar(&parts.total);
+    means.add("total_loss", total);
+    for (name, part) in
+        [("unifrac_loss", &parts.unifrac), ("nuc_loss", &parts.nuc), ("count_loss", &parts.count), ("target_loss", &parts.target)]
+    {
+        if let Some(p) = part {
+            means.add(name, scalar(p));
+        }
+    }
+    total
+}
+
+/// Trains `model` (fresh, or restored from `resume`) and writes checkpoints
+/// and logs under `out_dir`.
+#[allow(clippy::too_many_arguments)]
+pub fn fit<AB>(
+    device: &AB::Device,
+    model_config: ModelConfig,
+    mut model: AamModel<AB>,
+    mut run: RunConfig,
+    data: TrainData,
+    out_dir: &Path,
+    resume: Option<&Checkpoint>,
+    observer: &mut dyn Observer,
+) -> Result<FitSummary>
+where
+    AB: AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    run.validate()?;
+    let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
+    let mut train_cfg = BatchConfig::train(run.batch_size, run.token_limit, run.seed);
+    train_cfg.asv_sampling = run.asv_sampling;
+    train_cfg.workers = run.workers.max(1);
+    train_cfg.prefetch = 2 * train_cfg.workers;
+    let transforms = Arc::new(data.info.transforms.clone());
+    let train_loader = BatchLoader::new(data.dataset.clone(), data.train.clone(), transforms.clone(), train_cfg.clone())?;
+    let val_loader = if data.validation.is_empty() {
+        None
+    } else {
+        let cfg = BatchConfig { shuffle: false, drop_last: false, require_even: false, ..train_cfg.clone() };
+        Some(BatchLoader::new(data.dataset.clone(), data.validation.clone(), transforms, cfg)?)
+    };
+    let batches = train_loader.num_batches();
+    let accum = run.gradient_accumulation_steps;
+    run.scheduler.total_steps = (batches.div_ceil(accum) * run.epochs) as u64;
+
+    let name = |path: &str| model_config.torch_key(path);
+    let base_lr = run.scheduler.lr;
+    let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone());
+    let (mut scheduler, mut progress) = match resume {
+        Some(ckpt) => {
+            if ckpt.meta.data.train_ids != data.info.train_ids || ckpt.meta.data.validation_ids != data.info.validation_ids {
+                return Err(TrainError::Checkpoint {
+                    path: ckpt.path.clone(),
+                    reason: "its train/validation samples differ from this run's (same table, matrix, seed and --test-size are needed to resume)".into(),
+                });
+            }
+            let mut tensors = ckpt.optimizer.clone();
+            optimizer.load_state(&mut tensors, &ckpt.meta.optimizer_steps, device)?;
+            (ckpt.meta.scheduler.clone(), ckpt.meta.progress.clone())
+        }
+        None => (
+            Scheduler::new(run.scheduler.clone()),
+            Progress { epochs_done: 0, global_step: 0, micro_step: 0, best: None, bad_epochs: 0, history: Vec::new() },
+        ),
+    };
+    let return_nucleotides = run.loss.nuc_penalty > 0.0;
+    let out = |rel: &str| out_dir.join(rel);
+    let mut stopped_early = false;
+
+    for epoch in progress.epochs_done..run.epochs {
+        let started = Instant::now();
+        let mut means = Means::default();
+        let mut buffer = GradientBuffer::<AB::InnerBackend>::default();
+        let mut pending = 0usize;
+        let mut seen = 0usize;
+        let mut last_lr = scheduler.lr();
+        for (k, batch) in train_loader.epoch(epoch as u64).enumerate() {
+            let batch = batch?;
+            let stream = mix(run.seed, progress.micro_step);
+            AB::seed(device, stream);
+            set_attention_dropout_seed(stream);
+            progress.micro_step += 1;
+            let (input, targets) = batch_tensors::<AB>(&batch, device, classifier);
+            let predictions = predict_batch(&model, input, return_nucleotides);
+            let parts = run.loss.forward(&predictions, &targets)?;
+            if let Some(logits) = &predictions.nuc_logits {
+                let (hits, n) = nucleotide_accuracy(logits.clone().detach(), targets.tokens.clone(), predictions.mask_indices.clone());
+                let n = scalar(&n);
+                if n > 0.0 {
+                    means.add("nuc_accuracy", scalar(&hits) / n);
+                }
+            }
+            let total = loss_values(&parts, &mut means);
+            if !total.is_finite() {
+                return Err(TrainError::NonFinite { what: "training loss".into(), value: total, epoch, step: progress.global_step });
+            }
+            let grads = parts.total.backward();
+            buffer.accumulate(GradientBuffer::collect_model(&model, &grads, &name, 1.0 / accum as f64));
+            pending += 1;
+            seen += batch.batch_size();
+            if pending == accum || k + 1 == batches {
+                if let Some(max_norm) = run.max_grad_norm {
+                    means.add("grad_norm", buffer.clip_global_norm(max_norm));
+                }
+                last_lr = scheduler.lr();
+                let factor = last_lr / base_lr;
+                let group_lr = |key: &str| match run.categorical_lr {
+                    Some(c) if is_categorical_param(key) => c * factor,
+                    _ => last_lr,
+                };
+                model = step_model(&mut optimizer, model, std::mem::take(&mut buffer), &name, &group_lr, scheduler.beta1());
+                scheduler.step();
+                progress.global_step += 1;
+                pending = 0;
+            }
+            observer.batch(&BatchStatus {
+                epoch,
+                epochs: run.epochs,
+                batch: k + 1,
+                batches,
+                loss: total,
+                lr: last_lr,
+                samples_per_sec: seen as f64 / started.elapsed().as_secs_f64().max(1e-9),
+            });
+        }
+        let train_seconds = started.elapsed().as_secs_f64();
+        let train_means = means.finish();
+
+        // Validation (eval mode: the inner backend has no autodiff).
+        let (validation, val_rows) = match &val_loader {
+            Some(loader) => {
+                observer.validating(loader.num_batches());
+                let eval_model = valid(&model);
+                validate(&eval_model, loader, &run, &data, classifier, device)?
+            }
+            None => (BTreeMap::new(), Vec::new()),
+        };
+        let monitored = if validation.is_empty() {
+            // Without validation the training loss decides (as the reference).
+            train_means.get("total_loss").copied().unwrap_or(f64::NAN)
+        } else {
+            validation.get(run.best_metric.key()).copied().unwrap_or(f64::NAN)
+        };
+        scheduler.epoch_end(validation.get("total_loss").or(train_means.get("total_loss")).copied().unwrap_or(f64::NAN));
+        let improved = monitored.is_finite()
+            && progress.best.as_ref().is_none_or(|b| {
+                if run.best_metric.higher_is_better() {
+                    monitored > b.value
+                } else {
+                    monitored < b.value
+                }
+            });
+        if improved {
+            progress.best = Some(Best { metric: run.best_metric.key().to_string(), value: monitored, epoch });
+            progress.bad_epochs = 0;
+        } else {
+            progress.bad_epochs += 1;
+        }
+        let record = EpochRecord {
+            epoch,
+            step: progress.global_step,
+            lr: last_lr,
+            train: train_means,
+            validation,
+            samples_per_sec: seen as f64 / train_seconds.max(1e-9),
+            seconds: started.elapsed().as_secs_f64(),
+        };
+        progress.history.push(record.clone());
+        progress.epochs_done = epoch + 1;
+
+        let (optim_tensors, optimizer_steps) = optimizer.state_tensors();
+        let meta = CheckpointMeta {
+            format: FORMAT_VERSION,
+            producer: format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
+            model: model_config.clone(),
+            run: run.clone(),
+            data: data.info.clone(),
+            progress: progress.clone(),
+            scheduler: scheduler.clone(),
+            optimizer_steps,
+        };
+        write_checkpoint(&out(files::LAST), &meta, &model, optim_tensors.clone())?;
+        if improved {
+            write_checkpoint(&out(files::BEST), &meta, &model, optim_tensors)?;
+            if !val_rows.is_empty() {
+                write_predictions(&out(files::VAL_PREDICTIONS), &val_rows)?;
+            }
+        }
+        write_metrics_csv(&out(files::METRICS), &progress.history)?;
+        observer.epoch(&record, improved);
+        if progress.bad_epochs >= run.patience.max(1) {
+            tracing::info!("early stopping: no improvement of {} for {} epochs", run.best_metric.key(), progress.bad_epochs);
+            stopped_early = true;
+            break;
+        }
+        if observer.should_stop() {
+            break;
+        }
+    }
+    Ok(FitSummary {
+        history: progress.history,
+        best: progress.best,
+        best_checkpoint: out(files::BEST),
+        last_checkpoint: out(files::LAST),
+        stopped_early,
+    })
+}
+
+fn step_model<AB: AutodiffBackend>(
+    optimizer: &mut Optimizer<AB::InnerBackend>,
+    model: AamModel<AB>,
+    grads: GradientBuffer<AB::InnerBackend>,
+    name: &dyn Fn(&str) -> String,
+    lr: &dyn Fn(&str) -> f64,
+    beta1: Option<f64>,
+) -> AamModel<AB> {
+    match model {
+        AamModel::SequenceEncoder(m) => AamModel::SequenceEncoder(optimizer.step::<AB, _>(m, grads, name, lr, beta1)),
+        AamModel::SequencePredictor(m) => AamModel::SequencePredictor(optimizer.step::<AB, _>(m, grads, name, lr, beta1)),
+    }
+}
+
+impl<B: Backend> GradientBuffer<B> {
+    fn collect_model<AB: AutodiffBackend<InnerBackend = B>>(model: &AamModel<AB>, grads: &AB::Gradients, name: &dyn Fn(&str) -> String, scale: f64) -> Self {
+        match model {
+            AamModel::SequenceEncoder(m) => Self::collect(m, grads, name, scale),
+            AamModel::SequencePredictor(m) => Self::collect(m, grads, name, scale),
+        }
+    }
+}
+
+/// The eval-mode copy of a model (no autodiff, so no dropout or masking).
+pub fn valid<AB: AutodiffBackend>(model: &AamModel<AB>) -> AamModel<AB::InnerBackend> {
+    match model {
+        AamModel::SequenceEncoder(m) => AamModel::SequenceEncoder(m.valid()),
+        AamModel::SequencePredictor(m) => AamModel::SequencePredictor(m.valid()),
+    }
+}
+
+/// One validation row: sample, prediction(s) and actual value, in original units.
+type PredictionRow = (String, Vec<String>, String);
+
+/// Validation losses and metrics (§3.6), and the predictions for the TSV.
+fn validate<B: AttentionBackend>(
+    model: &AamModel<B>,
+    loader: &BatchLoader,
+    run: &RunConfig,
+    data: &TrainData,
+    classifier: bool,
+    device: &B::Device,
+) -> Result<(BTreeMap<String, f64>, Vec<PredictionRow>)> {
+    let mut means = Means::default();
+    let mut pairs = RegressionMetrics::default();
+    let mut targets_metrics = RegressionMetrics::default();
+    let mut classes = ClassificationMetrics::default();
+    let (mut nuc_hits, mut nuc_total) = (0.0, 0.0);
+    let mut rows = Vec::new();
+    let return_nucleotides = run.loss.nuc_penalty > 0.0;
+    for batch in loader.epoch(0) {
+        let batch = batch?;
+        let (input, targets) = batch_tensors::<B>(&batch, device, classifier);
+        let predictions = predict_batch(model, input, return_nucleotides);
+        let parts = run.loss.forward(&predictions, &targets)?;
+        loss_values(&parts, &mut means);
+        if let Some(logits) = &predictions.nuc_logits {
+            let (hits, n) = nucleotide_accuracy(logits.clone(), targets.tokens.clone(), None);
+            nuc_hits += scalar(&hits);
+            nuc_total += scalar(&n);
+        }
+        if let (Some(e), Some(t)) = (&predictions.embeddings, &targets.base) {
+            let b = batch.batch_size();
+            let p = pairwise_tanh_distances(e.clone()).into_data().to_vec::<f32>().expect("f32");
+            let t = t.clone().into_data().to_vec::<f32>().expect("f32");
+            let (mut pp, mut tt) = (Vec::new(), Vec::new());
+            for i in 0..b {
+                for j in i + 1..b {
+                    pp.push(p[i * b + j] as f64);
+                    tt.push(t[i * b + j] as f64);
+                }
+            }
+            if run.task == Task::Pretrain {
+                pairs.update(&pp, &tt);
+            }
+        }
+        if let Some(pred) = &predictions.target {
+            target_rows(pred, &batch, data, classifier, &mut targets_metrics, &mut classes, &mut rows);
+        }
+    }
+    let mut out = means.finish();
+    if nuc_total > 0.0 {
+        out.insert("nuc_accuracy".into(), nuc_hits / nuc_total);
+    }
+    let regression = if run.task == Task::Pretrain { &pairs } else { &targets_metrics };
+    if regression.count() > 0 {
+        out.insert("mae".into(), regression.mae());
+        out.insert("mse".into(), regression.mse());
+        out.insert("r2".into(), regression.r2());
+    }
+    if classifier {
+        out.insert("accuracy".into(), classes.accuracy());
+        out.insert("f1".into(), classes.f1());
+    }
+    Ok((out, rows))
+}
+
+/// Denormalised predictions of one batch, into the metrics and TSV rows.
+fn target_rows<B: Backend>(
+    pred: &TargetPrediction<B>,
+    batch: &Batch,
+    data: &TrainData,
+    classifier: bool,
+    metrics: &mut RegressionMetrics,
+    classes: &mut ClassificationMetrics,
+    rows: &mut Vec<PredictionRow>,
+) {
+    let b = batch.batch_size();
+    // Point predictions [B, out]; quantile models report the middle quantile.
+    let (values, width) = match pred {
+        TargetPrediction::Point(p) => {
+            let [_, out] = p.dims();
+            (p.clone().into_data().convert::<f32>().to_vec::<f32>().expect("f32"), out)
+        }
+        TargetPrediction::Quantiles(p) => {
+            let [_, out, q] = p.dims();
+            let mid = p.clone().narrow(2, q / 2, 1).reshape([b, out]);
+            (mid.into_data().convert::<f32>().to_vec::<f32>().expect("f32"), out)
+        }
+    };
+    let raw = data.dataset.targets();
+    for (i, &pos) in batch.positions.iter().enumerate() {
+        let row = &values[i * width..(i + 1) * width];
+        let id = batch.sample_ids[i].clone();
+        if classifier {
+            let predicted = row
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map_or(0, |(c, _)| c);
+            let truth = batch.targets.as_ref().map_or(0, |t| t[i] as usize);
+            classes.update(truth, predicted);
+            let label = |c: usize| {
+                data.info.class_labels.as_ref().and_then(|l| l.get(c).cloned()).unwrap_or_else(|| c.to_string())
+            };
+            rows.push((id, vec![label(predicted)], label(truth)));
+        } else {
+            let key = category_key(data, pos);
+            let denorm: Vec<f64> = row
+                .iter()
+                .map(|&x| match &data.info.transforms.target {
+                    Some(n) => n.denormalize(x as f64, key.as_deref()),
+                    None => x as f64,
+                })
+                .collect();
+            let actual = raw.map_or(f64::NAN, |r| r[pos]);
+            metrics.update(&denorm[..1], &[actual]);
+            rows.push((id, denorm.iter().map(|v| format!("{v}")).collect(), format!("{actual}")));
+        }
+    }
+}
+
+/// The per-category normalisation key of a sample (None without one).
+pub fn category_key(data: &TrainData, pos: usize) -> Option<String> {
+    let norm = data.info.transforms.target.as_ref()?;
+    let cat = norm.category.as_ref()?;
+    let (meta, rows) = data.dataset.metadata()?;
+    let cols: Vec<usize> = cat.columns.iter().filter_map(|c| meta.column(c).ok()).collect();
+    rows[pos].map(|r| meta.category_key(r, &cols))
+}
+
+fn write_predictions(path: &Path, rows: &[PredictionRow]) -> Result<()> {
+    let width = rows.first().map_or(1, |r| r.1.len());
+    let mut text = String::from("sample_id\t");
+    if width == 1 {
+        text.push_str("prediction");
+    } else {
+        text.push_str(&(0..width).map(|k| format!("prediction_{k}")).collect::<Vec<_>>().join("\t"));
+    }
+    text.push_str("\tactual\n");
+    for (id, pred, actual) in rows {
+        text.push_str(&format!("{id}\t{}\t{actual}\n", pred.join("\t")));
+    }
+    write_atomic(path, text.as_bytes())?;
+    Ok(())
+}
+
+/// `metrics.csv`: epoch, step, lr, samples/s, seconds, `train_<k>`, `val_<k>`.
+fn write_metrics_csv(path: &Path, history: &[EpochRecord]) -> Result<()> {
+    let mut train_keys: Vec<&String> = history.iter().flat_map(|r| r.train.keys()).collect();
+    train_keys.sort();
+    train_keys.dedup();
+    let mut val_keys: Vec<&String> = history.iter().flat_map(|r| r.validation.keys()).collect();
+    val_keys.sort();
+    val_keys.dedup();
+    let mut text = String::from("epoch,step,lr,samples_per_sec,seconds");
+    for k in &train_keys {
+        text.push_str(&format!(",train_{k}"));
+    }
+    for k in &val_keys {
+        text.push_str(&format!(",val_{k}"));
+    }
+    text.push('\n');
+    let cell = |v: Option<&f64>| v.map_or(String::new(), |v| format!("{v}"));
+    for r in history {
+        text.push_str(&format!("{},{},{},{},{}", r.epoch, r.step, r.lr, r.samples_per_sec, r.seconds));
+        for k in &train_keys {
+            text.push_str(&format!(",{}", cell(r.train.get(*k))));
+        }
+        for k in &val_keys {
+            text.push_str(&format!(",{}", cell(r.validation.get(*k))));
+        }
+        text.push('\n');
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+    }
+    write_atomic(path, text.as_bytes())?;
+    Ok(())
+}
