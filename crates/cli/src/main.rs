@@ -1,13 +1,19 @@
 //! `aam-rs`: the command line of aam-rs.
 //!
 //! The only crate that picks a backend, parses arguments and uses `anyhow`.
-//! Subcommands: `convert` (reference PyTorch checkpoint → aam-rs model
-//! directory), `forward` (run a model on raw token tensors, write every
-//! output to .npz) and `backends` (what this binary can run on, here).
+//! Subcommands: `pretrain` and `train` (training, in `aam-train`),
+//! `predict` (a trained checkpoint + a table → TSV), `convert` (reference
+//! PyTorch checkpoint → aam-rs model directory), `forward` (run a model on
+//! raw token tensors, write every output to .npz) and `backends` (what this
+//! binary can run on, here).
 
 mod backend;
 mod convert;
 mod forward;
+mod plot;
+mod predict;
+mod progress;
+mod train;
 
 use std::process::ExitCode;
 
@@ -23,6 +29,12 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Pre-train the base model on UniFrac distances and masked nucleotides.
+    Pretrain(train::PretrainArgs),
+    /// Train a predictor of a metadata column (optionally from a pre-trained encoder).
+    Train(train::TrainArgs),
+    /// Predict a table's samples with a trained checkpoint; writes a TSV.
+    Predict(predict::PredictArgs),
     /// Convert a reference PyTorch checkpoint into an aam-rs model directory.
     Convert(convert::ConvertArgs),
     /// Run a model in eval mode on token tensors and write every output as .npz.
@@ -37,10 +49,14 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("AAM_LOG").unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Pretrain(args) => train::pretrain(args),
+        Command::Train(args) => train::train(args),
+        Command::Predict(args) => predict::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Forward(args) => forward::run(args),
         Command::Backends => backend::list(),

@@ -1,0 +1,76 @@
+//! Progress bars (indicatif) and per-epoch log lines for training.
+
+use aam_train::checkpoint::EpochRecord;
+use aam_train::run::{BatchStatus, Observer};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// Draws one bar per epoch on stderr (hidden when stderr is not a terminal)
+/// and logs a summary line per epoch.
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    epochs: usize,
+}
+
+impl Progress {
+    /// For a run of at most `epochs` epochs.
+    pub fn new(epochs: usize) -> Self {
+        Self { bar: None, epochs }
+    }
+
+    fn bar(&mut self, len: usize, prefix: String) -> &ProgressBar {
+        let bar = self.bar.get_or_insert_with(|| {
+            let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}<{eta})")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+            bar
+        });
+        bar.set_prefix(prefix);
+        bar
+    }
+
+    /// Clears the bar.
+    pub fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+impl Observer for Progress {
+    fn batch(&mut self, s: &BatchStatus) {
+        let prefix = format!("epoch {}/{}", s.epoch + 1, self.epochs);
+        let bar = self.bar(s.batches, prefix);
+        bar.set_length(s.batches as u64);
+        bar.set_position(s.batch as u64);
+        bar.set_message(format!("loss {:.4} lr {:.2e} {:.1} samples/s", s.loss, s.lr, s.samples_per_sec));
+    }
+
+    fn validating(&mut self, batches: usize) {
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!("validating ({batches} batches)"));
+        }
+    }
+
+    fn epoch(&mut self, r: &EpochRecord, improved: bool) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        let fmt = |m: &std::collections::BTreeMap<String, f64>| {
+            m.iter().map(|(k, v)| format!("{k} {v:.4}")).collect::<Vec<_>>().join(", ")
+        };
+        tracing::info!(
+            "epoch {}/{}: train [{}] val [{}] lr {:.2e}, {:.1} samples/s, {:.1}s{}",
+            r.epoch + 1,
+            self.epochs,
+            fmt(&r.train),
+            fmt(&r.validation),
+            r.lr,
+            r.samples_per_sec,
+            r.seconds,
+            if improved { " (best)" } else { "" }
+        );
+    }
+}

@@ -1,0 +1,679 @@
+//! `aam-rs pretrain` and `aam-rs train`: flags (reference §5.1, §5.2), data
+//! preparation, model construction, and the hand-off to [`aam_train::run::fit`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use aam_data::{AsvSampling, BiomTable, Dataset, DistanceMatrix, MatrixIds, Metadata, MissingPolicy, TargetTransform, Transforms};
+use aam_models::asv_encoder::{AsvEncoderConfig, MaskStrategy};
+use aam_models::import::{AamModel, ModelConfig};
+use aam_models::sample_encoder::{CountEmbeddingMethod, SampleSequenceEncoderConfig};
+use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
+use aam_models::sequence_predictor::{CategoricalFusion, OutputActivation, SequencePredictorConfig};
+use aam_models::categorical::CategoricalEmbedDim;
+use aam_models::{AttentionBackend, AttnImplementation};
+use aam_train::checkpoint::{read_checkpoint, Checkpoint, DataInfo};
+use aam_train::loss::{BaseLoss, LossConfig, TargetLossKind};
+use aam_train::optim::{OptimizerConfig, OptimizerKind};
+use aam_train::run::{fit, BestMetric, RunConfig, Task, TrainData};
+use aam_train::schedule::{SchedulerConfig, SchedulerKind};
+use anyhow::{bail, ensure, Context, Result};
+use burn::backend::Autodiff;
+use clap::Args;
+use serde::de::DeserializeOwned;
+
+use crate::backend::BackendKind;
+use crate::progress::Progress;
+
+/// Parses a value by its serde (snake/kebab-case) spelling.
+fn serde_value<T: DeserializeOwned>(s: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
+}
+
+/// Inputs and their preparation (both commands).
+#[derive(Args, Debug, Clone)]
+pub struct DataArgs {
+    /// BIOM table (HDF5 2.x or JSON 1.0); observation IDs are the ASV sequences.
+    #[arg(long, value_name = "BIOM")]
+    pub table: PathBuf,
+    /// UniFrac distances (.h5 from ssu, .npy/.npz with a sample-ID sidecar, .csv/.tsv).
+    #[arg(long, value_name = "FILE")]
+    pub unifrac_matrix: PathBuf,
+    /// Reads per sample after rarefaction (samples with fewer are dropped, with a warning).
+    #[arg(long, default_value_t = 5000)]
+    pub rarefy_depth: u64,
+    /// Fraction of samples held out for validation.
+    #[arg(long, default_value_t = 0.2)]
+    pub test_size: f64,
+    /// Bases kept per ASV.
+    #[arg(long, default_value_t = 150)]
+    pub max_bp: usize,
+    /// ASV slots per sample.
+    #[arg(long, default_value_t = 1024)]
+    pub token_limit: usize,
+    /// Which ASVs fill the slots of a sample with more: first, abundance or random.
+    #[arg(long, default_value = "first", value_parser = serde_value::<AsvSampling>)]
+    pub asv_sampling: AsvSampling,
+    /// Drop (with a warning listing them) table samples absent from the matrix
+    /// or metadata, instead of stopping.
+    #[arg(long)]
+    pub drop_missing: bool,
+}
+
+/// Architecture flags shared by both commands.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model width D.
+    #[arg(long, default_value_t = 128)]
+    pub embedding_dim: usize,
+    /// Attention heads of every transformer stack.
+    #[arg(long, default_value_t = 4)]
+    pub attention_heads: usize,
+    /// Layers of every transformer stack.
+    #[arg(long, default_value_t = 4)]
+    pub attention_layers: usize,
+    /// Dropout of every transformer stack.
+    #[arg(long, default_value_t = 0.1)]
+    pub dropout: f64,
+    /// Feed per-ASV read counts into the sample encoder.
+    #[arg(long)]
+    pub count_embedding: bool,
+    /// How counts enter: add, concat or film.
+    #[arg(long, default_value = "add", value_parser = serde_value::<CountEmbeddingMethod>)]
+    pub count_embedding_method: CountEmbeddingMethod,
+    /// Fraction of nucleotides masked for the nucleotide loss (0 disables).
+    #[arg(long, default_value_t = 0.15)]
+    pub nuc_mask_ratio: f64,
+    /// Masking strategy: random or span.
+    #[arg(long, default_value = "random", value_parser = serde_value::<MaskStrategy>)]
+    pub nuc_mask_strategy: MaskStrategy,
+    /// ASVs per chunk through the ASV encoder (0: all at once); bounds activation memory.
+    #[arg(long, default_value_t = 256)]
+    pub asv_chunk_size: usize,
+    /// Attention implementation: math, fused (the CubeCL kernel) or auto.
+    #[arg(long, default_value = "auto", value_parser = serde_value::<AttnImplementation>)]
+    pub attn_implementation: AttnImplementation,
+}
+
+/// Optimisation flags shared by both commands.
+#[derive(Args, Debug, Clone)]
+pub struct OptimArgs {
+    /// Maximum epochs.
+    #[arg(long, default_value_t = 100)]
+    pub epochs: usize,
+    /// Samples per batch (even: the UniFrac loss compares pairs).
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Batches per optimiser step.
+    #[arg(long, default_value_t = 1)]
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    /// Weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// adamw, adam or sgd.
+    #[arg(long, default_value = "adamw", value_parser = serde_value::<OptimizerKind>)]
+    pub optimizer: OptimizerKind,
+    /// warmup_cosine, cosine, cosine_restarts, plateau, onecycle or none.
+    #[arg(long, default_value = "warmup_cosine", value_parser = serde_value::<SchedulerKind>)]
+    pub scheduler: SchedulerKind,
+    /// Warm-up steps of warmup_cosine (clamped, with a warning, when ≥ the run).
+    #[arg(long, default_value_t = 10000)]
+    pub warmup_steps: u64,
+    /// cosine_restarts: first period in steps (default: a quarter of the run).
+    #[arg(long)]
+    pub scheduler_t0: Option<u64>,
+    /// cosine_restarts: period multiplier (default 2).
+    #[arg(long)]
+    pub scheduler_t_mult: Option<u64>,
+    /// cosine schedules: floor (default 0).
+    #[arg(long)]
+    pub scheduler_eta_min: Option<f64>,
+    /// plateau: epochs without improvement before a reduction (default 5).
+    #[arg(long)]
+    pub scheduler_patience: Option<u64>,
+    /// plateau: reduction factor (default 0.3).
+    #[arg(long)]
+    pub scheduler_factor: Option<f64>,
+    /// plateau: floor (default 0).
+    #[arg(long)]
+    pub scheduler_min_lr: Option<f64>,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    pub max_grad_norm: Option<f64>,
+    /// Early stopping: epochs without improvement.
+    #[arg(long, default_value_t = 10)]
+    pub patience: usize,
+    /// Seed of rarefaction, split, batch order, dropout and masking.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Batch-building threads.
+    #[arg(long, default_value_t = 4)]
+    pub num_workers: usize,
+}
+
+/// Where to run and write.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Output directory (checkpoints/, metrics.csv, plots, sample lists).
+    #[arg(long, value_name = "DIR")]
+    pub output_dir: PathBuf,
+    /// Continue the run of this checkpoint (its configuration is used; data
+    /// must be the same).
+    #[arg(long, value_name = "CHECKPOINT")]
+    pub resume_from: Option<PathBuf>,
+    /// Compute backend (`aam-rs backends` lists those compiled in).
+    #[arg(long, value_enum, default_value_t = BackendKind::default())]
+    pub backend: BackendKind,
+}
+
+/// `aam-rs pretrain`: self-supervised pre-training of the base model on
+/// UniFrac distances and masked nucleotides.
+#[derive(Args, Debug)]
+pub struct PretrainArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    optim: OptimArgs,
+    #[command(flatten)]
+    run: RunArgs,
+    /// Weight of the UniFrac loss.
+    #[arg(long, default_value_t = 1.0)]
+    penalty: f64,
+    /// Weight of the nucleotide loss.
+    #[arg(long, default_value_t = 1.0)]
+    nuc_penalty: f64,
+}
+
+/// `aam-rs train`: supervised training on a metadata column, optionally
+/// from a pre-trained encoder.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    optim: OptimArgs,
+    #[command(flatten)]
+    run: RunArgs,
+    /// Metadata TSV (a `sample_id` or `#SampleID` column).
+    #[arg(long, value_name = "TSV")]
+    metadata: PathBuf,
+    /// The column to predict.
+    #[arg(long)]
+    metadata_column: String,
+    /// Classify the column's (string) labels instead of regressing a number.
+    #[arg(long)]
+    classifier: bool,
+    /// Target transform: none, minmax, zscore, zscore-category, log-minmax, log-zscore.
+    #[arg(long, default_value = "minmax", value_parser = serde_value::<TargetTransform>)]
+    target_transform: TargetTransform,
+    /// Columns whose value combination keys zscore-category statistics (comma list).
+    #[arg(long, value_delimiter = ',')]
+    normalize_by: Vec<String>,
+    /// Regression loss: mse, mae, huber, quantile or asymmetric.
+    #[arg(long, default_value = "huber", value_parser = serde_value::<TargetLossKind>)]
+    loss_type: TargetLossKind,
+    /// Quantile levels for the quantile loss (comma list; default 0.1,0.5,0.9).
+    #[arg(long, value_delimiter = ',')]
+    quantiles: Vec<f64>,
+    /// Asymmetric loss: weight of over-prediction.
+    #[arg(long, default_value_t = 1.0)]
+    over_penalty: f64,
+    /// Asymmetric loss: weight of under-prediction.
+    #[arg(long, default_value_t = 1.0)]
+    under_penalty: f64,
+    /// Class weights for the classifier's NLL (comma list, one per label in sorted order).
+    #[arg(long, value_delimiter = ',')]
+    class_weights: Vec<f64>,
+    /// Weight of the target loss.
+    #[arg(long, default_value_t = 1.0)]
+    target_penalty: f64,
+    /// Weight of the UniFrac loss.
+    #[arg(long, default_value_t = 1.0)]
+    penalty: f64,
+    /// Weight of the nucleotide loss (forced to 0 with --freeze-base).
+    #[arg(long, default_value_t = 1.0)]
+    nuc_penalty: f64,
+    /// Weight of the count loss.
+    #[arg(long, default_value_t = 1.0)]
+    count_penalty: f64,
+    /// Build no count head (and no count loss).
+    #[arg(long)]
+    no_count_prediction: bool,
+    /// Initialise the base model from a `pretrain` checkpoint (its architecture wins over the flags).
+    #[arg(long, value_name = "CHECKPOINT")]
+    pretrained_encoder: Option<PathBuf>,
+    /// Train only the heads: the base model's weights stay fixed.
+    #[arg(long)]
+    freeze_base: bool,
+    /// Metadata columns embedded as categorical inputs (comma list).
+    #[arg(long, value_delimiter = ',')]
+    categorical_columns: Vec<String>,
+    /// Width of each categorical embedding.
+    #[arg(long, default_value_t = 16)]
+    categorical_embed_dim: usize,
+    /// concat, add, gmu, cross-attention or perceiver.
+    #[arg(long, default_value = "concat", value_parser = serde_value::<CategoricalFusion>)]
+    categorical_fusion: CategoricalFusion,
+    /// Learning rate of the categorical modules (default: --lr).
+    #[arg(long)]
+    categorical_lr: Option<f64>,
+    /// none, relu, softplus or exp.
+    #[arg(long, default_value = "none", value_parser = serde_value::<OutputActivation>)]
+    output_activation: OutputActivation,
+    /// Sigmoid output (targets in [0, 1]; on by default with log-minmax).
+    #[arg(long)]
+    bounded_targets: bool,
+    /// Trainable output scale and bias.
+    #[arg(long)]
+    learnable_output_scale: bool,
+    /// No LayerNorm before the regression head.
+    #[arg(long)]
+    no_target_layer_norm: bool,
+    /// Hidden widths of an MLP head (comma list, e.g. 64,32).
+    #[arg(long, value_delimiter = ',')]
+    regressor_hidden_dims: Vec<usize>,
+    /// Dropout of the MLP head.
+    #[arg(long, default_value_t = 0.0)]
+    regressor_dropout: f64,
+    /// Add a linear skip to the MLP head.
+    #[arg(long)]
+    residual_regression_head: bool,
+    /// Epoch selection: val_loss, r2, mae, accuracy or f1.
+    #[arg(long, default_value = "val_loss", value_parser = serde_value::<BestMetric>)]
+    best_metric: BestMetric,
+}
+
+fn base_config(m: &ModelArgs, d: &DataArgs, encoder_type: EncoderType) -> Result<SequenceEncoderConfig> {
+    ensure!(m.embedding_dim > 0 && m.embedding_dim % m.attention_heads.max(1) == 0,
+        "--embedding-dim {} must be a positive multiple of --attention-heads {}", m.embedding_dim, m.attention_heads);
+    ensure!((0.0..1.0).contains(&m.dropout), "--dropout must lie in [0, 1), got {}", m.dropout);
+    ensure!((0.0..1.0).contains(&m.nuc_mask_ratio), "--nuc-mask-ratio must lie in [0, 1), got {}", m.nuc_mask_ratio);
+    let asv = AsvEncoderConfig::new()
+        .with_embedding_dim(m.embedding_dim)
+        .with_max_bp(d.max_bp)
+        .with_num_layers(m.attention_layers)
+        .with_num_heads(m.attention_heads)
+        .with_dropout(m.dropout)
+        .with_predict_nucleotides(true)
+        .with_asv_chunk_size((m.asv_chunk_size > 0).then_some(m.asv_chunk_size))
+        .with_attn_implementation(m.attn_implementation)
+        .with_mask_ratio(m.nuc_mask_ratio)
+        .with_mask_strategy(m.nuc_mask_strategy);
+    let sample = SampleSequenceEncoderConfig::new(asv)
+        .with_token_limit(d.token_limit)
+        .with_sample_num_layers(m.attention_layers)
+        .with_sample_num_heads(m.attention_heads)
+        .with_sample_dropout(m.dropout)
+        .with_count_embedding(m.count_embedding)
+        .with_count_embedding_method(m.count_embedding_method);
+    Ok(SequenceEncoderConfig::new(sample)
+        .with_encoder_num_layers(m.attention_layers)
+        .with_encoder_num_heads(m.attention_heads)
+        .with_encoder_dropout(m.dropout)
+        .with_encoder_type(encoder_type))
+}
+
+fn run_config(task: Task, o: &OptimArgs, d: &DataArgs, loss: LossConfig, categorical_lr: Option<f64>, best_metric: BestMetric) -> RunConfig {
+    RunConfig {
+        task,
+        epochs: o.epochs,
+        batch_size: o.batch_size,
+        gradient_accumulation_steps: o.gradient_accumulation_steps,
+        max_grad_norm: o.max_grad_norm,
+        categorical_lr,
+        optimizer: OptimizerConfig { kind: o.optimizer, weight_decay: o.weight_decay, ..Default::default() },
+        scheduler: SchedulerConfig {
+            kind: o.scheduler,
+            lr: o.lr,
+            total_steps: 0,
+            warmup_steps: o.warmup_steps,
+            t0: o.scheduler_t0,
+            t_mult: o.scheduler_t_mult,
+            eta_min: o.scheduler_eta_min,
+            patience: o.scheduler_patience,
+            factor: o.scheduler_factor,
+            min_lr: o.scheduler_min_lr,
+        },
+        loss,
+        patience: o.patience,
+        best_metric,
+        seed: o.seed,
+        token_limit: d.token_limit,
+        asv_sampling: d.asv_sampling,
+        workers: o.num_workers.max(1),
+    }
+}
+
+/// The table, rarefied, and the dataset joined with the matrix (and metadata).
+struct Prepared {
+    dataset: Arc<Dataset>,
+    train: Vec<usize>,
+    validation: Vec<usize>,
+    sources: BTreeMap<String, String>,
+}
+
+fn prepare(d: &DataArgs, seed: u64, metadata: Option<(&Path, &str)>) -> Result<Prepared> {
+    ensure!((0.0..1.0).contains(&d.test_size), "--test-size must lie in [0, 1), got {}", d.test_size);
+    let table = BiomTable::read(&d.table).with_context(|| format!("reading --table {}", d.table.display()))?;
+    let rarefied = table.rarefy(d.rarefy_depth, seed).with_context(|| format!("rarefying {} to --rarefy-depth {}", d.table.display(), d.rarefy_depth))?;
+    if !rarefied.dropped.is_empty() {
+        tracing::warn!(
+            "{} sample(s) have fewer than {} reads and were dropped by rarefaction: {}",
+            rarefied.dropped.len(),
+            d.rarefy_depth,
+            aam_data::IdList::new(&rarefied.dropped)
+        );
+    }
+    let matrix = DistanceMatrix::read(&d.unifrac_matrix, &MatrixIds::Auto)
+        .with_context(|| format!("reading --unifrac-matrix {}", d.unifrac_matrix.display()))?;
+    let policy = if d.drop_missing { MissingPolicy::Drop } else { MissingPolicy::Error };
+    let mut builder = Dataset::builder(&rarefied.table).max_bp(d.max_bp).unifrac(Arc::new(matrix), policy);
+    let mut sources = BTreeMap::from([
+        ("table".to_string(), d.table.display().to_string()),
+        ("unifrac_matrix".to_string(), d.unifrac_matrix.display().to_string()),
+    ]);
+    if let Some((path, column)) = metadata {
+        let meta = Metadata::read(path).with_context(|| format!("reading --metadata {}", path.display()))?;
+        builder = builder.metadata(Arc::new(meta)).target(column, policy);
+        sources.insert("metadata".into(), path.display().to_string());
+    }
+    let dataset = builder.build().context("matching the table, the UniFrac matrix and the metadata by sample ID")?;
+    let split = dataset.split(d.test_size, seed)?;
+    tracing::info!(
+        "{} samples ({} train, {} validation), {} ASVs",
+        dataset.len(),
+        split.train.len(),
+        split.validation.len(),
+        dataset.asv_ids().len()
+    );
+    Ok(Prepared { dataset: Arc::new(dataset), train: split.train, validation: split.validation, sources })
+}
+
+fn info(p: &Prepared, d: &DataArgs, transforms: Transforms, class_labels: Option<Vec<String>>, target: Option<String>) -> DataInfo {
+    let ids = |pos: &[usize]| pos.iter().map(|&s| p.dataset.sample_ids()[s].clone()).collect();
+    DataInfo {
+        transforms,
+        class_labels,
+        max_bp: d.max_bp,
+        target_column: target,
+        rarefy_depth: Some(d.rarefy_depth as usize),
+        sources: p.sources.clone(),
+        train_ids: ids(&p.train),
+        validation_ids: ids(&p.validation),
+    }
+}
+
+fn write_ids(path: &Path, ids: &[String]) -> Result<()> {
+    let mut text = ids.join("\n");
+    text.push('\n');
+    aam_models::import::write_atomic(path, text.as_bytes())?;
+    Ok(())
+}
+
+/// Reads the checkpoint given with `--resume-from`, if any.
+fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
+    let Some(path) = &r.resume_from else { return Ok(None) };
+    let ckpt = read_checkpoint(path).with_context(|| format!("--resume-from {}", path.display()))?;
+    ensure!(ckpt.meta.run.task == task, "--resume-from {}: a {:?} checkpoint cannot resume a {:?} run", path.display(), ckpt.meta.run.task, task);
+    tracing::info!(
+        "resuming from {} after epoch {} (step {}); the checkpoint's configuration is used",
+        path.display(),
+        ckpt.meta.progress.epochs_done,
+        ckpt.meta.progress.global_step
+    );
+    Ok(Some(ckpt))
+}
+
+/// `aam-rs pretrain`.
+pub fn pretrain(args: PretrainArgs) -> Result<()> {
+    let resume = resume_checkpoint(&args.run, Task::Pretrain)?;
+    let (model_config, run) = match &resume {
+        Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
+        None => {
+            let base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
+            let loss = LossConfig { penalty: args.penalty, nuc_penalty: args.nuc_penalty, count_penalty: 0.0, ..Default::default() };
+            (ModelConfig::SequenceEncoder(base), run_config(Task::Pretrain, &args.optim, &args.data, loss, None, BestMetric::ValLoss))
+        }
+    };
+    run.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
+    let prepared = prepare(&args.data, run.seed, None)?;
+    let counts = prepared.dataset.fit_count_normalizer(&prepared.train)?;
+    let transforms = Transforms { counts: Some(counts), ..Default::default() };
+    let info = match &resume {
+        Some(c) => c.meta.data.clone(),
+        None => info(&prepared, &args.data, transforms, None, None),
+    };
+    start(args.run.clone(), model_config, run, prepared, info, resume, None)
+}
+
+/// `aam-rs train`.
+pub fn train(args: TrainArgs) -> Result<()> {
+    let resume = resume_checkpoint(&args.run, Task::Train)?;
+    let seed = resume.as_ref().map_or(args.optim.seed, |c| c.meta.run.seed);
+    let prepared = prepare(&args.data, seed, Some((&args.metadata, &args.metadata_column)))?;
+    let (model_config, run, info) = match &resume {
+        Some(c) => (c.meta.model.clone(), c.meta.run.clone(), c.meta.data.clone()),
+        None => train_setup(&args, &prepared)?,
+    };
+    let pretrained = match (&resume, &args.pretrained_encoder) {
+        (None, Some(path)) => Some(read_checkpoint(path).with_context(|| format!("--pretrained-encoder {}", path.display()))?),
+        _ => None,
+    };
+    start(args.run.clone(), model_config, run, prepared, info, resume, pretrained)
+}
+
+/// Model, run and data configuration of a fresh `train` run.
+fn train_setup(args: &TrainArgs, p: &Prepared) -> Result<(ModelConfig, RunConfig, DataInfo)> {
+    let mut base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
+    if let Some(path) = &args.pretrained_encoder {
+        let ckpt = read_checkpoint(path).with_context(|| format!("--pretrained-encoder {}", path.display()))?;
+        let ModelConfig::SequenceEncoder(encoder) = &ckpt.meta.model else {
+            bail!("--pretrained-encoder {}: holds a {} model; a `pretrain` checkpoint is needed", path.display(), "SequencePredictor");
+        };
+        // The base architecture is the checkpoint's; masking/attention settings stay the flags'.
+        let mut from = encoder.clone();
+        from.sample.asv.mask_ratio = base.sample.asv.mask_ratio;
+        from.sample.asv.mask_strategy = base.sample.asv.mask_strategy;
+        from.sample.asv.attn_implementation = base.sample.asv.attn_implementation;
+        from.sample.asv.asv_chunk_size = base.sample.asv.asv_chunk_size;
+        ensure!(from.sample.asv.max_bp == args.data.max_bp && from.sample.token_limit == args.data.token_limit,
+            "--pretrained-encoder {} was trained with --max-bp {} --token-limit {}; pass the same values",
+            path.display(), from.sample.asv.max_bp, from.sample.token_limit);
+        base = from;
+    }
+    let mut transforms = Transforms::default();
+    let mut class_labels = None;
+    if args.classifier {
+        class_labels = Some(class_labels_of(&p.dataset, &args.metadata, &args.metadata_column)?);
+    } else {
+        let normalizer = p
+            .dataset
+            .fit_target_normalizer(args.target_transform, &args.normalize_by, &p.train)
+            .with_context(|| format!("fitting --target-transform {}", args.target_transform.name()))?;
+        transforms.target = Some(normalizer);
+    }
+    transforms.counts = Some(p.dataset.fit_count_normalizer(&p.train)?);
+    if !args.categorical_columns.is_empty() {
+        transforms.categorical = Some(p.dataset.fit_categorical(&args.categorical_columns, &p.train)?);
+    }
+    let n_classes = class_labels.as_ref().map_or(1, |l| l.len());
+    if args.classifier {
+        ensure!(n_classes >= 2, "--classifier: column {} has {} distinct label(s); at least 2 are needed", args.metadata_column, n_classes);
+    }
+    let quantiles = (args.loss_type == TargetLossKind::Quantile)
+        .then(|| if args.quantiles.is_empty() { vec![0.1, 0.5, 0.9] } else { args.quantiles.clone() });
+    ensure!(args.quantiles.is_empty() || quantiles.is_some(), "--quantiles is only used with --loss-type quantile");
+    let mut predictor = SequencePredictorConfig::new(base)
+        .with_count_num_layers(args.model.attention_layers)
+        .with_count_num_heads(args.model.attention_heads)
+        .with_count_dropout(args.model.dropout)
+        .with_target_num_layers(args.model.attention_layers)
+        .with_target_num_heads(args.model.attention_heads)
+        .with_target_dropout(args.model.dropout)
+        .with_out_dim(n_classes)
+        .with_is_classifier(args.classifier)
+        .with_freeze_base(args.freeze_base)
+        .with_target_layer_norm(!args.no_target_layer_norm)
+        .with_bounded_targets(args.bounded_targets || (args.target_transform == TargetTransform::LogMinMax && !args.classifier))
+        .with_learnable_output_scale(args.learnable_output_scale)
+        .with_output_activation(args.output_activation)
+        .with_categorical_embed_dim(CategoricalEmbedDim::Uniform(args.categorical_embed_dim))
+        .with_categorical_fusion(args.categorical_fusion)
+        .with_regressor_hidden_dims((!args.regressor_hidden_dims.is_empty()).then(|| args.regressor_hidden_dims.clone()))
+        .with_regressor_dropout(args.regressor_dropout)
+        .with_residual_regression_head(args.residual_regression_head)
+        .with_num_quantiles(quantiles.as_ref().map(Vec::len))
+        .with_count_prediction(!args.no_count_prediction);
+    if let Some(enc) = &transforms.categorical {
+        let cards = enc.column_names().iter().cloned().zip(enc.cardinalities()).collect();
+        predictor = predictor.with_categorical_cardinalities(Some(cards));
+    }
+    predictor.validate()?;
+    let loss = LossConfig {
+        penalty: args.penalty,
+        nuc_penalty: if args.freeze_base { 0.0 } else { args.nuc_penalty },
+        target_penalty: args.target_penalty,
+        count_penalty: if args.no_count_prediction { 0.0 } else { args.count_penalty },
+        base: BaseLoss::Unifrac,
+        target_loss: if args.classifier { TargetLossKind::Huber } else { args.loss_type },
+        column_losses: None,
+        quantiles,
+        over_penalty: args.over_penalty,
+        under_penalty: args.under_penalty,
+        class_weights: (!args.class_weights.is_empty()).then(|| args.class_weights.clone()),
+    };
+    if let Some(w) = &loss.class_weights {
+        ensure!(w.len() == n_classes, "--class-weights has {} values for {} classes ({:?})", w.len(), n_classes, class_labels);
+    }
+    let run = run_config(Task::Train, &args.optim, &args.data, loss, args.categorical_lr, args.best_metric);
+    let info = info(p, &args.data, transforms, class_labels, Some(args.metadata_column.clone()));
+    Ok((ModelConfig::SequencePredictor(predictor), run, info))
+}
+
+/// The sorted distinct labels of a metadata column over the dataset's samples.
+fn class_labels_of(dataset: &Dataset, path: &Path, column: &str) -> Result<Vec<String>> {
+    let (meta, rows) = dataset.metadata().context("--classifier needs --metadata")?;
+    let col = meta.column(column)?;
+    let mut labels: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r.and_then(|r| meta.value(r, col)))
+        .filter(|v| !aam_data::is_missing(v))
+        .map(str::to_string)
+        .collect();
+    labels.sort();
+    labels.dedup();
+    ensure!(!labels.is_empty(), "{}: column {column} has no values", path.display());
+    Ok(labels)
+}
+
+fn start(
+    r: RunArgs,
+    model_config: ModelConfig,
+    run: RunConfig,
+    prepared: Prepared,
+    info: DataInfo,
+    resume: Option<Checkpoint>,
+    pretrained: Option<Checkpoint>,
+) -> Result<()> {
+    std::fs::create_dir_all(&r.output_dir).with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
+    let (train_file, val_file) = match run.task {
+        Task::Pretrain => ("train_sample_ids.txt", "val_sample_ids.txt"),
+        Task::Train => ("train_samples.txt", "val_samples.txt"),
+    };
+    write_ids(&r.output_dir.join(train_file), &info.train_ids)?;
+    write_ids(&r.output_dir.join(val_file), &info.validation_ids)?;
+    let data = TrainData { dataset: prepared.dataset, train: prepared.train, validation: prepared.validation, info };
+    crate::with_backend!(r.backend, |B, device| fit_on::<B>(&device, &r, model_config, run, data, resume, pretrained))
+}
+
+fn fit_on<B: AttentionBackend>(
+    device: &B::Device,
+    r: &RunArgs,
+    model_config: ModelConfig,
+    run: RunConfig,
+    data: TrainData,
+    resume: Option<Checkpoint>,
+    pretrained: Option<Checkpoint>,
+) -> Result<()> {
+    type AB<B> = Autodiff<B>;
+    let model: AamModel<AB<B>> = match &resume {
+        Some(c) => c.model::<AB<B>>(device)?,
+        None => {
+            let mut model = model_config.init::<AB<B>>(device)?;
+            if let Some(p) = &pretrained {
+                load_encoder(&mut model, &model_config, p)?;
+            }
+            model
+        }
+    };
+    let task = run.task;
+    let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
+    let n_params: usize = model.state_dict_shapes(&model_config).iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
+    let mut progress = Progress::new(run.epochs);
+    let summary = fit::<AB<B>>(device, model_config, model, run, data, &r.output_dir, resume.as_ref(), &mut progress)?;
+    progress.finish();
+    crate::plot::loss_curves(&r.output_dir, &summary.history)?;
+    if task == Task::Train && !classifier {
+        let tsv = r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS);
+        if let Ok(text) = std::fs::read_to_string(&tsv) {
+            // Columns: sample_id, prediction (first output), ..., actual.
+            let pairs: Vec<(f64, f64)> = text
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let cells: Vec<&str> = line.split('\t').collect();
+                    Some((cells.last()?.parse().ok()?, cells.get(1)?.parse().ok()?))
+                })
+                .collect();
+            let best = summary.best.as_ref().map_or(0, |b| b.epoch + 1);
+            crate::plot::predicted_vs_true(&r.output_dir, &pairs, &format!("validation, best epoch {best}"))?;
+        }
+    }
+    match &summary.best {
+        Some(b) => tracing::info!(
+            "best {} {:.6} at epoch {}: {}",
+            b.metric,
+            b.value,
+            b.epoch + 1,
+            summary.best_checkpoint.display()
+        ),
+        None => tracing::warn!("no epoch produced a finite {}", "metric"),
+    }
+    Ok(())
+}
+
+/// Copies a pre-trained encoder's weights into a predictor's `base_model`.
+fn load_encoder<B: burn::tensor::backend::Backend>(model: &mut AamModel<B>, config: &ModelConfig, encoder: &Checkpoint) -> Result<()> {
+    let mut state: std::collections::HashMap<String, aam_models::import::StateTensor> =
+        model.state_dict(config).into_iter().collect();
+    let mut loaded = 0;
+    for (key, tensor) in &encoder.model {
+        let target = format!("base_model.{key}");
+        match state.get(&target) {
+            Some(t) if t.shape == tensor.shape => {
+                state.insert(target, tensor.clone());
+                loaded += 1;
+            }
+            Some(t) => bail!(
+                "--pretrained-encoder {}: {key} has shape {:?}, the model's base_model.{key} {:?}",
+                encoder.path.display(),
+                tensor.shape,
+                t.shape
+            ),
+            None => bail!("--pretrained-encoder {}: {key} has no place in this model's base_model", encoder.path.display()),
+        }
+    }
+    ensure!(loaded > 0, "--pretrained-encoder {}: no weights matched", encoder.path.display());
+    model.load_state_dict(config, state, &encoder.path)?;
+    tracing::info!("loaded {loaded} tensors of the pre-trained encoder {}", encoder.path.display());
+    Ok(())
+}
