@@ -6,6 +6,8 @@
 //! masking, attention dropout) comes from a stream seeded by
 //! `(seed, micro_step)`, and batch order from `(seed, epoch)`; a checkpoint
 //! stores the counters, so a resumed run repeats the uninterrupted one.
+//! (Burn's backend RNG is process-global: two fits running at once in one
+//! process draw from each other's stream and lose this property.)
 //!
 //! **Outputs** under the output directory: `checkpoints/last.safetensors`
 //! (every epoch), `checkpoints/best.safetensors` (on improvement),

@@ -60,8 +60,8 @@ pub struct SchedulerConfig {
 /// ReduceLROnPlateau's state.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PlateauState {
-    /// Best metric so far.
-    pub best: f64,
+    /// Best metric so far (None before the first epoch).
+    pub best: Option<f64>,
     /// Epochs since the last improvement.
     pub bad_epochs: u64,
     /// Current learning rate.
@@ -93,7 +93,7 @@ impl Scheduler {
             config.warmup_steps = clamped;
         }
         let lr = config.lr;
-        Self { config, steps: 0, plateau: PlateauState { best: f64::INFINITY, bad_epochs: 0, lr } }
+        Self { config, steps: 0, plateau: PlateauState { best: None, bad_epochs: 0, lr } }
     }
 
     /// The learning rate of the next optimiser step.
@@ -163,8 +163,8 @@ impl Scheduler {
         }
         let p = &mut self.plateau;
         // torch: mode min, threshold 1e-4 relative.
-        if metric < p.best * (1.0 - 1e-4) {
-            p.best = metric;
+        if p.best.is_none_or(|best| metric < best * (1.0 - 1e-4)) {
+            p.best = Some(metric);
             p.bad_epochs = 0;
         } else {
             p.bad_epochs += 1;
