@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Pretraining throughput on the device machine: aam-rs `pretrain` on the full oral2550
+# (2,537 samples x 5,574 ASVs, rarefied to 1,000 reads) at the reference's default model
+# (D=128, 4 heads, 4 layers per stack, token_limit 1024, max_bp 150, batch 8, nucleotide
+# masking 0.15, ASV chunk 256), beside the PyTorch reference's optimiser step at the same
+# model measured in the same call (shared/bench/pt_reference_bench.py).
+#
+# Run from the repository root on the device (see README "GPU runs"), with carried:
+#   .carry/aam-rs.gz          cargo build --profile device -p aam-cli --features cuda; gzip
+#   .carry/oral2550/          oral_2550.biom, unifrac.unweighted.h5 (from ../shared/data)
+#   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
+# Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference).
+# Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json.
+set -uo pipefail
+EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}; ATTN=${ATTN:-auto}; PT=${PT:-1}
+mkdir -p /tmp/bin && gunzip -c .carry/aam-rs.gz > /tmp/bin/aam-rs && chmod +x /tmp/bin/aam-rs
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "$PT" = 1 ]; then
+  AAM_SRC=.ref OUT=$OUT PYTHONUNBUFFERED=1 python3 .carry/pt_reference_bench.py > "$OUT/pt.log" 2>&1
+  grep -A20 '== pretrain step' "$OUT/pt.log"
+fi
+# Device memory in use, every 200 ms, while aam-rs runs (includes the CUDA context).
+nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/gpu_mem.csv" &
+SMI=$!
+start=$(date +%s)
+AAM_LOG=info /tmp/bin/aam-rs pretrain --backend "$BACKEND" --attn-implementation "$ATTN" \
+  --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
+  --rarefy-depth 1000 --epochs "$EPOCHS" --warmup-steps 100 --num-workers 8 \
+  --output-dir /tmp/run > "$OUT/aam.log" 2>&1
+rc=$?
+kill $SMI
+echo "aam-rs rc=$rc wall=$(( $(date +%s) - start ))s peak_gpu_mem_mib=$(sort -n "$OUT/gpu_mem.csv" | tail -1)"
+tail -n 8 "$OUT/aam.log"
+cp /tmp/run/metrics.csv "$OUT/" 2>/dev/null; cp /tmp/run/plots/loss.png "$OUT/" 2>/dev/null
+exit $rc
