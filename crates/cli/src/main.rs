@@ -10,6 +10,7 @@
 mod backend;
 mod convert;
 mod forward;
+mod inspect;
 mod plot;
 mod predict;
 mod progress;
@@ -41,6 +42,8 @@ enum Command {
     Forward(forward::ForwardArgs),
     /// List the backends compiled into this binary and the devices each one sees.
     Backends,
+    /// Summarise and check a run's inputs (table, UniFrac matrix, metadata) before a long job.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> ExitCode {
@@ -60,11 +63,20 @@ fn main() -> ExitCode {
         Command::Convert(args) => convert::run(args),
         Command::Forward(args) => forward::run(args),
         Command::Backends => backend::list(),
+        Command::Inspect(args) => inspect::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            // The causes, once each: some error types print their source in
+            // their own message as well, which `{:#}` would repeat.
+            let mut message = err.to_string();
+            for cause in err.chain().skip(1).map(|c| c.to_string()) {
+                if !message.ends_with(&cause) {
+                    message = format!("{message}: {cause}");
+                }
+            }
+            eprintln!("error: {message}");
             ExitCode::FAILURE
         }
     }

@@ -8,6 +8,8 @@
 //! ([`CategoricalEncoder`]); a seeded split ([`train_val_split`]); batches
 //! `tokens [B,S,L]`, `counts [B,S,1]`, `unifrac [B,B]`, targets and
 //! categorical ids ([`BatchLoader`], [`Batch`]) prepared on worker threads.
+//! Before a long run, [`summarize`] describes and checks those inputs
+//! (`aam-rs inspect`).
 //!
 //! **Must not depend on** Burn, CubeCL or any other `aam-*` crate: it hands
 //! out `Vec`s and shapes, and the training crate makes tensors of them. So it
@@ -69,6 +71,7 @@ mod metadata;
 mod normalize;
 mod rarefy;
 mod split;
+pub mod summary;
 pub mod tokenize;
 mod unifrac;
 
@@ -84,6 +87,7 @@ pub use normalize::{
 };
 pub use rarefy::Rarefied;
 pub use split::{train_val_split, Split};
+pub use summary::{summarize, Summary, SummaryOptions};
 pub use tokenize::TokenCache;
 pub use unifrac::{
     read_id_file, sidecar_candidates, DistanceMatrix, MatrixIds, MissingPolicy, TOLERANCE,
