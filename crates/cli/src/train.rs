@@ -17,6 +17,7 @@ use aam_train::checkpoint::{read_checkpoint, Checkpoint, DataInfo};
 use aam_train::loss::{BaseLoss, LossConfig, TargetLossKind};
 use aam_train::optim::{OptimizerConfig, OptimizerKind};
 use aam_train::run::{fit, BestMetric, RunConfig, Task, TrainData};
+use aam_train::TrainError;
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
 use anyhow::{bail, ensure, Context, Result};
 use burn::backend::Autodiff;
@@ -358,9 +359,20 @@ struct Prepared {
     train: Vec<usize>,
     validation: Vec<usize>,
     sources: BTreeMap<String, String>,
+    /// The classifier's labels (index = class), when the target is a label column.
+    class_labels: Option<Vec<String>>,
 }
 
-fn prepare(d: &DataArgs, seed: u64, metadata: Option<(&Path, &str)>) -> Result<Prepared> {
+/// The target of `train`: a metadata column, numeric or (with `--classifier`)
+/// labels; `labels` fixes the label order (a resumed run's).
+struct TargetSpec<'a> {
+    path: &'a Path,
+    column: &'a str,
+    classifier: bool,
+    labels: Option<&'a [String]>,
+}
+
+fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
     ensure!((0.0..1.0).contains(&d.test_size), "--test-size must lie in [0, 1), got {}", d.test_size);
     let table = BiomTable::read(&d.table).with_context(|| format!("reading --table {}", d.table.display()))?;
     let rarefied = table.rarefy(d.rarefy_depth, seed).with_context(|| format!("rarefying {} to --rarefy-depth {}", d.table.display(), d.rarefy_depth))?;
@@ -380,10 +392,17 @@ fn prepare(d: &DataArgs, seed: u64, metadata: Option<(&Path, &str)>) -> Result<P
         ("table".to_string(), d.table.display().to_string()),
         ("unifrac_matrix".to_string(), d.unifrac_matrix.display().to_string()),
     ]);
-    if let Some((path, column)) = metadata {
-        let meta = Metadata::read(path).with_context(|| format!("reading --metadata {}", path.display()))?;
-        builder = builder.metadata(Arc::new(meta)).target(column, policy);
-        sources.insert("metadata".into(), path.display().to_string());
+    let mut class_labels = None;
+    if let Some(t) = target {
+        let mut meta = Metadata::read(t.path).with_context(|| format!("reading --metadata {}", t.path.display()))?;
+        if t.classifier {
+            // The dataset reads numeric targets: labels become class indices.
+            let (indexed, labels) = class_indexed(&meta, t.column, rarefied.table.sample_ids(), t.labels)?;
+            meta = indexed;
+            class_labels = Some(labels);
+        }
+        builder = builder.metadata(Arc::new(meta)).target(t.column, policy);
+        sources.insert("metadata".into(), t.path.display().to_string());
     }
     let dataset = builder.build().context("matching the table, the UniFrac matrix and the metadata by sample ID")?;
     let split = dataset.split(d.test_size, seed)?;
@@ -394,7 +413,54 @@ fn prepare(d: &DataArgs, seed: u64, metadata: Option<(&Path, &str)>) -> Result<P
         split.validation.len(),
         dataset.asv_ids().len()
     );
-    Ok(Prepared { dataset: Arc::new(dataset), train: split.train, validation: split.validation, sources })
+    Ok(Prepared { dataset: Arc::new(dataset), train: split.train, validation: split.validation, sources, class_labels })
+}
+
+/// A copy of `meta` whose `column` holds class indices instead of labels, and
+/// the labels (index = class): `known` ones (a resumed run's), or the sorted
+/// distinct labels of the samples in `ids` (missing values stay missing).
+fn class_indexed(meta: &Metadata, column: &str, ids: &[String], known: Option<&[String]>) -> Result<(Metadata, Vec<String>)> {
+    let col = meta.column(column)?;
+    let labels: Vec<String> = match known {
+        Some(l) => l.to_vec(),
+        None => {
+            let mut l: Vec<String> = ids
+                .iter()
+                .filter_map(|id| meta.row(id).and_then(|r| meta.value(r, col)))
+                .map(str::to_string)
+                .collect();
+            l.sort();
+            l.dedup();
+            l
+        }
+    };
+    ensure!(!labels.is_empty(), "{}: column {column} has no values for the table's samples", meta.source().display());
+    let index: BTreeMap<&str, usize> = labels.iter().enumerate().map(|(i, l)| (l.as_str(), i)).collect();
+    let in_table: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
+    let mut text = std::iter::once(meta.id_column()).chain(meta.columns().iter().map(String::as_str)).collect::<Vec<_>>().join("\t");
+    text.push('\n');
+    for (row, id) in meta.sample_ids().iter().enumerate() {
+        text.push_str(id);
+        for c in 0..meta.columns().len() {
+            text.push('\t');
+            match (meta.value(row, c), c == col) {
+                (Some(v), true) => match index.get(v) {
+                    Some(i) => text.push_str(&i.to_string()),
+                    // Only a resumed run's labels can miss one; a sample outside the table is left out.
+                    None if in_table.contains(id.as_str()) => bail!(
+                        "{}: sample {id:?} has label {v:?} in column {column}, not one of the checkpoint's {labels:?}",
+                        meta.source().display()
+                    ),
+                    None => {}
+                },
+                (Some(v), false) => text.push_str(v),
+                (None, _) => {}
+            }
+        }
+        text.push('\n');
+    }
+    let indexed = Metadata::from_bytes(text.as_bytes(), meta.source())?;
+    Ok((indexed, labels))
 }
 
 fn info(p: &Prepared, d: &DataArgs, transforms: Transforms, class_labels: Option<Vec<String>>, target: Option<String>) -> DataInfo {
@@ -432,9 +498,39 @@ fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
     Ok(Some(ckpt))
 }
 
+/// Checks a run configuration; an error names the flag at fault (`invalid --batch-size: ...`).
+fn check_run(run: &RunConfig) -> Result<()> {
+    run.validate().map_err(|e| match e {
+        TrainError::InvalidArgument { field, reason } => anyhow::anyhow!("invalid --{}: {reason}", field.replace('_', "-")),
+        e => e.into(),
+    })
+}
+
+/// Whether a `--resume-from` checkpoint ends a finished run (all epochs, or
+/// stopped early): `fit` would run no epoch, or after early stopping one
+/// more, so the caller says so and writes nothing.
+fn already_complete(c: &Checkpoint) -> bool {
+    let (p, run) = (&c.meta.progress, &c.meta.run);
+    let stopped = p.bad_epochs >= run.patience.max(1);
+    let complete = p.epochs_done >= run.epochs || stopped;
+    if complete {
+        tracing::info!(
+            "--resume-from {}: the run is already complete ({} of {} epochs{}); nothing to do",
+            c.path.display(),
+            p.epochs_done,
+            run.epochs,
+            if stopped { ", stopped early" } else { "" }
+        );
+    }
+    complete
+}
+
 /// `aam-rs pretrain`.
 pub fn pretrain(args: PretrainArgs) -> Result<()> {
     let resume = resume_checkpoint(&args.run, Task::Pretrain)?;
+    if resume.as_ref().is_some_and(already_complete) {
+        return Ok(());
+    }
     let (model_config, run) = match &resume {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
         None => {
@@ -443,7 +539,7 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
             (ModelConfig::SequenceEncoder(base), run_config(Task::Pretrain, &args.optim, &args.data, loss, None, BestMetric::ValLoss))
         }
     };
-    run.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
+    check_run(&run)?;
     let prepared = prepare(&args.data, run.seed, None)?;
     let counts = prepared.dataset.fit_count_normalizer(&prepared.train)?;
     let transforms = Transforms { counts: Some(counts), ..Default::default() };
@@ -457,8 +553,19 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
 /// `aam-rs train`.
 pub fn train(args: TrainArgs) -> Result<()> {
     let resume = resume_checkpoint(&args.run, Task::Train)?;
+    if resume.as_ref().is_some_and(already_complete) {
+        return Ok(());
+    }
+    if resume.is_none() {
+        // The optimisation flags, before the data is read (the loss flags are checked in `start`).
+        check_run(&run_config(Task::Train, &args.optim, &args.data, LossConfig::default(), args.categorical_lr, args.best_metric))?;
+    }
     let seed = resume.as_ref().map_or(args.optim.seed, |c| c.meta.run.seed);
-    let prepared = prepare(&args.data, seed, Some((&args.metadata, &args.metadata_column)))?;
+    // A resumed run keeps its checkpoint's task and label order.
+    let labels = resume.as_ref().and_then(|c| c.meta.data.class_labels.as_deref());
+    let classifier = resume.as_ref().map_or(args.classifier, |c| c.meta.data.class_labels.is_some());
+    let target = TargetSpec { path: &args.metadata, column: &args.metadata_column, classifier, labels };
+    let prepared = prepare(&args.data, seed, Some(target))?;
     let (model_config, run, info) = match &resume {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone(), c.meta.data.clone()),
         None => train_setup(&args, &prepared)?,
@@ -492,7 +599,7 @@ fn train_setup(args: &TrainArgs, p: &Prepared) -> Result<(ModelConfig, RunConfig
     let mut transforms = Transforms::default();
     let mut class_labels = None;
     if args.classifier {
-        class_labels = Some(class_labels_of(&p.dataset, &args.metadata, &args.metadata_column)?);
+        class_labels = p.class_labels.clone();
     } else {
         let normalizer = p
             .dataset
@@ -558,22 +665,6 @@ fn train_setup(args: &TrainArgs, p: &Prepared) -> Result<(ModelConfig, RunConfig
     Ok((ModelConfig::SequencePredictor(predictor), run, info))
 }
 
-/// The sorted distinct labels of a metadata column over the dataset's samples.
-fn class_labels_of(dataset: &Dataset, path: &Path, column: &str) -> Result<Vec<String>> {
-    let (meta, rows) = dataset.metadata().context("--classifier needs --metadata")?;
-    let col = meta.column(column)?;
-    let mut labels: Vec<String> = rows
-        .iter()
-        .filter_map(|r| r.and_then(|r| meta.value(r, col)))
-        .filter(|v| !aam_data::is_missing(v))
-        .map(str::to_string)
-        .collect();
-    labels.sort();
-    labels.dedup();
-    ensure!(!labels.is_empty(), "{}: column {column} has no values", path.display());
-    Ok(labels)
-}
-
 fn start(
     r: RunArgs,
     model_config: ModelConfig,
@@ -583,6 +674,7 @@ fn start(
     resume: Option<Checkpoint>,
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
+    check_run(&run)?;
     std::fs::create_dir_all(&r.output_dir).with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
     let (train_file, val_file) = match run.task {
         Task::Pretrain => ("train_sample_ids.txt", "val_sample_ids.txt"),
@@ -590,8 +682,49 @@ fn start(
     };
     write_ids(&r.output_dir.join(train_file), &info.train_ids)?;
     write_ids(&r.output_dir.join(val_file), &info.validation_ids)?;
+    if let Some(c) = &resume {
+        carry_best(c, &r.output_dir)?;
+    }
     let data = TrainData { dataset: prepared.dataset, train: prepared.train, validation: prepared.validation, info };
     crate::with_backend!(r.backend, |B, device| fit_on::<B>(&device, &r, model_config, run, data, resume, pretrained))
+}
+
+/// A run resumed into an --output-dir without `checkpoints/best.safetensors`
+/// starts it with the run's best checkpoint (the reference saves the loaded
+/// state there first), so the best model is there even if no later epoch
+/// improves: the resumed checkpoint when it is of the best epoch, else the
+/// `best.safetensors` beside it when that is the same run's best.
+fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
+    let target = out_dir.join(aam_train::run::files::BEST);
+    let Some(best) = &resume.meta.progress.best else { return Ok(()) };
+    if target.exists() {
+        return Ok(());
+    }
+    let source = if best.epoch + 1 == resume.meta.progress.epochs_done {
+        Some(resume.path.clone())
+    } else {
+        let beside = resume.path.with_file_name("best.safetensors");
+        read_checkpoint(&beside)
+            .ok()
+            .filter(|c| c.meta.progress.best.as_ref() == Some(best) && c.meta.progress.epochs_done == best.epoch + 1)
+            .map(|_| beside)
+    };
+    let Some(source) = source else {
+        tracing::warn!(
+            "the best checkpoint (epoch {}) of the run resumed from {} is not beside it; {} appears when an epoch improves",
+            best.epoch + 1,
+            resume.path.display(),
+            target.display()
+        );
+        return Ok(());
+    };
+    let bytes = std::fs::read(&source).with_context(|| format!("reading {}", source.display()))?;
+    if let Some(dir) = target.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    aam_models::import::write_atomic(&target, &bytes)?;
+    tracing::info!("copied the best checkpoint so far (epoch {}) to {}", best.epoch + 1, target.display());
+    Ok(())
 }
 
 fn fit_on<B: AttentionBackend>(
@@ -607,6 +740,8 @@ fn fit_on<B: AttentionBackend>(
     let model: AamModel<AB<B>> = match &resume {
         Some(c) => c.model::<AB<B>>(device)?,
         None => {
+            // Initial weights from --seed too, so that a run repeats exactly.
+            <AB<B> as burn::tensor::backend::Backend>::seed(device, run.seed);
             let mut model = model_config.init::<AB<B>>(device)?;
             if let Some(p) = &pretrained {
                 load_encoder(&mut model, &model_config, p)?;
