@@ -265,10 +265,6 @@ pub fn batch_tensors<B: Backend>(batch: &Batch, device: &B::Device, classifier: 
     (input, targets)
 }
 
-fn scalar<B: Backend>(t: &Tensor<B, 1>) -> f64 {
-    t.clone().into_scalar().elem::<f64>()
-}
-
 /// A 64-bit mix (splitmix64) so neighbouring counters give unrelated seeds.
 fn mix(seed: u64, counter: u64) -> u64 {
     let mut z = seed ^ counter.wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -284,17 +280,74 @@ pub fn is_categorical_param(key: &str) -> bool {
         .any(|m| key.starts_with(&format!("{m}.")) || key.contains(&format!(".{m}.")))
 }
 
-fn loss_values<B: Backend>(parts: &LossParts<B>, means: &mut Means) -> f64 {
-    let total = scalar(&parts.total);
-    means.add("total_loss", total);
+/// Reads a batch's losses (and nucleotide accuracy counts) in one device
+/// read, adds them to `means`, and returns the total.
+fn record_batch<B: Backend>(parts: &LossParts<B>, accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>, means: &mut Means) -> f64 {
+    let mut names = vec!["total_loss"];
+    let mut values = vec![parts.total.clone()];
     for (name, part) in
         [("unifrac_loss", &parts.unifrac), ("nuc_loss", &parts.nuc), ("count_loss", &parts.count), ("target_loss", &parts.target)]
     {
         if let Some(p) = part {
-            means.add(name, scalar(p));
+            names.push(name);
+            values.push(p.clone());
         }
     }
-    total
+    let with_accuracy = accuracy.is_some();
+    if let Some((hits, n)) = accuracy {
+        values.push(hits);
+        values.push(n);
+    }
+    let host: Vec<f64> = Tensor::cat(values, 0).detach().into_data().convert::<f64>().to_vec::<f64>().expect("f64");
+    for (name, v) in names.iter().zip(&host) {
+        means.add(name, *v);
+    }
+    if with_accuracy {
+        let (hits, n) = (host[host.len() - 2], host[host.len() - 1]);
+        if n > 0.0 {
+            means.add("nuc_accuracy", hits / n);
+        }
+    }
+    host[0]
+}
+
+/// `AAM_PROFILE=1`: synchronises the device after each phase of a training
+/// step and logs the mean time per phase after the first step and every 10 (slows the run; for
+/// finding where the time goes).
+struct PhaseTimer {
+    enabled: bool,
+    last: Instant,
+    totals: BTreeMap<&'static str, f64>,
+    steps: u64,
+}
+
+impl PhaseTimer {
+    fn from_env() -> Self {
+        let enabled = std::env::var("AAM_PROFILE").is_ok_and(|v| v == "1");
+        Self { enabled, last: Instant::now(), totals: BTreeMap::new(), steps: 0 }
+    }
+
+    fn mark<B: Backend>(&mut self, device: &B::Device, phase: &'static str) {
+        if self.enabled {
+            let _ = B::sync(device);
+            let now = Instant::now();
+            *self.totals.entry(phase).or_default() += (now - self.last).as_secs_f64();
+            self.last = now;
+        }
+    }
+
+    fn step(&mut self) {
+        if !self.enabled {
+            return;
+        }
+        self.steps += 1;
+        if self.steps % 10 == 0 || self.steps == 1 {
+            let n = self.steps as f64;
+            let parts: Vec<String> = self.totals.iter().map(|(k, v)| format!("{k} {:.1} ms", 1e3 * v / n)).collect();
+            let total: f64 = self.totals.values().sum();
+            tracing::info!("profile over {} batches: {:.1} ms/batch = {}", self.steps, 1e3 * total / n, parts.join(", "));
+        }
+    }
 }
 
 /// Trains `model` (fresh, or restored from `resume`) and writes checkpoints
@@ -363,28 +416,31 @@ where
         let mut pending = 0usize;
         let mut seen = 0usize;
         let mut last_lr = scheduler.lr();
+        let mut timer = PhaseTimer::from_env();
         for (k, batch) in train_loader.epoch(epoch as u64).enumerate() {
             let batch = batch?;
             let stream = mix(run.seed, progress.micro_step);
             AB::seed(device, stream);
             set_attention_dropout_seed(stream);
             progress.micro_step += 1;
+            timer.mark::<AB>(device, "data");
             let (input, targets) = batch_tensors::<AB>(&batch, device, classifier);
+            timer.mark::<AB>(device, "upload");
             let predictions = predict_batch(&model, input, return_nucleotides);
+            timer.mark::<AB>(device, "forward");
             let parts = run.loss.forward(&predictions, &targets)?;
-            if let Some(logits) = &predictions.nuc_logits {
-                let (hits, n) = nucleotide_accuracy(logits.clone().detach(), targets.tokens.clone(), predictions.mask_indices.clone());
-                let n = scalar(&n);
-                if n > 0.0 {
-                    means.add("nuc_accuracy", scalar(&hits) / n);
-                }
-            }
-            let total = loss_values(&parts, &mut means);
+            let accuracy = predictions.nuc_logits.as_ref().map(|logits| {
+                nucleotide_accuracy(logits.clone().detach(), targets.tokens.clone(), predictions.mask_indices.clone())
+            });
+            let total = record_batch(&parts, accuracy, &mut means);
+            timer.mark::<AB>(device, "loss");
             if !total.is_finite() {
                 return Err(TrainError::NonFinite { what: "training loss".into(), value: total, epoch, step: progress.global_step });
             }
             let grads = parts.total.backward();
+            timer.mark::<AB>(device, "backward");
             buffer.accumulate(GradientBuffer::collect_model(&model, &grads, &name, 1.0 / accum as f64));
+            timer.mark::<AB>(device, "collect");
             pending += 1;
             seen += batch.batch_size();
             if pending == accum || k + 1 == batches {
@@ -401,7 +457,9 @@ where
                 scheduler.step();
                 progress.global_step += 1;
                 pending = 0;
+                timer.mark::<AB>(device, "optimizer");
             }
+            timer.step();
             observer.batch(&BatchStatus {
                 epoch,
                 epochs: run.epochs,
@@ -550,11 +608,12 @@ fn validate<B: AttentionBackend>(
         let (input, targets) = batch_tensors::<B>(&batch, device, classifier);
         let predictions = predict_batch(model, input, return_nucleotides);
         let parts = run.loss.forward(&predictions, &targets)?;
-        loss_values(&parts, &mut means);
+        record_batch(&parts, None, &mut means);
         if let Some(logits) = &predictions.nuc_logits {
             let (hits, n) = nucleotide_accuracy(logits.clone(), targets.tokens.clone(), None);
-            nuc_hits += scalar(&hits);
-            nuc_total += scalar(&n);
+            let counts = Tensor::cat(vec![hits, n], 0).into_data().convert::<f64>().to_vec::<f64>().expect("f64");
+            nuc_hits += counts[0];
+            nuc_total += counts[1];
         }
         if let (Some(e), Some(t)) = (&predictions.embeddings, &targets.base) {
             let b = batch.batch_size();
