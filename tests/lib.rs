@@ -35,30 +35,28 @@ pub struct Case {
     pub meta: Value,
 }
 
-/// An npz file's arrays by name (the `.npy` suffix dropped).
-pub fn read_npz_f32(path: &Path) -> BTreeMap<String, ArrayD<f32>> {
+/// An npz file's arrays of element type `T` by name (the `.npy` suffix
+/// dropped; arrays of other types are left out).
+pub fn read_npz<T: ndarray_npy::ReadableElement>(path: &Path) -> BTreeMap<String, ArrayD<T>> {
     let mut npz = NpzReader::new(File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap();
     let names = npz.names().unwrap();
     names
         .into_iter()
         .filter_map(|n| {
-            let arr: Result<ArrayD<f32>, _> = npz.by_name(&n);
+            let arr: Result<ArrayD<T>, _> = npz.by_name(&n);
             arr.ok().map(|a| (n.trim_end_matches(".npy").to_string(), a))
         })
         .collect()
 }
 
+/// An npz file's float32 arrays by name.
+pub fn read_npz_f32(path: &Path) -> BTreeMap<String, ArrayD<f32>> {
+    read_npz(path)
+}
+
 /// An npz file's int64 arrays by name.
 pub fn read_npz_i64(path: &Path) -> BTreeMap<String, ArrayD<i64>> {
-    let mut npz = NpzReader::new(File::open(path).unwrap()).unwrap();
-    let names = npz.names().unwrap();
-    names
-        .into_iter()
-        .filter_map(|n| {
-            let arr: Result<ArrayD<i64>, _> = npz.by_name(&n);
-            arr.ok().map(|a| (n.trim_end_matches(".npy").to_string(), a))
-        })
-        .collect()
+    read_npz(path)
 }
 
 impl Case {

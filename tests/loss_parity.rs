@@ -17,7 +17,6 @@
 //! the reason.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use aam_models::import::{infer_config, AamModel, ModelConfig, TorchCheckpoint};
@@ -27,7 +26,6 @@ use aam_train::loss::{BaseLoss, LossConfig, LossParts, LossTargets, Predictions,
 use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
 use ndarray::ArrayD;
-use ndarray_npy::NpzReader;
 use serde_json::Value;
 
 type Cpu = NdArray<f32>;
@@ -63,19 +61,6 @@ fn losses_dir() -> PathBuf {
 
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
-}
-
-/// An npz file's bool arrays by name.
-fn read_npz_bool(path: &Path) -> BTreeMap<String, ArrayD<bool>> {
-    let mut npz = NpzReader::new(File::open(path).unwrap()).unwrap();
-    let names = npz.names().unwrap();
-    names
-        .into_iter()
-        .filter_map(|n| {
-            let arr: Result<ArrayD<bool>, _> = npz.by_name(&n);
-            arr.ok().map(|a| (n.trim_end_matches(".npy").to_string(), a))
-        })
-        .collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -389,7 +374,7 @@ fn check_function_case(entry: &Value, arrays: &Arrays, failures: &mut Vec<String
 fn standalone_loss_cases_match_the_reference() {
     let doc = read_json(&losses_dir().join("functions.json"));
     let npz = losses_dir().join("functions.npz");
-    let arrays = Arrays { f32: read_npz_f32(&npz), i64: read_npz_i64(&npz), bool: read_npz_bool(&npz) };
+    let arrays = Arrays { f32: read_npz_f32(&npz), i64: read_npz_i64(&npz), bool: read_npz::<bool>(&npz) };
     let manifest = read_json(&losses_dir().join("manifest.json"));
     let listed: Vec<String> = serde_json::from_value(manifest["function_cases"].clone()).unwrap();
     let cases = doc["cases"].as_array().unwrap();

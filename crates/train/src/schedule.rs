@@ -57,6 +57,24 @@ pub struct SchedulerConfig {
     pub min_lr: Option<f64>,
 }
 
+impl SchedulerConfig {
+    /// A schedule with the reference's defaults for every optional parameter.
+    pub fn new(kind: SchedulerKind, lr: f64, total_steps: u64, warmup_steps: u64) -> Self {
+        Self {
+            kind,
+            lr,
+            total_steps,
+            warmup_steps,
+            t0: None,
+            t_mult: None,
+            eta_min: None,
+            patience: None,
+            factor: None,
+            min_lr: None,
+        }
+    }
+}
+
 /// ReduceLROnPlateau's state.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PlateauState {
@@ -197,18 +215,7 @@ mod tests {
     use super::*;
 
     fn config(kind: SchedulerKind, total: u64, warmup: u64) -> SchedulerConfig {
-        SchedulerConfig {
-            kind,
-            lr: 1.0,
-            total_steps: total,
-            warmup_steps: warmup,
-            t0: None,
-            t_mult: None,
-            eta_min: None,
-            patience: None,
-            factor: None,
-            min_lr: None,
-        }
+        SchedulerConfig::new(kind, 1.0, total, warmup)
     }
 
     fn run(s: &mut Scheduler, n: u64) -> Vec<f64> {
