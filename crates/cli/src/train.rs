@@ -566,22 +566,22 @@ pub fn train(args: TrainArgs) -> Result<()> {
     let classifier = resume.as_ref().map_or(args.classifier, |c| c.meta.data.class_labels.is_some());
     let target = TargetSpec { path: &args.metadata, column: &args.metadata_column, classifier, labels };
     let prepared = prepare(&args.data, seed, Some(target))?;
-    let (model_config, run, info) = match &resume {
-        Some(c) => (c.meta.model.clone(), c.meta.run.clone(), c.meta.data.clone()),
-        None => train_setup(&args, &prepared)?,
-    };
     let pretrained = match (&resume, &args.pretrained_encoder) {
         (None, Some(path)) => Some(read_checkpoint(path).with_context(|| format!("--pretrained-encoder {}", path.display()))?),
         _ => None,
+    };
+    let (model_config, run, info) = match &resume {
+        Some(c) => (c.meta.model.clone(), c.meta.run.clone(), c.meta.data.clone()),
+        None => train_setup(&args, &prepared, pretrained.as_ref())?,
     };
     start(args.run.clone(), model_config, run, prepared, info, resume, pretrained)
 }
 
 /// Model, run and data configuration of a fresh `train` run.
-fn train_setup(args: &TrainArgs, p: &Prepared) -> Result<(ModelConfig, RunConfig, DataInfo)> {
+fn train_setup(args: &TrainArgs, p: &Prepared, pretrained: Option<&Checkpoint>) -> Result<(ModelConfig, RunConfig, DataInfo)> {
     let mut base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
-    if let Some(path) = &args.pretrained_encoder {
-        let ckpt = read_checkpoint(path).with_context(|| format!("--pretrained-encoder {}", path.display()))?;
+    if let Some(ckpt) = pretrained {
+        let path = &ckpt.path;
         let ModelConfig::SequenceEncoder(encoder) = &ckpt.meta.model else {
             bail!("--pretrained-encoder {}: holds a {} model; a `pretrain` checkpoint is needed", path.display(), "SequencePredictor");
         };

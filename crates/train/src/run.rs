@@ -615,7 +615,8 @@ fn validate<B: AttentionBackend>(
             nuc_hits += counts[0];
             nuc_total += counts[1];
         }
-        if let (Some(e), Some(t)) = (&predictions.embeddings, &targets.base) {
+        // Pretraining reports metrics of the predicted UniFrac distances.
+        if let (Task::Pretrain, Some(e), Some(t)) = (run.task, &predictions.embeddings, &targets.base) {
             let b = batch.batch_size();
             let p = pairwise_tanh_distances(e.clone()).into_data().to_vec::<f32>().expect("f32");
             let t = t.clone().into_data().to_vec::<f32>().expect("f32");
@@ -626,9 +627,7 @@ fn validate<B: AttentionBackend>(
                     tt.push(t[i * b + j] as f64);
                 }
             }
-            if run.task == Task::Pretrain {
-                pairs.update(&pp, &tt);
-            }
+            pairs.update(&pp, &tt);
         }
         if let Some(pred) = &predictions.target {
             target_rows(pred, &batch, data, classifier, &mut targets_metrics, &mut classes, &mut rows);
