@@ -38,34 +38,52 @@ struct Tolerance {
 /// sum in another order (gemm vs matrixmultiply); backward through LayerNorm
 /// and softmax amplifies that ~10x (measured: forward 3.7e-7, grads 4.5e-6).
 #[allow(dead_code)]
-const CANDLE_F32: Tolerance = Tolerance { forward: 1e-5, grad: 5e-5 };
+const CANDLE_F32: Tolerance = Tolerance {
+    forward: 1e-5,
+    grad: 5e-5,
+};
 
 /// wgpu f32 (CubeCL WGSL): GPU reduction order, FMA, the driver's own
 /// exp/log/erf, which GPU drivers may compute to fewer bits than the CPU
 /// (measured on lavapipe: forward 4.9e-7, grads 3.5e-6).
 #[allow(dead_code)]
-const WGPU_F32: Tolerance = Tolerance { forward: 1e-4, grad: 1e-4 };
+const WGPU_F32: Tolerance = Tolerance {
+    forward: 1e-4,
+    grad: 1e-4,
+};
 
 /// CUDA f32 (CubeCL): burn 0.21 runs f32 matmul on TF32 tensor
 /// cores (10-bit mantissa; ~70 TFLOP/s measured on the H100, issue 6), so
 /// ~1e-3 relative is expected.
 #[allow(dead_code)]
-const CUDA_F32: Tolerance = Tolerance { forward: 1e-2, grad: 1e-2 };
+const CUDA_F32: Tolerance = Tolerance {
+    forward: 1e-2,
+    grad: 1e-2,
+};
 
 /// ROCm f32 (CubeCL): like CUDA; MI300 matrix cores may run f32
 /// matmul as TF32/XF32-class too.
 #[allow(dead_code)]
-const ROCM_F32: Tolerance = Tolerance { forward: 1e-2, grad: 1e-2 };
+const ROCM_F32: Tolerance = Tolerance {
+    forward: 1e-2,
+    grad: 1e-2,
+};
 
 /// libtorch f32 on the CPU: the reference's own kernels (MKL/oneDNN), the
 /// same arithmetic in another summation order.
 #[allow(dead_code)]
-const TCH_F32: Tolerance = Tolerance { forward: 1e-5, grad: 1e-5 };
+const TCH_F32: Tolerance = Tolerance {
+    forward: 1e-5,
+    grad: 1e-5,
+};
 
 /// libtorch f32 on a GPU: cuBLAS/hipBLAS full f32 (torch leaves TF32 matmul
 /// off by default), GPU reduction order and transcendentals.
 #[allow(dead_code)]
-const TCH_GPU_F32: Tolerance = Tolerance { forward: 1e-4, grad: 1e-4 };
+const TCH_GPU_F32: Tolerance = Tolerance {
+    forward: 1e-4,
+    grad: 1e-4,
+};
 
 /// What one backend computed for one case, on the host.
 struct Run {
@@ -84,13 +102,17 @@ fn load<B: AttentionBackend>(case: &Case, device: &B::Device) -> (ModelConfig, A
     let ckpt = TorchCheckpoint::read(&case.checkpoint()).unwrap();
     let config = infer_config(&ckpt.shapes(), &case.hints(), &ckpt.path).unwrap();
     let mut model = config.init::<B>(device).unwrap();
-    model.load_state_dict(&config, ckpt.tensors, &ckpt.path).unwrap();
+    model
+        .load_state_dict(&config, ckpt.tensors, &ckpt.path)
+        .unwrap();
     (config, model)
 }
 
 fn host(tensor: &OutputTensor<impl AttentionBackend>) -> Values {
     match tensor {
-        OutputTensor::Bool3(t) => Values::Bool(t.to_data().convert::<bool>().to_vec::<bool>().unwrap()),
+        OutputTensor::Bool3(t) => {
+            Values::Bool(t.to_data().convert::<bool>().to_vec::<bool>().unwrap())
+        }
         other => Values::F32(other.to_data().convert::<f32>().to_vec::<f32>().unwrap()),
     }
 }
@@ -105,12 +127,23 @@ fn run<B: AttentionBackend>(case: &Case, device: &B::Device) -> Run {
         .collect();
 
     let (config, model) = load::<Autodiff<B>>(case, device);
-    let model = config.without_dropout().init::<Autodiff<B>>(device).unwrap().with_weights_of(model);
+    let model = config
+        .without_dropout()
+        .init::<Autodiff<B>>(device)
+        .unwrap()
+        .with_weights_of(model);
     let weights = grad_weights(case);
     let f = model
-        .forward_named(case.inputs::<Autodiff<B>>(device), case.return_nucleotides())
+        .forward_named(
+            case.inputs::<Autodiff<B>>(device),
+            case.return_nucleotides(),
+        )
         .iter()
-        .filter_map(|(n, t)| weights.get(*n).and_then(|w| t.weighted_sum(w.as_slice().unwrap())))
+        .filter_map(|(n, t)| {
+            weights
+                .get(*n)
+                .and_then(|w| t.weighted_sum(w.as_slice().unwrap()))
+        })
         .reduce(|a, b| a + b)
         .expect("some weighted output");
     let grads = f.backward();
@@ -130,8 +163,17 @@ fn check<B: AttentionBackend>(backend: &str, case_name: &str, device: B::Device,
     let got = run::<B>(&case, &device);
     let mut failures = Vec::new();
 
-    let names = |r: &Run| r.outputs.iter().map(|(n, s, _)| (*n, s.clone())).collect::<Vec<_>>();
-    assert_eq!(names(&got), names(&want), "{backend}/{case_name}: output names and shapes");
+    let names = |r: &Run| {
+        r.outputs
+            .iter()
+            .map(|(n, s, _)| (*n, s.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        names(&got),
+        names(&want),
+        "{backend}/{case_name}: output names and shapes"
+    );
     let mut worst_forward = (0.0f32, "");
     for ((name, _, g), (_, _, w)) in got.outputs.iter().zip(&want.outputs) {
         match (g, w) {
@@ -154,7 +196,11 @@ fn check<B: AttentionBackend>(backend: &str, case_name: &str, device: B::Device,
         }
     }
 
-    assert_eq!(got.grads.len(), want.grads.len(), "{backend}/{case_name}: one gradient entry per parameter");
+    assert_eq!(
+        got.grads.len(),
+        want.grads.len(),
+        "{backend}/{case_name}: one gradient entry per parameter"
+    );
     let mut worst_grad = (0.0f32, String::new());
     for ((key, g), (want_key, w)) in got.grads.iter().zip(&want.grads) {
         assert_eq!(key, want_key, "{backend}/{case_name}: parameter order");
@@ -172,7 +218,9 @@ fn check<B: AttentionBackend>(backend: &str, case_name: &str, device: B::Device,
             // One side recorded no gradient: the other must be exactly zero.
             (Some(v), None) | (None, Some(v)) => {
                 if v.iter().any(|x| *x != 0.0) {
-                    failures.push(format!("grad {key}: present on one side only, and non-zero"));
+                    failures.push(format!(
+                        "grad {key}: present on one side only, and non-zero"
+                    ));
                 }
             }
         }
@@ -181,7 +229,11 @@ fn check<B: AttentionBackend>(backend: &str, case_name: &str, device: B::Device,
         "{backend:>8} {case_name:<30} forward {:.1e} ({}), grads {:.1e} ({})",
         worst_forward.0, worst_forward.1, worst_grad.0, worst_grad.1
     );
-    assert!(failures.is_empty(), "{backend}/{case_name} vs ndarray f32:\n  {}", failures.join("\n  "));
+    assert!(
+        failures.is_empty(),
+        "{backend}/{case_name} vs ndarray f32:\n  {}",
+        failures.join("\n  ")
+    );
 }
 
 /// One module of tests per backend, one test per fixture case.
@@ -238,8 +290,18 @@ backend_parity!("candle", candle, burn::backend::Candle<f32, i64>, burn::backend
 backend_parity!("wgpu", wgpu, burn::backend::Wgpu<f32, i32>, burn::backend::wgpu::WgpuDevice::DefaultDevice, WGPU_F32);
 backend_parity!("cuda", cuda, burn::backend::Cuda<f32, i32>, burn::backend::cuda::CudaDevice::new(0), CUDA_F32);
 backend_parity!("rocm", rocm, burn::backend::Rocm<f32, i32>, burn::backend::rocm::RocmDevice::new(0), ROCM_F32);
-backend_parity!("tch", tch, burn::backend::LibTorch<f32>, burn::backend::libtorch::LibTorchDevice::Cpu, TCH_F32);
+backend_parity!(
+    "tch",
+    tch,
+    burn::backend::LibTorch<f32>,
+    burn::backend::libtorch::LibTorchDevice::Cpu,
+    TCH_F32
+);
 backend_parity!(
     #[ignore = "needs a CUDA or ROCm build of libtorch and a GPU: run with --ignored on a GPU machine"]
-    "tch", tch_gpu, burn::backend::LibTorch<f32>, burn::backend::libtorch::LibTorchDevice::Cuda(0), TCH_GPU_F32
+    "tch",
+    tch_gpu,
+    burn::backend::LibTorch<f32>,
+    burn::backend::libtorch::LibTorchDevice::Cuda(0),
+    TCH_GPU_F32
 );

@@ -38,13 +38,16 @@ pub struct Case {
 /// An npz file's arrays of element type `T` by name (the `.npy` suffix
 /// dropped; arrays of other types are left out).
 pub fn read_npz<T: ndarray_npy::ReadableElement>(path: &Path) -> BTreeMap<String, ArrayD<T>> {
-    let mut npz = NpzReader::new(File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap();
+    let mut npz =
+        NpzReader::new(File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+            .unwrap();
     let names = npz.names().unwrap();
     names
         .into_iter()
         .filter_map(|n| {
             let arr: Result<ArrayD<T>, _> = npz.by_name(&n);
-            arr.ok().map(|a| (n.trim_end_matches(".npy").to_string(), a))
+            arr.ok()
+                .map(|a| (n.trim_end_matches(".npy").to_string(), a))
         })
         .collect()
 }
@@ -63,7 +66,8 @@ impl Case {
     /// Loads `fixtures/reference/<name>`.
     pub fn load(name: &str) -> Case {
         let dir = fixtures_dir().join(name);
-        let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).unwrap()).unwrap();
+        let meta: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("case.json")).unwrap()).unwrap();
         Case { dir, meta }
     }
 
@@ -81,10 +85,16 @@ impl Case {
     pub fn hints(&self) -> ImportHints {
         let mut hints = ImportHints::default();
         for stack in ["asv", "sample", "encoder", "count", "target"] {
-            if let Some(h) = self.kwarg(&format!("{stack}_num_heads")).and_then(Value::as_u64) {
+            if let Some(h) = self
+                .kwarg(&format!("{stack}_num_heads"))
+                .and_then(Value::as_u64)
+            {
                 hints.stack_heads.insert(stack.into(), h as usize);
             }
-            if let Some(a) = self.kwarg(&format!("{stack}_activation")).and_then(Value::as_str) {
+            if let Some(a) = self
+                .kwarg(&format!("{stack}_activation"))
+                .and_then(Value::as_str)
+            {
                 let act: Activation = serde_json::from_value(Value::String(a.into())).unwrap();
                 hints.stack_activations.insert(stack.into(), act);
             }
@@ -93,13 +103,24 @@ impl Case {
             hints.cross_attn_heads = h as usize;
         }
         if let Some(t) = self.kwarg("encoder_type").and_then(Value::as_str) {
-            hints.encoder_type = Some(serde_json::from_value::<EncoderType>(Value::String(t.into())).unwrap());
+            hints.encoder_type =
+                Some(serde_json::from_value::<EncoderType>(Value::String(t.into())).unwrap());
         }
-        hints.num_quantiles = self.kwarg("num_quantiles").and_then(Value::as_u64).map(|q| q as usize);
-        hints.is_classifier = self.kwarg("is_classifier").and_then(Value::as_bool).unwrap_or(false);
-        hints.bounded_targets = self.kwarg("bounded_targets").and_then(Value::as_bool).unwrap_or(false);
+        hints.num_quantiles = self
+            .kwarg("num_quantiles")
+            .and_then(Value::as_u64)
+            .map(|q| q as usize);
+        hints.is_classifier = self
+            .kwarg("is_classifier")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        hints.bounded_targets = self
+            .kwarg("bounded_targets")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         if let Some(a) = self.kwarg("output_activation").and_then(Value::as_str) {
-            hints.output_activation = serde_json::from_value::<OutputActivation>(Value::String(a.into())).unwrap();
+            hints.output_activation =
+                serde_json::from_value::<OutputActivation>(Value::String(a.into())).unwrap();
         }
         if let Some(cols) = self.kwarg("conditional_scaling_columns") {
             hints.conditional_scaling_columns = serde_json::from_value(cols.clone()).unwrap();
@@ -113,25 +134,43 @@ impl Case {
         let floats = read_npz_f32(&self.dir.join("inputs.npz"));
         let tokens = &ints["tokens"];
         let tokens = Tensor::<B, 3, Int>::from_data(
-            TensorData::new(tokens.iter().copied().collect::<Vec<i64>>(), tokens.shape().to_vec()),
+            TensorData::new(
+                tokens.iter().copied().collect::<Vec<i64>>(),
+                tokens.shape().to_vec(),
+            ),
             device,
         );
         let counts = floats.get("counts").map(|c| {
-            Tensor::<B, 3>::from_data(TensorData::new(c.iter().copied().collect::<Vec<f32>>(), c.shape().to_vec()), device)
+            Tensor::<B, 3>::from_data(
+                TensorData::new(c.iter().copied().collect::<Vec<f32>>(), c.shape().to_vec()),
+                device,
+            )
         });
         let cats: BTreeMap<String, Tensor<B, 1, Int>> = ints
             .iter()
             .filter_map(|(k, v)| k.strip_prefix("cat.").map(|col| (col.to_string(), v)))
             .map(|(col, v)| {
-                (col, Tensor::from_data(TensorData::new(v.iter().copied().collect::<Vec<i64>>(), [v.len()]), device))
+                (
+                    col,
+                    Tensor::from_data(
+                        TensorData::new(v.iter().copied().collect::<Vec<i64>>(), [v.len()]),
+                        device,
+                    ),
+                )
             })
             .collect();
-        ModelInput { tokens, counts, categorical_ids: (!cats.is_empty()).then_some(cats) }
+        ModelInput {
+            tokens,
+            counts,
+            categorical_ids: (!cats.is_empty()).then_some(cats),
+        }
     }
 
     /// Whether the case asks for nucleotide outputs.
     pub fn return_nucleotides(&self) -> bool {
-        self.meta["forward"]["return_nucleotides"].as_bool().unwrap_or(false)
+        self.meta["forward"]["return_nucleotides"]
+            .as_bool()
+            .unwrap_or(false)
     }
 
     /// Reference outputs.
@@ -158,12 +197,20 @@ impl Case {
 /// Largest |a − b| over two equally shaped arrays.
 pub fn max_abs_diff(actual: &[f32], expected: &[f32]) -> f32 {
     assert_eq!(actual.len(), expected.len(), "length mismatch");
-    actual.iter().zip(expected).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+    actual
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Max-abs difference relative to the largest reference magnitude.
 pub fn max_rel_diff(actual: &[f32], expected: &[f32]) -> f32 {
-    let scale = expected.iter().map(|x| x.abs()).fold(0.0, f32::max).max(1e-12);
+    let scale = expected
+        .iter()
+        .map(|x| x.abs())
+        .fold(0.0, f32::max)
+        .max(1e-12);
     max_abs_diff(actual, expected) / scale
 }
 
@@ -174,7 +221,9 @@ pub fn config_json(config: &ModelConfig) -> String {
 
 /// Reference gradients by parameter name.
 pub fn reference_grads(case: &Case) -> HashMap<String, ArrayD<f32>> {
-    read_npz_f32(&case.dir.join("grads.npz")).into_iter().collect()
+    read_npz_f32(&case.dir.join("grads.npz"))
+        .into_iter()
+        .collect()
 }
 
 /// The weights `W_k` of the scalar test function `f = Σ_k Σ out_k ⊙ W_k`.

@@ -15,11 +15,16 @@ use burn::prelude::*;
 type Cpu = NdArray<f32>;
 type CpuAd = Autodiff<Cpu>;
 
-fn load<B: Backend>(case: &Case, device: &B::Device) -> (aam_models::import::ModelConfig, AamModel<B>) {
+fn load<B: Backend>(
+    case: &Case,
+    device: &B::Device,
+) -> (aam_models::import::ModelConfig, AamModel<B>) {
     let ckpt = TorchCheckpoint::read(&case.checkpoint()).unwrap();
     let config = infer_config(&ckpt.shapes(), &case.hints(), &ckpt.path).unwrap();
     let mut model = config.init::<B>(device).unwrap();
-    model.load_state_dict(&config, ckpt.tensors, &ckpt.path).unwrap();
+    model
+        .load_state_dict(&config, ckpt.tensors, &ckpt.path)
+        .unwrap();
     (config, model)
 }
 
@@ -34,20 +39,29 @@ fn check_case(name: &str) {
     ours_sorted.sort();
     let mut theirs = case.params();
     theirs.sort();
-    assert_eq!(ours_sorted, theirs, "{name}: state-dict names/shapes differ\nconfig: {}", config_json(&config));
+    assert_eq!(
+        ours_sorted,
+        theirs,
+        "{name}: state-dict names/shapes differ\nconfig: {}",
+        config_json(&config)
+    );
 
     // Forward, eval mode.
     let outputs = model.forward_named(case.inputs::<Cpu>(&device), case.return_nucleotides());
     let expected = case.outputs();
     let ours_names: std::collections::BTreeSet<&str> = outputs.iter().map(|(n, _)| *n).collect();
-    let theirs_names: std::collections::BTreeSet<&str> = expected.keys().map(String::as_str).collect();
+    let theirs_names: std::collections::BTreeSet<&str> =
+        expected.keys().map(String::as_str).collect();
     assert_eq!(ours_names, theirs_names, "{name}: output keys differ");
     for (key, tensor) in &outputs {
         let want = &expected[*key];
         assert_eq!(tensor.shape(), want.shape(), "{name}/{key}: shape");
         let got = tensor.to_data().convert::<f32>().to_vec::<f32>().unwrap();
         let diff = max_abs_diff(&got, want.as_slice().unwrap());
-        assert!(diff <= FORWARD_ATOL, "{name}/{key}: max |Δ| = {diff:e} > {FORWARD_ATOL:e}");
+        assert!(
+            diff <= FORWARD_ATOL,
+            "{name}/{key}: max |Δ| = {diff:e} > {FORWARD_ATOL:e}"
+        );
     }
 
     // Gradients of f = Σ out ⊙ W with dropout 0 and no masking.
@@ -55,19 +69,31 @@ fn check_case(name: &str) {
         return;
     }
     let (config_ad, model_ad) = load::<CpuAd>(&case, &device);
-    let model_ad = config_ad.without_dropout().init::<CpuAd>(&device).unwrap().with_weights_of(model_ad);
+    let model_ad = config_ad
+        .without_dropout()
+        .init::<CpuAd>(&device)
+        .unwrap()
+        .with_weights_of(model_ad);
     let weights = grad_weights(&case);
     let outputs = model_ad.forward_named(case.inputs::<CpuAd>(&device), case.return_nucleotides());
     let f = outputs
         .iter()
-        .filter_map(|(n, t)| weights.get(*n).and_then(|w| t.weighted_sum(w.as_slice().unwrap())))
+        .filter_map(|(n, t)| {
+            weights
+                .get(*n)
+                .and_then(|w| t.weighted_sum(w.as_slice().unwrap()))
+        })
         .reduce(|a, b| a + b)
         .expect("some weighted output");
     let grads = f.backward();
     let want = reference_grads(&case);
     let no_grad = case.no_grad_params();
     let named = model_ad.named_gradients(&config_ad, &grads);
-    assert_eq!(named.len(), case.params().len(), "{name}: one gradient entry per parameter");
+    assert_eq!(
+        named.len(),
+        case.params().len(),
+        "{name}: one gradient entry per parameter"
+    );
     let with_grad = named.iter().filter(|(_, g)| g.is_some()).count();
     assert_eq!(with_grad, want.len(), "{name}: parameters with a gradient");
     for (key, grad) in named {
@@ -75,16 +101,28 @@ fn check_case(name: &str) {
             (Some(g), Some(w)) => {
                 let g = g.convert::<f32>().to_vec::<f32>().unwrap();
                 let rel = max_rel_diff(&g, w.as_slice().unwrap());
-                assert!(rel <= GRAD_RTOL, "{name}: grad {key}: relative max |Δ| = {rel:e} > {GRAD_RTOL:e}");
+                assert!(
+                    rel <= GRAD_RTOL,
+                    "{name}: grad {key}: relative max |Δ| = {rel:e} > {GRAD_RTOL:e}"
+                );
             }
-            (None, None) => assert!(no_grad.contains(&key), "{name}: {key} has no gradient on either side but is not listed"),
+            (None, None) => assert!(
+                no_grad.contains(&key),
+                "{name}: {key} has no gradient on either side but is not listed"
+            ),
             (Some(g), None) => {
                 // The reference had None: ours must be zero.
                 let g = g.convert::<f32>().to_vec::<f32>().unwrap();
-                assert!(g.iter().all(|x| *x == 0.0), "{name}: {key} has a gradient; the reference has none");
+                assert!(
+                    g.iter().all(|x| *x == 0.0),
+                    "{name}: {key} has a gradient; the reference has none"
+                );
             }
             (None, Some(w)) => {
-                assert!(w.iter().all(|x| *x == 0.0), "{name}: {key}: no gradient here, non-zero in the reference");
+                assert!(
+                    w.iter().all(|x| *x == 0.0),
+                    "{name}: {key}: no gradient here, non-zero in the reference"
+                );
             }
         }
     }

@@ -26,8 +26,16 @@ fn parse_listings() -> Vec<Listing> {
         if let Some(header) = line.strip_prefix("### ") {
             // "name: 161 tensors, 2533639 params"
             let (name, rest) = header.split_once(": ").unwrap();
-            let nums: Vec<usize> = rest.split(|c: char| !c.is_ascii_digit()).filter_map(|s| s.parse().ok()).collect();
-            out.push(Listing { name: name.into(), tensors: nums[0], params: nums[1], keys: Vec::new() });
+            let nums: Vec<usize> = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .filter_map(|s| s.parse().ok())
+                .collect();
+            out.push(Listing {
+                name: name.into(),
+                tensors: nums[0],
+                params: nums[1],
+                keys: Vec::new(),
+            });
         } else if let Some((key, shape)) = line.split_once('\t') {
             let shape = shape
                 .trim_matches(|c| c == '(' || c == ')')
@@ -46,7 +54,12 @@ fn every_reference_state_dict_maps_name_for_name() {
     assert_eq!(listings.len(), 17, "the reference lists 17 configurations");
     let device = Default::default();
     for listing in listings {
-        assert_eq!(listing.keys.len(), listing.tensors, "{}: listing size", listing.name);
+        assert_eq!(
+            listing.keys.len(),
+            listing.tensors,
+            "{}: listing size",
+            listing.name
+        );
         let shapes: BTreeMap<String, Vec<usize>> = listing.keys.iter().cloned().collect();
         let mut hints = ImportHints::default();
         if listing.name.starts_with("quantile3") {
@@ -58,6 +71,12 @@ fn every_reference_state_dict_maps_name_for_name() {
         let ours = model.state_dict_shapes(&config);
         let params: usize = ours.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
         assert_eq!(params, listing.params, "{}: parameter count", listing.name);
-        assert_eq!(ours, listing.keys, "{}: keys, shapes or order differ\nconfig: {}", listing.name, config_json(&config));
+        assert_eq!(
+            ours,
+            listing.keys,
+            "{}: keys, shapes or order differ\nconfig: {}",
+            listing.name,
+            config_json(&config)
+        );
     }
 }

@@ -33,15 +33,35 @@ struct Shape {
 
 fn shapes() -> Vec<Shape> {
     // 400 of 2048 ASV rows are 100 long (deterministic positions).
-    let asv = (0..2048).map(|i| if (i * 7919) % 2048 < 400 { 100 } else { 151 }).collect();
+    let asv = (0..2048)
+        .map(|i| if (i * 7919) % 2048 < 400 { 100 } else { 151 })
+        .collect();
     vec![
-        Shape { name: "asv[2048x4x151x32]", n: 2048, h: 4, t: 151, dh: 32, lengths: asv },
-        Shape { name: "sample[8x4x1024x32]", n: 8, h: 4, t: 1024, dh: 32, lengths: vec![120, 250, 80, 400, 300, 150, 500, 200] },
+        Shape {
+            name: "asv[2048x4x151x32]",
+            n: 2048,
+            h: 4,
+            t: 151,
+            dh: 32,
+            lengths: asv,
+        },
+        Shape {
+            name: "sample[8x4x1024x32]",
+            n: 8,
+            h: 4,
+            t: 1024,
+            dh: 32,
+            lengths: vec![120, 250, 80, 400, 300, 150, 500, 200],
+        },
     ]
 }
 
 fn mask<B: Backend>(s: &Shape, device: &B::Device) -> Tensor<B, 2, Bool> {
-    let values: Vec<bool> = s.lengths.iter().flat_map(|&len| (0..s.t).map(move |j| j >= len)).collect();
+    let values: Vec<bool> = s
+        .lengths
+        .iter()
+        .flat_map(|&len| (0..s.t).map(move |j| j >= len))
+        .collect();
     Tensor::from_data(TensorData::new(values, [s.n, s.t]), device)
 }
 
@@ -63,7 +83,13 @@ fn median_ms<F: FnMut()>(mut step: F, sync: &dyn Fn()) -> f64 {
 }
 
 fn inputs<B: Backend>(s: &Shape, device: &B::Device) -> [Tensor<B, 4>; 4] {
-    core::array::from_fn(|_| Tensor::random([s.n, s.h, s.t, s.dh], Distribution::Normal(0.0, 1.0), device))
+    core::array::from_fn(|_| {
+        Tensor::random(
+            [s.n, s.h, s.t, s.dh],
+            Distribution::Normal(0.0, 1.0),
+            device,
+        )
+    })
 }
 
 fn report(shape: &Shape, dtype: &str, pass: &str, path: &str, ms: f64, extra: serde_json::Value) {
@@ -90,22 +116,64 @@ where
         let [q, k, v, w] = inputs::<B>(&shape, device);
         let m = mask::<B>(&shape, device);
         // accuracy of the fused output against the math path (f32 math for reference)
-        let fused = fused_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()), AttentionDropout::NONE);
+        let fused = fused_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            Some(m.clone()),
+            AttentionDropout::NONE,
+        );
         let math = reference_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()));
-        let diff = (fused.clone().cast(burn::tensor::DType::F32) - math.clone().cast(burn::tensor::DType::F32)).abs().max().into_scalar().elem::<f64>();
-        let scale = math.cast(burn::tensor::DType::F32).abs().max().into_scalar().elem::<f64>();
+        let diff = (fused.clone().cast(burn::tensor::DType::F32)
+            - math.clone().cast(burn::tensor::DType::F32))
+        .abs()
+        .max()
+        .into_scalar()
+        .elem::<f64>();
+        let scale = math
+            .cast(burn::tensor::DType::F32)
+            .abs()
+            .max()
+            .into_scalar()
+            .elem::<f64>();
         let rel = serde_json::json!({"rel_err_vs_math": diff / scale});
-        let ms = median_ms(|| { let _ = fused_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()), AttentionDropout::NONE); }, &sync);
+        let ms = median_ms(
+            || {
+                let _ = fused_attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    Some(m.clone()),
+                    AttentionDropout::NONE,
+                );
+            },
+            &sync,
+        );
         report(&shape, dtype, "forward", "fused", ms, rel);
-        let ms = median_ms(|| { let _ = reference_attention(q.clone(), k.clone(), v.clone(), Some(m.clone())); }, &sync);
+        let ms = median_ms(
+            || {
+                let _ = reference_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()));
+            },
+            &sync,
+        );
         report(&shape, dtype, "forward", "math", ms, serde_json::json!({}));
 
         let [qa, ka, va, wa] = [q, k, v, w].map(|t| Tensor::<Autodiff<B>, 4>::from_inner(t));
         let ma = Tensor::<Autodiff<B>, 2, Bool>::from_inner(m);
         let step = |fused: bool| {
-            let (q, k, v) = (qa.clone().require_grad(), ka.clone().require_grad(), va.clone().require_grad());
+            let (q, k, v) = (
+                qa.clone().require_grad(),
+                ka.clone().require_grad(),
+                va.clone().require_grad(),
+            );
             let out = if fused {
-                fused_attention(q.clone(), k.clone(), v.clone(), Some(ma.clone()), AttentionDropout::NONE)
+                fused_attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    Some(ma.clone()),
+                    AttentionDropout::NONE,
+                )
             } else {
                 reference_attention(q.clone(), k.clone(), v.clone(), Some(ma.clone()))
             };
@@ -113,9 +181,23 @@ where
             let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
         };
         let ms = median_ms(|| step(true), &sync);
-        report(&shape, dtype, "forward+backward", "fused", ms, serde_json::json!({}));
+        report(
+            &shape,
+            dtype,
+            "forward+backward",
+            "fused",
+            ms,
+            serde_json::json!({}),
+        );
         let ms = median_ms(|| step(false), &sync);
-        report(&shape, dtype, "forward+backward", "math", ms, serde_json::json!({}));
+        report(
+            &shape,
+            dtype,
+            "forward+backward",
+            "math",
+            ms,
+            serde_json::json!({}),
+        );
     }
 }
 

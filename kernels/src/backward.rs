@@ -29,14 +29,20 @@ type State<B> = (
 impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
     type State = State<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
         let [node_q, node_k, node_v] = ops.parents;
         let dout = grads.consume::<B>(&ops.node);
         let (q_state, k_state, v_state, mask, out, lse, scale, dropout) = ops.state;
         let q: FloatTensor<B> = checkpointer.retrieve_node_output(q_state);
         let k: FloatTensor<B> = checkpointer.retrieve_node_output(k_state);
         let v: FloatTensor<B> = checkpointer.retrieve_node_output(v_state);
-        let (dq, dk, dv) = B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout);
+        let (dq, dk, dv) =
+            B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout);
         if let Some(node) = node_q {
             grads.register::<B>(node.id, dq);
         }
@@ -79,7 +85,16 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                     scale,
                     dropout,
                 );
-                let state = (q_state, k_state, v_state, key_padding_mask, out.clone(), lse, scale, dropout);
+                let state = (
+                    q_state,
+                    k_state,
+                    v_state,
+                    key_padding_mask,
+                    out.clone(),
+                    lse,
+                    scale,
+                    dropout,
+                );
                 prep.finish(state, out)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::fused_masked_attention(

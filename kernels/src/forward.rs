@@ -28,7 +28,11 @@ fn tile_rows(head_dim: usize) -> usize {
 /// lavapipe, used in CI) take minutes to compile the unrolled kernels.
 fn unroll_loops() -> bool {
     static UNROLL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *UNROLL.get_or_init(|| std::env::var("AAM_KERNEL_UNROLL").map(|v| v != "0").unwrap_or(true))
+    *UNROLL.get_or_init(|| {
+        std::env::var("AAM_KERNEL_UNROLL")
+            .map(|v| v != "0")
+            .unwrap_or(true)
+    })
 }
 /// The largest head dimension the kernels take (registers per unit).
 pub const MAX_HEAD_DIM: usize = 128;
@@ -37,7 +41,11 @@ const MAX_CUBES_PER_DIM: usize = 65_535;
 
 /// Units (rows) per cube: fewer for wide heads, whose rows use more registers.
 fn rows_per_cube(head_dim: usize) -> u32 {
-    if head_dim > 64 { 32 } else { 64 }
+    if head_dim > 64 {
+        32
+    } else {
+        64
+    }
 }
 
 /// Dropout as the kernels take it: `(use, threshold = p·2³², 1/(1−p), seed)`.
@@ -47,7 +55,11 @@ fn dropout_args(dropout: AttentionDropout) -> (bool, u32, f32, u32) {
         return (false, 0, 1.0, 0);
     }
     let threshold = (p * 4_294_967_296.0).min(u32::MAX as f64) as u32;
-    let scale = if p < 1.0 { (1.0 / (1.0 - p)) as f32 } else { 0.0 };
+    let scale = if p < 1.0 {
+        (1.0 / (1.0 - p)) as f32
+    } else {
+        0.0
+    };
     (true, threshold, scale, dropout.seed)
 }
 
@@ -67,18 +79,24 @@ where
 {
     type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
     let valid: Tensor<B<R, F, I, BT>, 2> = match mask {
-        Some(m) => Tensor::<B<R, F, I, BT>, 2, burn::tensor::Bool>::from_primitive(m).bool_not().float(),
+        Some(m) => Tensor::<B<R, F, I, BT>, 2, burn::tensor::Bool>::from_primitive(m)
+            .bool_not()
+            .float(),
         None => Tensor::ones([n, tk], device),
     }
     .cast(DType::F32);
     let tiles = tk.div_ceil(tile_keys);
     let padded = if tiles * tile_keys > tk {
-        let pad = Tensor::<B<R, F, I, BT>, 2>::zeros([n, tiles * tile_keys - tk], device).cast(DType::F32);
+        let pad = Tensor::<B<R, F, I, BT>, 2>::zeros([n, tiles * tile_keys - tk], device)
+            .cast(DType::F32);
         Tensor::cat(vec![valid.clone(), pad], 1)
     } else {
         valid.clone()
     };
-    let per_tile = padded.reshape([n, tiles, tile_keys]).sum_dim(2).reshape([n, tiles]);
+    let per_tile = padded
+        .reshape([n, tiles, tile_keys])
+        .sum_dim(2)
+        .reshape([n, tiles]);
     (
         into_contiguous(valid.into_primitive().tensor()),
         into_contiguous(per_tile.into_primitive().tensor()),
@@ -92,7 +110,9 @@ fn dims4<R: CubeRuntime>(t: &CubeTensor<R>) -> [usize; 4] {
 
 /// Splits `n·H` sequences into launches of at most 65,535 cubes along x.
 fn bh_chunks(bh: usize) -> impl Iterator<Item = (u32, u32)> {
-    (0..bh).step_by(MAX_CUBES_PER_DIM).map(move |start| (start as u32, (bh - start).min(MAX_CUBES_PER_DIM) as u32))
+    (0..bh)
+        .step_by(MAX_CUBES_PER_DIM)
+        .map(move |start| (start as u32, (bh - start).min(MAX_CUBES_PER_DIM) as u32))
 }
 
 impl<R, F, I, BT> AttentionBackend for CubeBackend<R, F, I, BT>
@@ -130,11 +150,25 @@ where
         let v = into_contiguous(v);
         let [n, h, tq, dh] = dims4(&q);
         let tk = dims4(&k)[2];
-        assert!(dh <= MAX_HEAD_DIM, "fused attention: head dim {dh} > {MAX_HEAD_DIM}");
-        let (key_valid, tile_valid) = validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
+        assert!(
+            dh <= MAX_HEAD_DIM,
+            "fused attention: head dim {dh} > {MAX_HEAD_DIM}"
+        );
+        let (key_valid, tile_valid) =
+            validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
         let client = q.client.clone();
-        let out = empty_device_dtype::<R>(client.clone(), q.device.clone(), Shape::new([n, h, tq, dh]), q.dtype);
-        let lse = empty_device_dtype::<R>(client.clone(), q.device.clone(), Shape::new([n, h, tq]), DType::F32);
+        let out = empty_device_dtype::<R>(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([n, h, tq, dh]),
+            q.dtype,
+        );
+        let lse = empty_device_dtype::<R>(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([n, h, tq]),
+            DType::F32,
+        );
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
         let rows = rows_per_cube(dh);
         for (offset, count) in bh_chunks(n * h) {
@@ -183,16 +217,25 @@ where
         let dout = into_contiguous(dout);
         let [n, h, tq, dh] = dims4(&q);
         let tk = dims4(&k)[2];
-        let (key_valid, tile_valid) = validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
+        let (key_valid, tile_valid) =
+            validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
         // Δ_i = rowsum(dO_i ⊙ O_i), in f32.
-        let delta: Tensor<Self, 4> = (Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(dout.clone()))
-            * Tensor::from_primitive(TensorPrimitive::Float(out)))
-        .cast(DType::F32)
-        .sum_dim(3);
+        let delta: Tensor<Self, 4> =
+            (Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(dout.clone()))
+                * Tensor::from_primitive(TensorPrimitive::Float(out)))
+            .cast(DType::F32)
+            .sum_dim(3);
         let delta = into_contiguous(delta.reshape([n, h, tq]).into_primitive().tensor());
         let lse = into_contiguous(lse);
         let client = q.client.clone();
-        let alloc = |t: usize| empty_device_dtype::<R>(client.clone(), q.device.clone(), Shape::new([n, h, t, dh]), q.dtype);
+        let alloc = |t: usize| {
+            empty_device_dtype::<R>(
+                client.clone(),
+                q.device.clone(),
+                Shape::new([n, h, t, dh]),
+                q.dtype,
+            )
+        };
         let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
         let rows = rows_per_cube(dh);

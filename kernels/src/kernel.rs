@@ -93,7 +93,20 @@ pub fn attention_forward<F: Float>(
     for t in 0..n_tiles {
         // Uniform over the cube: every unit takes the same branch.
         if tile_valid[n * n_tiles + t] > 0.0 {
-            load_tile::<F>(k, v, key_valid, &mut k_tile, &mut v_tile, &mut valid_tile, kv_base, n * tk, t * tile_keys, tk, head_dim, tile_keys);
+            load_tile::<F>(
+                k,
+                v,
+                key_valid,
+                &mut k_tile,
+                &mut v_tile,
+                &mut valid_tile,
+                kv_base,
+                n * tk,
+                t * tile_keys,
+                tk,
+                head_dim,
+                tile_keys,
+            );
             sync_cube();
             if active {
                 let mut tile_max = 0.0f32;
@@ -127,7 +140,13 @@ pub fn attention_forward<F: Float>(
                             let mut weight = p;
                             if use_dropout {
                                 let col = (t * tile_keys + jj) as u32;
-                                let keep = dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                                let keep = dropout_keep(
+                                    seed,
+                                    bh as u32,
+                                    row as u32,
+                                    col,
+                                    dropout_threshold,
+                                );
                                 weight = select(keep, p * dropout_scale, 0.0f32);
                             }
                             #[unroll(unroll)]
@@ -263,7 +282,20 @@ pub fn attention_backward_dq<F: Float>(
 
     for t in 0..n_tiles {
         if tile_valid[n * n_tiles + t] > 0.0 {
-            load_tile::<F>(k, v, key_valid, &mut k_tile, &mut v_tile, &mut valid_tile, kv_base, n * tk, t * tile_keys, tk, head_dim, tile_keys);
+            load_tile::<F>(
+                k,
+                v,
+                key_valid,
+                &mut k_tile,
+                &mut v_tile,
+                &mut valid_tile,
+                kv_base,
+                n * tk,
+                t * tile_keys,
+                tk,
+                head_dim,
+                tile_keys,
+            );
             sync_cube();
             if active {
                 for jj in 0..tile_keys {
@@ -278,7 +310,8 @@ pub fn attention_backward_dq<F: Float>(
                         let p = (s - row_lse).exp();
                         if use_dropout {
                             let col = (t * tile_keys + jj) as u32;
-                            let keep = dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                            let keep =
+                                dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
                             dp = select(keep, dp * dropout_scale, 0.0f32);
                         }
                         let ds = p * (dp - row_delta);
@@ -412,7 +445,8 @@ pub fn attention_backward_dkdv<F: Float>(
                     let p = (s - lse_tile[ii]).exp();
                     let mut p_kept = p;
                     if use_dropout {
-                        let keep = dropout_keep(seed, bh as u32, i as u32, col as u32, dropout_threshold);
+                        let keep =
+                            dropout_keep(seed, bh as u32, i as u32, col as u32, dropout_threshold);
                         p_kept = select(keep, p * dropout_scale, 0.0f32);
                         dp = select(keep, dp * dropout_scale, 0.0f32);
                     }

@@ -85,16 +85,40 @@ impl Case {
                 }
             }
         }
-        Case { n, h, tq, tk, dh, q, k, v, w, mask }
+        Case {
+            n,
+            h,
+            tq,
+            tk,
+            dh,
+            q,
+            k,
+            v,
+            w,
+            mask,
+        }
     }
 
     fn tensors<B: Backend>(&self, device: &B::Device) -> [Tensor<B, 4>; 4] {
-        let t = |x: &Vec<f32>, len: usize| Tensor::<B, 4>::from_data(TensorData::new(x.clone(), [self.n, self.h, len, self.dh]), device);
-        [t(&self.q, self.tq), t(&self.k, self.tk), t(&self.v, self.tk), t(&self.w, self.tq)]
+        let t = |x: &Vec<f32>, len: usize| {
+            Tensor::<B, 4>::from_data(
+                TensorData::new(x.clone(), [self.n, self.h, len, self.dh]),
+                device,
+            )
+        };
+        [
+            t(&self.q, self.tq),
+            t(&self.k, self.tk),
+            t(&self.v, self.tk),
+            t(&self.w, self.tq),
+        ]
     }
 
     fn mask<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Bool> {
-        Tensor::from_data(TensorData::new(self.mask.clone(), [self.n, self.tk]), device)
+        Tensor::from_data(
+            TensorData::new(self.mask.clone(), [self.n, self.tk]),
+            device,
+        )
     }
 }
 
@@ -108,7 +132,11 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 fn rel(actual: &[f32], expected: &[f32]) -> f32 {
     assert!(actual.iter().all(|x| x.is_finite()), "non-finite output");
     let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-2);
-    actual.iter().zip(expected).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+    actual
+        .iter()
+        .zip(expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
 }
 
 /// Forward and gradients of `f = Σ out ⊙ W` on both sides.
@@ -117,14 +145,23 @@ fn check(case: &Case) {
     // (lavapipe); unrolling only changes code generation, not the arithmetic.
     #[cfg(not(feature = "cuda"))]
     std::env::set_var("AAM_KERNEL_UNROLL", "0");
-    let label = format!("n={} h={} tq={} tk={} dh={}", case.n, case.h, case.tq, case.tk, case.dh);
+    let label = format!(
+        "n={} h={} tq={} tk={} dh={}",
+        case.n, case.h, case.tq, case.tk, case.dh
+    );
     let started = std::time::Instant::now();
     let gpu = Default::default();
     let cpu = Default::default();
 
     // forward
     let [q, k, v, _] = case.tensors::<Gpu>(&gpu);
-    let fused = values(fused_attention(q, k, v, Some(case.mask::<Gpu>(&gpu)), AttentionDropout::NONE));
+    let fused = values(fused_attention(
+        q,
+        k,
+        v,
+        Some(case.mask::<Gpu>(&gpu)),
+        AttentionDropout::NONE,
+    ));
     eprintln!("{label}: forward in {:.1?}", started.elapsed());
     let [q, k, v, _] = case.tensors::<Cpu>(&cpu);
     let reference = values(reference_attention(q, k, v, Some(case.mask::<Cpu>(&cpu))));
@@ -132,24 +169,53 @@ fn check(case: &Case) {
     assert!(e <= FORWARD_RTOL_F32, "{label}: forward rel err {e:e}");
     if case.n > 2 {
         let row0 = case.h * case.tq * case.dh;
-        assert!(fused[..row0].iter().all(|x| *x == 0.0), "{label}: all-padding sample must give zeros");
+        assert!(
+            fused[..row0].iter().all(|x| *x == 0.0),
+            "{label}: all-padding sample must give zeros"
+        );
     }
 
     // gradients
     let grads = |q: Vec<f32>, k: Vec<f32>, v: Vec<f32>| [q, k, v];
     let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
-    let out = fused_attention(q.clone(), k.clone(), v.clone(), Some(case.mask::<GpuAd>(&gpu)), AttentionDropout::NONE);
+    let out = fused_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        Some(case.mask::<GpuAd>(&gpu)),
+        AttentionDropout::NONE,
+    );
     let g = (out * w).sum().backward();
-    let fused_grads = grads(values(q.grad(&g).unwrap()), values(k.grad(&g).unwrap()), values(v.grad(&g).unwrap()));
+    let fused_grads = grads(
+        values(q.grad(&g).unwrap()),
+        values(k.grad(&g).unwrap()),
+        values(v.grad(&g).unwrap()),
+    );
     let [q, k, v, w] = case.tensors::<CpuAd>(&cpu);
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
-    let out = reference_attention(q.clone(), k.clone(), v.clone(), Some(case.mask::<CpuAd>(&cpu)));
+    let out = reference_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        Some(case.mask::<CpuAd>(&cpu)),
+    );
     let g = (out * w).sum().backward();
-    let ref_grads = grads(values(q.grad(&g).unwrap()), values(k.grad(&g).unwrap()), values(v.grad(&g).unwrap()));
-    let errors: Vec<f32> = fused_grads.iter().zip(&ref_grads).map(|(a, b)| rel(a, b)).collect();
+    let ref_grads = grads(
+        values(q.grad(&g).unwrap()),
+        values(k.grad(&g).unwrap()),
+        values(v.grad(&g).unwrap()),
+    );
+    let errors: Vec<f32> = fused_grads
+        .iter()
+        .zip(&ref_grads)
+        .map(|(a, b)| rel(a, b))
+        .collect();
     eprintln!("{label}: gradient rel errors dq/dk/dv = {errors:?}");
-    for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(fused_grads.iter().zip(&ref_grads)) {
+    for (name, (a, b)) in ["dq", "dk", "dv"]
+        .iter()
+        .zip(fused_grads.iter().zip(&ref_grads))
+    {
         let e = rel(a, b);
         assert!(e <= GRAD_RTOL_F32, "{label}: {name} rel err {e:e}");
     }
@@ -188,7 +254,10 @@ fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
     std::env::set_var("AAM_KERNEL_UNROLL", "0");
     let case = Case::new(400, 2, 2, 64, 64, 32);
     let gpu = Default::default();
-    let drop = AttentionDropout { prob: 0.3, seed: 1234 };
+    let drop = AttentionDropout {
+        prob: 0.3,
+        seed: 1234,
+    };
     let run = |d: AttentionDropout| {
         let [q, k, v, _] = case.tensors::<Gpu>(&gpu);
         values(fused_attention(q, k, v, Some(case.mask::<Gpu>(&gpu)), d))
@@ -196,7 +265,11 @@ fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
     let (a, b, none) = (run(drop), run(drop), run(AttentionDropout::NONE));
     assert_eq!(a, b, "same seed, same mask");
     assert!(rel(&a, &none) > 1e-2, "dropout changed nothing");
-    assert_ne!(a, run(AttentionDropout { seed: 99, ..drop }), "another seed, another mask");
+    assert_ne!(
+        a,
+        run(AttentionDropout { seed: 99, ..drop }),
+        "another seed, another mask"
+    );
     // out is linear in v: f = Σ W ⊙ (P̃ v) = Σ dV ⊙ v holds only if the
     // backward's P̃ is the forward's.
     let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
@@ -206,5 +279,8 @@ fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
     let g = f.backward();
     let dv = values(v.grad(&g).unwrap());
     let identity: f32 = dv.iter().zip(&case.v).map(|(a, b)| a * b).sum();
-    assert!((identity - f_value).abs() <= 1e-3 * f_value.abs().max(1.0), "Σ dV⊙v = {identity} but f = {f_value}");
+    assert!(
+        (identity - f_value).abs() <= 1e-3 * f_value.abs().max(1.0),
+        "Σ dV⊙v = {identity} but f = {f_value}"
+    );
 }

@@ -7,8 +7,8 @@
 //! states. That is also the ASV level's answer to padding: samples have ~50-700
 //! real ASVs out of `token_limit` slots, so most rows are never computed.
 
-use burn::nn::Embedding;
 use aam_kernels::AttentionBackend;
+use burn::nn::Embedding;
 use burn::prelude::*;
 use burn::tensor::{Distribution, IndexingUpdateOp};
 use serde::{Deserialize, Serialize};
@@ -139,7 +139,11 @@ impl<B: AttentionBackend> AsvEncoder<B> {
     /// # Shapes
     /// - tokens: `[B, S, L]`
     /// - asv_embeddings: `[B, S, D]`; nuc_logits: `[B, S, L, V]`; mask_indices: `[B, S, L]`
-    pub fn forward(&self, tokens: Tensor<B, 3, Int>, return_nucleotides: bool) -> AsvEncoderOutput<B> {
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 3, Int>,
+        return_nucleotides: bool,
+    ) -> AsvEncoderOutput<B> {
         let [batch, slots, length] = tokens.dims();
         let device = tokens.device();
         // 1. one row per ASV slot
@@ -195,8 +199,12 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         let mut hidden = Tensor::<B, 3>::zeros([n, length, d], &device);
         let chunk = self.asv_chunk_size.unwrap_or(n.max(1));
         for ids in non_empty.chunks(chunk) {
-            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(ids.to_vec(), [ids.len()]), &device);
-            let encoded = self.encode(rows.clone().select(0, idx.clone()), valid.clone().select(0, idx.clone()));
+            let idx =
+                Tensor::<B, 1, Int>::from_data(TensorData::new(ids.to_vec(), [ids.len()]), &device);
+            let encoded = self.encode(
+                rows.clone().select(0, idx.clone()),
+                valid.clone().select(0, idx.clone()),
+            );
             hidden = hidden.select_assign(0, idx, encoded, IndexingUpdateOp::Add);
         }
         hidden
@@ -204,7 +212,9 @@ impl<B: AttentionBackend> AsvEncoder<B> {
 
     /// token + position embedding, then the transformer with the padding mask.
     fn encode(&self, rows: Tensor<B, 2, Int>, valid: Tensor<B, 2, Bool>) -> Tensor<B, 3> {
-        let x = self.position_embedding.forward(self.token_embedding.forward(rows));
+        let x = self
+            .position_embedding
+            .forward(self.token_embedding.forward(rows));
         self.transformer.forward(x, Some(valid.bool_not()))
     }
 
@@ -212,7 +222,10 @@ impl<B: AttentionBackend> AsvEncoder<B> {
     fn choose_masked(&self, rows: Tensor<B, 2, Int>) -> Tensor<B, 2, Bool> {
         let [n, length] = rows.dims();
         let device = rows.device();
-        let eligible = rows.clone().greater_elem(0).bool_and(rows.lower_elem(START_TOKEN));
+        let eligible = rows
+            .clone()
+            .greater_elem(0)
+            .bool_and(rows.lower_elem(START_TOKEN));
         match self.mask_strategy {
             MaskStrategy::Random => {
                 let draw = Tensor::<B, 2>::random([n, length], Distribution::Default, &device);
@@ -221,11 +234,12 @@ impl<B: AttentionBackend> AsvEncoder<B> {
             MaskStrategy::Span => {
                 // Uniform draws come from the backend's seeded generator, so runs
                 // stay reproducible under `B::seed`.
-                let draws = Tensor::<B, 3>::random([n, SPAN_ATTEMPTS, 2], Distribution::Default, &device)
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec::<f32>()
-                    .expect("f32 data");
+                let draws =
+                    Tensor::<B, 3>::random([n, SPAN_ATTEMPTS, 2], Distribution::Default, &device)
+                        .into_data()
+                        .convert::<f32>()
+                        .to_vec::<f32>()
+                        .expect("f32 data");
                 let eligible_host = bool_vec(eligible);
                 let chosen = span_mask(&eligible_host, length, self.mask_ratio, &draws);
                 Tensor::from_data(TensorData::new(chosen, [n, length]), &device)
@@ -246,7 +260,11 @@ const SPAN_ATTEMPTS: usize = 100;
 /// `draws` holds `[rows, 100, 2]` uniforms in [0, 1).
 pub fn span_mask(eligible: &[bool], length: usize, ratio: f64, draws: &[f32]) -> Vec<bool> {
     let mut chosen = vec![false; eligible.len()];
-    for (row, (elig, out)) in eligible.chunks(length).zip(chosen.chunks_mut(length)).enumerate() {
+    for (row, (elig, out)) in eligible
+        .chunks(length)
+        .zip(chosen.chunks_mut(length))
+        .enumerate()
+    {
         let positions: Vec<usize> = (0..length).filter(|&i| elig[i]).collect();
         let target = (positions.len() as f64 * ratio).floor() as usize;
         let mut masked = 0;
@@ -256,7 +274,8 @@ pub fn span_mask(eligible: &[bool], length: usize, ratio: f64, draws: &[f32]) ->
             }
             let u = &draws[(row * SPAN_ATTEMPTS + attempt) * 2..][..2];
             let span = 3 + ((u[0] * 3.0) as usize).min(2);
-            let start = positions[((u[1] * positions.len() as f32) as usize).min(positions.len() - 1)];
+            let start =
+                positions[((u[1] * positions.len() as f32) as usize).min(positions.len() - 1)];
             for pos in start..(start + span).min(length) {
                 if masked >= target {
                     break;
@@ -273,7 +292,10 @@ pub fn span_mask(eligible: &[bool], length: usize, ratio: f64, draws: &[f32]) ->
 
 /// A bool tensor's values on the host.
 pub(crate) fn bool_vec<B: Backend, const D: usize>(t: Tensor<B, D, Bool>) -> Vec<bool> {
-    t.into_data().convert::<bool>().to_vec::<bool>().expect("bool data")
+    t.into_data()
+        .convert::<bool>()
+        .to_vec::<bool>()
+        .expect("bool data")
 }
 
 #[cfg(test)]
@@ -314,12 +336,18 @@ mod tests {
         Train::seed(&device, 7);
         let enc = encoder::<Train>(MaskStrategy::Random, &device);
         let tokens = tokens::<Train>(&device);
-        let mask = enc.forward(tokens.clone(), true).mask_indices.expect("masking ran");
+        let mask = enc
+            .forward(tokens.clone(), true)
+            .mask_indices
+            .expect("masking ran");
         let mask = bool_vec(mask);
         let toks = tokens.into_data().convert::<i64>().to_vec::<i64>().unwrap();
         let eligible = toks.iter().filter(|&&t| (1..=4).contains(&t)).count();
         for (m, t) in mask.iter().zip(&toks) {
-            assert!(!m || (1..=4).contains(t), "masked a non-nucleotide token {t}");
+            assert!(
+                !m || (1..=4).contains(t),
+                "masked a non-nucleotide token {t}"
+            );
         }
         let ratio = mask.iter().filter(|&&m| m).count() as f64 / eligible as f64;
         assert!((ratio - 0.3).abs() < 0.05, "mask ratio {ratio}");
@@ -328,15 +356,22 @@ mod tests {
     #[test]
     fn span_masking_makes_runs_of_three_to_five_at_the_target_count() {
         let length = 40;
-        let eligible: Vec<bool> = (0..200 * length).map(|i| i % length != 0 && i % length < 35).collect();
+        let eligible: Vec<bool> = (0..200 * length)
+            .map(|i| i % length != 0 && i % length < 35)
+            .collect();
         // deterministic pseudo-uniform draws
-        let draws: Vec<f32> = (0..200 * SPAN_ATTEMPTS * 2).map(|i| (i as f32 * 0.618_034) % 1.0).collect();
+        let draws: Vec<f32> = (0..200 * SPAN_ATTEMPTS * 2)
+            .map(|i| (i as f32 * 0.618_034) % 1.0)
+            .collect();
         let chosen = span_mask(&eligible, length, 0.25, &draws);
         for (row_c, row_e) in chosen.chunks(length).zip(eligible.chunks(length)) {
             let n_eligible = row_e.iter().filter(|&&e| e).count();
             let masked = row_c.iter().filter(|&&c| c).count();
             assert_eq!(masked, (n_eligible as f64 * 0.25).floor() as usize);
-            assert!(row_c.iter().zip(row_e).all(|(c, e)| !c || *e), "masked an ineligible position");
+            assert!(
+                row_c.iter().zip(row_e).all(|(c, e)| !c || *e),
+                "masked an ineligible position"
+            );
         }
         // Span lengths: u0 picks 3 + floor(3·u0). The first attempt starts at 0;
         // every later one starts at 50 and re-covers the same span.
@@ -355,24 +390,63 @@ mod tests {
     fn no_masking_in_eval_or_without_nucleotides() {
         let device = Default::default();
         let enc = encoder::<Cpu>(MaskStrategy::Span, &device);
-        assert!(enc.forward(tokens::<Cpu>(&device), true).mask_indices.is_none(), "eval backend must not mask");
+        assert!(
+            enc.forward(tokens::<Cpu>(&device), true)
+                .mask_indices
+                .is_none(),
+            "eval backend must not mask"
+        );
         let train = encoder::<Train>(MaskStrategy::Random, &device);
-        assert!(train.forward(tokens::<Train>(&device), false).mask_indices.is_none());
+        assert!(train
+            .forward(tokens::<Train>(&device), false)
+            .mask_indices
+            .is_none());
     }
 
     #[test]
     fn empty_slots_are_skipped_and_chunking_changes_nothing() {
         let device = Default::default();
         let enc = encoder::<Cpu>(MaskStrategy::Random, &device);
-        let mut values = tokens::<Cpu>(&device).into_data().convert::<i64>().to_vec::<i64>().unwrap();
+        let mut values = tokens::<Cpu>(&device)
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .unwrap();
         values[60 * 3..60 * 4].fill(0); // slot 3 of sample 0 empty
         let tokens = Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values, [2, 8, 60]), &device);
         let whole = enc.forward(tokens.clone(), true);
-        let chunked = AsvEncoder { asv_chunk_size: Some(3), ..enc.clone() }.forward(tokens, true);
-        whole.asv_embeddings.clone().into_data().assert_approx_eq::<f32>(&chunked.asv_embeddings.into_data(), burn::tensor::Tolerance::default());
+        let chunked = AsvEncoder {
+            asv_chunk_size: Some(3),
+            ..enc.clone()
+        }
+        .forward(tokens, true);
+        whole
+            .asv_embeddings
+            .clone()
+            .into_data()
+            .assert_approx_eq::<f32>(
+                &chunked.asv_embeddings.into_data(),
+                burn::tensor::Tolerance::default(),
+            );
         // The empty slot pools to the norm's β and its logits are the head's bias.
-        let logits = whole.nuc_logits.unwrap().narrow(0, 0, 1).narrow(1, 3, 1).reshape([60, 7]);
-        let bias = enc.nucleotide_head.as_ref().unwrap().bias.as_ref().unwrap().val().unsqueeze::<2>().expand([60, 7]);
-        logits.into_data().assert_approx_eq::<f32>(&bias.into_data(), burn::tensor::Tolerance::default());
+        let logits = whole
+            .nuc_logits
+            .unwrap()
+            .narrow(0, 0, 1)
+            .narrow(1, 3, 1)
+            .reshape([60, 7]);
+        let bias = enc
+            .nucleotide_head
+            .as_ref()
+            .unwrap()
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .unsqueeze::<2>()
+            .expand([60, 7]);
+        logits
+            .into_data()
+            .assert_approx_eq::<f32>(&bias.into_data(), burn::tensor::Tolerance::default());
     }
 }

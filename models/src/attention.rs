@@ -15,9 +15,9 @@
 use burn::module::Param;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use aam_kernels::AttentionBackend;
 use aam_kernels::{fused_attention, AttentionDropout};
 use burn::nn::{Dropout, DropoutConfig};
-use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
@@ -107,11 +107,17 @@ pub fn attention<B: AttentionBackend>(
         return math_attention(q, k, v, key_padding_mask, dropout, need_weights);
     }
     let attn_dropout = if training && dropout.prob > 0.0 {
-        AttentionDropout { prob: dropout.prob, seed: DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed) }
+        AttentionDropout {
+            prob: dropout.prob,
+            seed: DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed),
+        }
     } else {
         AttentionDropout::NONE
     };
-    (fused_attention(q, k, v, key_padding_mask, attn_dropout), None)
+    (
+        fused_attention(q, k, v, key_padding_mask, attn_dropout),
+        None,
+    )
 }
 
 /// The reference ("math") path: `softmax(q·kᵀ/√Dh + mask)·v`, with the
@@ -255,15 +261,8 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         let q = self.split_heads(project(query, 0));
         let k = self.split_heads(project(key, 1));
         let v = self.split_heads(project(value, 2));
-        let (context, weights) = attention(
-            q,
-            k,
-            v,
-            None,
-            &self.dropout,
-            self.attn_implementation,
-            true,
-        );
+        let (context, weights) =
+            attention(q, k, v, None, &self.dropout, self.attn_implementation, true);
         let out = self.out_proj.forward(self.merge_heads(context, n, tq, d));
         (out, weights.expect("weights were requested"))
     }
@@ -291,7 +290,9 @@ mod tests {
 
     fn qkv(n: usize, t: usize) -> [Tensor<TB, 4>; 3] {
         let device = Default::default();
-        core::array::from_fn(|_| Tensor::random([n, 2, t, 4], Distribution::Normal(0.0, 1.0), &device))
+        core::array::from_fn(|_| {
+            Tensor::random([n, 2, t, 4], Distribution::Normal(0.0, 1.0), &device)
+        })
     }
 
     #[test]
@@ -300,11 +301,20 @@ mod tests {
         let [q, k, v] = qkv(1, 5);
         let dropout = DropoutConfig::new(0.0).init();
         let mask = Tensor::<TB, 2, Bool>::from_data([[false, false, true, false, true]], &device);
-        let (full, _) = math_attention(q.clone(), k.clone(), v.clone(), Some(mask), &dropout, false);
+        let (full, _) =
+            math_attention(q.clone(), k.clone(), v.clone(), Some(mask), &dropout, false);
         // Same attention over only the three valid keys.
         let idx = Tensor::<TB, 1, Int>::from_ints([0, 1, 3], &device);
-        let (kept, _) = math_attention(q, k.select(2, idx.clone()), v.select(2, idx), None, &dropout, false);
-        full.into_data().assert_approx_eq::<f32>(&kept.into_data(), Tolerance::default());
+        let (kept, _) = math_attention(
+            q,
+            k.select(2, idx.clone()),
+            v.select(2, idx),
+            None,
+            &dropout,
+            false,
+        );
+        full.into_data()
+            .assert_approx_eq::<f32>(&kept.into_data(), Tolerance::default());
     }
 
     #[test]
@@ -312,7 +322,8 @@ mod tests {
         let device = Default::default();
         let [q, k, v] = qkv(2, 3);
         let dropout = DropoutConfig::new(0.0).init();
-        let mask = Tensor::<TB, 2, Bool>::from_data([[true, true, true], [false, true, true]], &device);
+        let mask =
+            Tensor::<TB, 2, Bool>::from_data([[true, true, true], [false, true, true]], &device);
         let (out, _) = math_attention(q, k, v, Some(mask), &dropout, false);
         let first = out.clone().narrow(0, 0, 1);
         assert_eq!(first.abs().sum().into_scalar(), 0.0);

@@ -67,7 +67,10 @@ pub struct CategoricalEmbedder<B: Backend> {
 impl CategoricalEmbedderConfig {
     /// Total output width C = Σ per-column widths.
     pub fn total_dim(&self) -> usize {
-        self.column_cardinalities.keys().map(|c| self.embed_dim.of(c)).sum()
+        self.column_cardinalities
+            .keys()
+            .map(|c| self.embed_dim.of(c))
+            .sum()
     }
 
     /// Builds the tables: N(0, 1), with row 0 (`padding_idx=0`, unknown) zero.
@@ -76,7 +79,8 @@ impl CategoricalEmbedderConfig {
             .column_cardinalities
             .iter()
             .map(|(column, &cardinality)| {
-                let mut table = token_embedding::<B>(cardinality, self.embed_dim.of(column), device);
+                let mut table =
+                    token_embedding::<B>(cardinality, self.embed_dim.of(column), device);
                 // Zero row 0 on the host: a tensor op would make the parameter a
                 // non-leaf node under Autodiff.
                 let data = table.weight.val().into_data().convert::<f32>();
@@ -84,7 +88,10 @@ impl CategoricalEmbedderConfig {
                 let dim = shape[1];
                 let mut values = data.to_vec::<f32>().expect("f32 data");
                 values[..dim].fill(0.0);
-                table.weight = burn::module::Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device));
+                table.weight = burn::module::Param::from_tensor(Tensor::from_data(
+                    TensorData::new(values, shape),
+                    device,
+                ));
                 table
             })
             .collect();
@@ -111,7 +118,10 @@ impl<B: Backend> CategoricalEmbedder<B> {
     /// # Panics
     /// If `ids` is empty (the batch size is unknown), as the reference raises.
     pub fn forward(&self, ids: &BTreeMap<String, Tensor<B, 1, Int>>) -> Tensor<B, 2> {
-        let any = ids.values().next().expect("categorical ids: at least one column is required");
+        let any = ids
+            .values()
+            .next()
+            .expect("categorical ids: at least one column is required");
         let batch = any.dims()[0];
         let device = any.device();
         let parts = self
@@ -124,11 +134,21 @@ impl<B: Backend> CategoricalEmbedder<B> {
                     .cloned()
                     .unwrap_or_else(|| Tensor::zeros([batch], &device));
                 let [_, dim] = table.weight.dims();
-                let looked_up = table.forward(col_ids.clone().reshape([batch, 1])).reshape([batch, dim]);
+                let looked_up = table
+                    .forward(col_ids.clone().reshape([batch, 1]))
+                    .reshape([batch, dim]);
                 // padding_idx=0: row 0 is used in the forward but never receives
                 // a gradient (torch's semantics), so use its detached value there.
-                let unknown = col_ids.equal_elem(0).reshape([batch, 1]).expand([batch, dim]);
-                let row0 = table.weight.val().detach().narrow(0, 0, 1).expand([batch, dim]);
+                let unknown = col_ids
+                    .equal_elem(0)
+                    .reshape([batch, 1])
+                    .expand([batch, dim]);
+                let row0 = table
+                    .weight
+                    .val()
+                    .detach()
+                    .narrow(0, 0, 1)
+                    .expand([batch, dim]);
                 looked_up.mask_where(unknown, row0)
             })
             .collect();

@@ -37,7 +37,10 @@ impl<B: Backend> PositionEmbedding<B> {
         let [_n, t, _d] = x.dims();
         let table = self.position_embedding.weight.val();
         let max_length = table.dims()[0];
-        assert!(t <= max_length, "sequence length {t} exceeds the position table ({max_length} rows)");
+        assert!(
+            t <= max_length,
+            "sequence length {t} exceeds the position table ({max_length} rows)"
+        );
         x + table.narrow(0, 0, t).unsqueeze::<3>()
     }
 }
@@ -45,6 +48,9 @@ impl<B: Backend> PositionEmbedding<B> {
 /// `nn.Embedding(n, d)`: a lookup table initialised N(0, 1).
 pub(crate) fn token_embedding<B: Backend>(n: usize, d: usize, device: &B::Device) -> Embedding<B> {
     EmbeddingConfig::new(n, d)
-        .with_initializer(burn::module::Initializer::Normal { mean: 0.0, std: 1.0 })
+        .with_initializer(burn::module::Initializer::Normal {
+            mean: 0.0,
+            std: 1.0,
+        })
         .init(device)
 }

@@ -11,7 +11,9 @@ use crate::nn::{Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig, Li
 use crate::transformer::{TransformerEncoderLayer, TransformerEncoderLayerConfig};
 
 fn xavier_linear<B: Backend>(d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
-    LinearConfig::new(d_in, d_out).with_init(LinearInit::XavierZeroBias).init(device)
+    LinearConfig::new(d_in, d_out)
+        .with_init(LinearInit::XavierZeroBias)
+        .init(device)
 }
 
 /// Configuration of [`Gmu`].
@@ -106,7 +108,9 @@ impl<B: AttentionBackend> CrossAttentionFusion<B> {
     pub fn forward(&self, seq: Tensor<B, 3>, cat: Tensor<B, 2>) -> (Tensor<B, 3>, Tensor<B, 4>) {
         let [b, d] = [seq.dims()[0], seq.dims()[2]];
         let meta = self.cat_projection.forward(cat).reshape([b, 1, d]);
-        let (attended, weights) = self.cross_attn.cross_attention(seq.clone(), meta.clone(), meta);
+        let (attended, weights) = self
+            .cross_attn
+            .cross_attention(seq.clone(), meta.clone(), meta);
         (self.norm.forward(seq + attended), weights)
     }
 }
@@ -164,7 +168,11 @@ impl PerceiverFusionConfig {
             .with_activation(Activation::Relu)
             .with_attn_implementation(self.attn_implementation);
         PerceiverFusion {
-            latents: burn::module::Initializer::Normal { mean: 0.0, std: 0.02 }.init([self.num_latents, d], device),
+            latents: burn::module::Initializer::Normal {
+                mean: 0.0,
+                std: 0.02,
+            }
+            .init([self.num_latents, d], device),
             seq_projection: xavier_linear(d, d, device),
             cat_projection: xavier_linear(self.cat_dim, d, device),
             cross_attn: MultiheadAttentionConfig::new(d, self.num_heads)
@@ -186,14 +194,22 @@ impl<B: AttentionBackend> PerceiverFusion<B> {
     pub fn forward(&self, seq: Tensor<B, 3>, cat: Tensor<B, 2>) -> (Tensor<B, 2>, Tensor<B, 4>) {
         let [b, _s, d] = seq.dims();
         let inputs = Tensor::cat(
-            vec![self.seq_projection.forward(seq), self.cat_projection.forward(cat).reshape([b, 1, d])],
+            vec![
+                self.seq_projection.forward(seq),
+                self.cat_projection.forward(cat).reshape([b, 1, d]),
+            ],
             1,
         );
         let [latents, _] = self.latents.dims();
         let lat = self.latents.val().unsqueeze::<3>().expand([b, latents, d]);
-        let (attended, weights) = self.cross_attn.cross_attention(lat.clone(), inputs.clone(), inputs);
+        let (attended, weights) =
+            self.cross_attn
+                .cross_attention(lat.clone(), inputs.clone(), inputs);
         let lat = self.cross_norm.forward(lat + attended);
-        let lat = self.self_attn_layers.iter().fold(lat, |x, layer| layer.forward(x, None));
+        let lat = self
+            .self_attn_layers
+            .iter()
+            .fold(lat, |x, layer| layer.forward(x, None));
         let pooled = lat.mean_dim(1).reshape([b, d]);
         (self.output_projection.forward(pooled), weights)
     }

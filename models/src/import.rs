@@ -33,7 +33,9 @@ use crate::categorical::CategoricalEmbedDim;
 use crate::nn::Activation;
 use crate::sample_encoder::{CountEmbeddingMethod, SampleSequenceEncoderConfig};
 use crate::sequence_encoder::{EncoderType, SequenceEncoder, SequenceEncoderConfig};
-use crate::sequence_predictor::{CategoricalFusion, OutputActivation, SequencePredictor, SequencePredictorConfig};
+use crate::sequence_predictor::{
+    CategoricalFusion, OutputActivation, SequencePredictor, SequencePredictorConfig,
+};
 use crate::AttnImplementation;
 
 /// File name of the weights inside a model directory.
@@ -86,11 +88,19 @@ pub enum ImportError {
     Config(#[from] crate::ModelError),
 }
 
-fn mismatch_lines(unknown: &[String], missing: &[String], misshaped: &[(String, Vec<usize>, Vec<usize>)]) -> String {
+fn mismatch_lines(
+    unknown: &[String],
+    missing: &[String],
+    misshaped: &[(String, Vec<usize>, Vec<usize>)],
+) -> String {
     let mut out = String::new();
     let list = |out: &mut String, what: &str, items: Vec<String>| {
         if !items.is_empty() {
-            out.push_str(&format!("\n  {what} ({}): {}", items.len(), items.join(", ")));
+            out.push_str(&format!(
+                "\n  {what} ({}): {}",
+                items.len(),
+                items.join(", ")
+            ));
         }
     };
     list(&mut out, "unknown tensors", unknown.to_vec());
@@ -98,7 +108,10 @@ fn mismatch_lines(unknown: &[String], missing: &[String], misshaped: &[(String, 
     list(
         &mut out,
         "wrong shapes",
-        misshaped.iter().map(|(k, f, m)| format!("{k} is {f:?} in the file, {m:?} in the model")).collect(),
+        misshaped
+            .iter()
+            .map(|(k, f, m)| format!("{k} is {f:?} in the file, {m:?} in the model"))
+            .collect(),
     );
     out
 }
@@ -157,8 +170,17 @@ fn predictor_torch_key(c: &SequencePredictorConfig, path: &str) -> String {
             }
         }
         ["categorical_embedder", "embeddings", i, rest @ ..] => {
-            let cols = c.categorical_cardinalities.clone().unwrap_or_default().into_keys().collect();
-            format!("categorical_embedder.embeddings.{}.{}", column(cols, i), rest.join("."))
+            let cols = c
+                .categorical_cardinalities
+                .clone()
+                .unwrap_or_default()
+                .into_keys()
+                .collect();
+            format!(
+                "categorical_embedder.embeddings.{}.{}",
+                column(cols, i),
+                rest.join(".")
+            )
         }
         [dict @ ("output_scales" | "output_biases"), i, rest @ ..] => {
             let cols = c.conditional_scaling_columns.clone().unwrap_or_default();
@@ -209,7 +231,13 @@ impl<B: Backend> AamModel<B> {
             .map(|s| {
                 let data = s.to_data().expect("in-memory tensor").convert::<f32>();
                 let values = data.to_vec::<f32>().expect("f32 data");
-                (config.torch_key(&s.full_path()), StateTensor { shape: s.shape.to_vec(), values })
+                (
+                    config.torch_key(&s.full_path()),
+                    StateTensor {
+                        shape: s.shape.to_vec(),
+                        values,
+                    },
+                )
             })
             .collect()
     }
@@ -225,22 +253,39 @@ impl<B: Backend> AamModel<B> {
         let expected: Vec<(String, String, Vec<usize>)> = self
             .snapshots()
             .iter()
-            .map(|s| (config.torch_key(&s.full_path()), s.full_path(), s.shape.to_vec()))
+            .map(|s| {
+                (
+                    config.torch_key(&s.full_path()),
+                    s.full_path(),
+                    s.shape.to_vec(),
+                )
+            })
             .collect();
         let expected_keys: BTreeSet<&str> = expected.iter().map(|(k, _, _)| k.as_str()).collect();
-        let mut unknown: Vec<String> = state.keys().filter(|k| !expected_keys.contains(k.as_str())).cloned().collect();
+        let mut unknown: Vec<String> = state
+            .keys()
+            .filter(|k| !expected_keys.contains(k.as_str()))
+            .cloned()
+            .collect();
         unknown.sort();
         let mut missing = Vec::new();
         let mut misshaped = Vec::new();
         for (key, _, shape) in &expected {
             match state.get(key) {
                 None => missing.push(key.clone()),
-                Some(t) if &t.shape != shape => misshaped.push((key.clone(), t.shape.clone(), shape.clone())),
+                Some(t) if &t.shape != shape => {
+                    misshaped.push((key.clone(), t.shape.clone(), shape.clone()))
+                }
                 Some(_) => {}
             }
         }
         if !(unknown.is_empty() && missing.is_empty() && misshaped.is_empty()) {
-            return Err(ImportError::Mismatch { path: source.to_path_buf(), unknown, missing, misshaped });
+            return Err(ImportError::Mismatch {
+                path: source.to_path_buf(),
+                unknown,
+                missing,
+                misshaped,
+            });
         }
         let mut state = state;
         let snapshots = expected
@@ -262,7 +307,10 @@ impl<B: Backend> AamModel<B> {
         if !result.errors.is_empty() || !result.missing.is_empty() {
             return Err(ImportError::Format {
                 path: source.to_path_buf(),
-                reason: format!("applying weights failed: {:?} {:?}", result.errors, result.missing),
+                reason: format!(
+                    "applying weights failed: {:?} {:?}",
+                    result.errors, result.missing
+                ),
             });
         }
         Ok(())
@@ -296,42 +344,71 @@ impl TorchCheckpoint {
     /// trainer's checkpoint dict (weights under `model_state_dict`).
     pub fn read(path: &Path) -> Result<Self, ImportError> {
         use burn_store::pytorch::PytorchReader;
-        let format_err = |reason: String| ImportError::Format { path: path.to_path_buf(), reason };
+        let format_err = |reason: String| ImportError::Format {
+            path: path.to_path_buf(),
+            reason,
+        };
         if !path.is_file() {
             return Err(ImportError::Io {
                 path: path.to_path_buf(),
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
             });
         }
-        let (reader, from_trainer_checkpoint) = match PytorchReader::with_top_level_key(path, "model_state_dict") {
-            Ok(r) if !r.is_empty() => (r, true),
-            _ => (
-                PytorchReader::new(path).map_err(|e| format_err(format!("not a readable PyTorch checkpoint ({e})")))?,
-                false,
-            ),
-        };
+        let (reader, from_trainer_checkpoint) =
+            match PytorchReader::with_top_level_key(path, "model_state_dict") {
+                Ok(r) if !r.is_empty() => (r, true),
+                _ => (
+                    PytorchReader::new(path).map_err(|e| {
+                        format_err(format!("not a readable PyTorch checkpoint ({e})"))
+                    })?,
+                    false,
+                ),
+            };
         let mut tensors = HashMap::new();
         for (key, snapshot) in reader.into_tensors() {
             let stripped = strip_wrapper_prefixes(&key).to_string();
-            let data = snapshot.to_data().map_err(|e| format_err(format!("tensor {key}: {e}")))?;
-            if !matches!(data.dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
-                return Err(format_err(format!("tensor {key} has dtype {:?}; weights must be floating point", data.dtype)));
+            let data = snapshot
+                .to_data()
+                .map_err(|e| format_err(format!("tensor {key}: {e}")))?;
+            if !matches!(
+                data.dtype,
+                DType::F32 | DType::F64 | DType::F16 | DType::BF16
+            ) {
+                return Err(format_err(format!(
+                    "tensor {key} has dtype {:?}; weights must be floating point",
+                    data.dtype
+                )));
             }
             let shape = data.shape.to_vec();
-            let values = data.convert::<f32>().to_vec::<f32>().map_err(|e| format_err(format!("tensor {key}: {e:?}")))?;
-            if tensors.insert(stripped.clone(), StateTensor { shape, values }).is_some() {
-                return Err(format_err(format!("tensor {stripped} appears twice once prefixes are stripped")));
+            let values = data
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .map_err(|e| format_err(format!("tensor {key}: {e:?}")))?;
+            if tensors
+                .insert(stripped.clone(), StateTensor { shape, values })
+                .is_some()
+            {
+                return Err(format_err(format!(
+                    "tensor {stripped} appears twice once prefixes are stripped"
+                )));
             }
         }
         if tensors.is_empty() {
             return Err(format_err("no tensors found".into()));
         }
-        Ok(Self { path: path.to_path_buf(), tensors, from_trainer_checkpoint })
+        Ok(Self {
+            path: path.to_path_buf(),
+            tensors,
+            from_trainer_checkpoint,
+        })
     }
 
     /// Key → shape.
     pub fn shapes(&self) -> BTreeMap<String, Vec<usize>> {
-        self.tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect()
+        self.tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.shape.clone()))
+            .collect()
     }
 }
 
@@ -399,7 +476,10 @@ impl ImportHints {
         *self.stack_heads.get(stack).unwrap_or(&self.attention_heads)
     }
     fn activation(&self, stack: &str) -> Activation {
-        *self.stack_activations.get(stack).unwrap_or(&self.activation)
+        *self
+            .stack_activations
+            .get(stack)
+            .unwrap_or(&self.activation)
     }
 }
 
@@ -426,7 +506,10 @@ impl ShapeReader<'_> {
         })
     }
     fn has_prefix(&self, prefix: &str) -> bool {
-        self.shapes.range(prefix.to_string()..).next().is_some_and(|(k, _)| k.starts_with(prefix))
+        self.shapes
+            .range(prefix.to_string()..)
+            .next()
+            .is_some_and(|(k, _)| k.starts_with(prefix))
     }
     /// Distinct values of the path segment right after `prefix`.
     fn children(&self, prefix: &str) -> BTreeSet<String> {
@@ -438,7 +521,11 @@ impl ShapeReader<'_> {
             .collect()
     }
     fn indices(&self, prefix: &str) -> Vec<usize> {
-        let mut v: Vec<usize> = self.children(prefix).iter().filter_map(|c| c.parse().ok()).collect();
+        let mut v: Vec<usize> = self
+            .children(prefix)
+            .iter()
+            .filter_map(|c| c.parse().ok())
+            .collect();
         v.sort();
         v
     }
@@ -446,10 +533,16 @@ impl ShapeReader<'_> {
     fn stack(&self, prefix: &str, d: usize) -> Result<Stack, ImportError> {
         let layers = self.indices(&format!("{prefix}encoder.layers."));
         if layers.is_empty() {
-            return Ok(Stack { layers: 0, intermediate_size: None });
+            return Ok(Stack {
+                layers: 0,
+                intermediate_size: None,
+            });
         }
         let ff = self.require(&format!("{prefix}encoder.layers.0.linear1.weight"))?[0];
-        Ok(Stack { layers: layers.len(), intermediate_size: (ff != 4 * d).then_some(ff) })
+        Ok(Stack {
+            layers: layers.len(),
+            intermediate_size: (ff != 4 * d).then_some(ff),
+        })
     }
 }
 
@@ -460,21 +553,39 @@ pub fn infer_config(
     hints: &ImportHints,
     source: &Path,
 ) -> Result<ModelConfig, ImportError> {
-    let r = ShapeReader { shapes, path: source };
+    let r = ShapeReader {
+        shapes,
+        path: source,
+    };
     let is_predictor = r.has_prefix("base_model.");
     let p = if is_predictor { "base_model." } else { "" };
     let asv = format!("{p}sample_encoder.asv_encoder.");
     let [vocab, d] = two(r.require(&format!("{asv}token_embedding.weight"))?);
-    let max_bp = r.require(&format!("{asv}position_embedding.position_embedding.weight"))?[0] - 1;
-    let token_limit = r.require(&format!("{p}sample_encoder.sample_position_embedding.position_embedding.weight"))?[0] - 5;
+    let max_bp = r.require(&format!(
+        "{asv}position_embedding.position_embedding.weight"
+    ))?[0]
+        - 1;
+    let token_limit = r.require(&format!(
+        "{p}sample_encoder.sample_position_embedding.position_embedding.weight"
+    ))?[0]
+        - 5;
     let asv_stack = r.stack(&format!("{asv}transformer."), d)?;
     let sample_stack = r.stack(&format!("{p}sample_encoder.sample_transformer."), d)?;
     let encoder_stack = r.stack(&format!("{p}encoder_transformer."), d)?;
-    let count_method = if r.get(&format!("{p}sample_encoder.count_film.weight")).is_some() {
+    let count_method = if r
+        .get(&format!("{p}sample_encoder.count_film.weight"))
+        .is_some()
+    {
         Some(CountEmbeddingMethod::Film)
-    } else if r.get(&format!("{p}sample_encoder.count_proj.weight")).is_some() {
+    } else if r
+        .get(&format!("{p}sample_encoder.count_proj.weight"))
+        .is_some()
+    {
         Some(CountEmbeddingMethod::Concat)
-    } else if r.get(&format!("{p}sample_encoder.count_embed.weight")).is_some() {
+    } else if r
+        .get(&format!("{p}sample_encoder.count_embed.weight"))
+        .is_some()
+    {
         Some(CountEmbeddingMethod::Add)
     } else {
         None
@@ -483,7 +594,11 @@ pub fn infer_config(
     let encoder_type = if r.get(&format!("{p}uni_ff.weight")).is_some() {
         EncoderType::Combined
     } else if let Some(width) = output_head {
-        hints.encoder_type.unwrap_or(if width == 1 { EncoderType::FaithPd } else { EncoderType::Taxonomy })
+        hints.encoder_type.unwrap_or(if width == 1 {
+            EncoderType::FaithPd
+        } else {
+            EncoderType::Taxonomy
+        })
     } else {
         EncoderType::Unifrac
     };
@@ -545,8 +660,16 @@ fn infer_predictor(
             .map(|k| r.require(&format!("{mlp_prefix}{k}.weight")).map(|s| s[0]))
             .collect::<Result<_, _>>()?;
         let stride = mlp_indices[1] - mlp_indices[0];
-        let dropout = if stride == 3 { hints.regressor_dropout } else { 0.0 };
-        (*widths.last().expect("≥2"), Some(widths[..widths.len() - 1].to_vec()), dropout)
+        let dropout = if stride == 3 {
+            hints.regressor_dropout
+        } else {
+            0.0
+        };
+        (
+            *widths.last().expect("≥2"),
+            Some(widths[..widths.len() - 1].to_vec()),
+            dropout,
+        )
     } else {
         return Err(ImportError::Inference {
             path: r.path.to_path_buf(),
@@ -558,7 +681,9 @@ fn infer_predictor(
         Some(q) => {
             return Err(ImportError::Inference {
                 path: r.path.to_path_buf(),
-                reason: format!("target_head has {head_out} outputs, not a multiple of --num-quantiles {q}"),
+                reason: format!(
+                    "target_head has {head_out} outputs, not a multiple of --num-quantiles {q}"
+                ),
             })
         }
         None => head_out,
@@ -571,7 +696,8 @@ fn infer_predictor(
         let mut cards = BTreeMap::new();
         let mut dims = BTreeMap::new();
         for col in &columns {
-            let [card, dim] = two(r.require(&format!("categorical_embedder.embeddings.{col}.weight"))?);
+            let [card, dim] =
+                two(r.require(&format!("categorical_embedder.embeddings.{col}.weight"))?);
             cards.insert(col.clone(), card);
             dims.insert(col.clone(), dim);
         }
@@ -607,7 +733,9 @@ fn infer_predictor(
     };
     let scaling: Vec<String> = r.children("output_scales.").into_iter().collect();
     let scaling = (!scaling.is_empty()).then(|| match &hints.conditional_scaling_columns {
-        Some(order) if order.iter().collect::<BTreeSet<_>>() == scaling.iter().collect() => order.clone(),
+        Some(order) if order.iter().collect::<BTreeSet<_>>() == scaling.iter().collect() => {
+            order.clone()
+        }
         _ => scaling,
     });
     let mut config = SequencePredictorConfig::new(base)
@@ -657,7 +785,11 @@ fn two(shape: &[usize]) -> [usize; 2] {
 /// Writes a model directory: `config.json` and `model.safetensors` (torch
 /// names and layouts). Each file is written to a temporary name and renamed,
 /// so an interrupted save never leaves a truncated model behind.
-pub fn save_model_dir<B: Backend>(dir: &Path, config: &ModelConfig, model: &AamModel<B>) -> Result<(), ImportError> {
+pub fn save_model_dir<B: Backend>(
+    dir: &Path,
+    config: &ModelConfig,
+    model: &AamModel<B>,
+) -> Result<(), ImportError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| ImportError::Io { path, source }
@@ -666,23 +798,34 @@ pub fn save_model_dir<B: Backend>(dir: &Path, config: &ModelConfig, model: &AamM
     let state = model.state_dict(config);
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = state
         .into_iter()
-        .map(|(k, t)| (k, t.shape, t.values.iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .map(|(k, t)| {
+            (
+                k,
+                t.shape,
+                t.values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
         .collect();
     let views: Vec<(String, safetensors::tensor::TensorView)> = bytes
         .iter()
         .map(|(k, shape, data)| {
-            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
-                .expect("shape matches data");
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), data)
+                    .expect("shape matches data");
             (k.clone(), view)
         })
         .collect();
     let mut metadata = HashMap::new();
     metadata.insert("format".to_string(), "pt".to_string());
-    metadata.insert("producer".to_string(), format!("aam-rs {}", env!("CARGO_PKG_VERSION")));
-    let weights = safetensors::serialize(views, Some(metadata)).map_err(|e| ImportError::Format {
-        path: dir.join(WEIGHTS_FILE),
-        reason: e.to_string(),
-    })?;
+    metadata.insert(
+        "producer".to_string(),
+        format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
+    );
+    let weights =
+        safetensors::serialize(views, Some(metadata)).map_err(|e| ImportError::Format {
+            path: dir.join(WEIGHTS_FILE),
+            reason: e.to_string(),
+        })?;
     let json = serde_json::to_string_pretty(config).expect("config serialises");
     write_atomic(&dir.join(WEIGHTS_FILE), &weights)?;
     write_atomic(&dir.join(CONFIG_FILE), json.as_bytes())?;
@@ -692,7 +835,10 @@ pub fn save_model_dir<B: Backend>(dir: &Path, config: &ModelConfig, model: &AamM
 /// Writes `bytes` to `path` through a temporary file in the same directory.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ImportError> {
     use std::io::Write;
-    let io = |source| ImportError::Io { path: path.to_path_buf(), source };
+    let io = |source| ImportError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let tmp = path.with_extension(format!(
         "{}.tmp{}",
         path.extension().and_then(|e| e.to_str()).unwrap_or(""),
@@ -705,9 +851,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ImportError> {
 }
 
 /// Reads a model directory written by [`save_model_dir`].
-pub fn load_model_dir<B: Backend>(dir: &Path, device: &B::Device) -> Result<(ModelConfig, AamModel<B>), ImportError> {
+pub fn load_model_dir<B: Backend>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<(ModelConfig, AamModel<B>), ImportError> {
     let config_path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&config_path).map_err(|source| ImportError::Io { path: config_path.clone(), source })?;
+    let text = std::fs::read_to_string(&config_path).map_err(|source| ImportError::Io {
+        path: config_path.clone(),
+        source,
+    })?;
     let config: ModelConfig = serde_json::from_str(&text).map_err(|e| ImportError::Format {
         path: config_path.clone(),
         reason: format!("invalid model config: {e}"),
@@ -721,22 +873,45 @@ pub fn load_model_dir<B: Backend>(dir: &Path, device: &B::Device) -> Result<(Mod
 
 /// Reads a safetensors file of float tensors.
 pub fn read_safetensors(path: &Path) -> Result<HashMap<String, StateTensor>, ImportError> {
-    let bytes = std::fs::read(path).map_err(|source| ImportError::Io { path: path.to_path_buf(), source })?;
-    let format_err = |reason: String| ImportError::Format { path: path.to_path_buf(), reason };
-    let file = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| format_err(format!("not a valid safetensors file (truncated or corrupt?): {e}")))?;
+    let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let format_err = |reason: String| ImportError::Format {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        format_err(format!(
+            "not a valid safetensors file (truncated or corrupt?): {e}"
+        ))
+    })?;
     let mut out = HashMap::new();
     for (name, view) in file.tensors() {
         let values: Vec<f32> = match view.dtype() {
-            safetensors::Dtype::F32 => view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            safetensors::Dtype::F32 => view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
             safetensors::Dtype::F64 => view
                 .data()
                 .chunks_exact(8)
                 .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
                 .collect(),
-            other => return Err(format_err(format!("tensor {name} has dtype {other:?}; expected F32"))),
+            other => {
+                return Err(format_err(format!(
+                    "tensor {name} has dtype {other:?}; expected F32"
+                )))
+            }
         };
-        out.insert(name, StateTensor { shape: view.shape().to_vec(), values });
+        out.insert(
+            name,
+            StateTensor {
+                shape: view.shape().to_vec(),
+                values,
+            },
+        );
     }
     Ok(out)
 }
@@ -802,7 +977,9 @@ impl<B: Backend> AamModel<B> {
             path: Vec<String>,
             out: Vec<(String, Option<TensorData>)>,
         }
-        impl<B: burn::tensor::backend::AutodiffBackend> burn::module::ModuleVisitor<B> for GradCollector<'_, B> {
+        impl<B: burn::tensor::backend::AutodiffBackend> burn::module::ModuleVisitor<B>
+            for GradCollector<'_, B>
+        {
             fn enter_module(&mut self, name: &str, _container_type: &str) {
                 self.path.push(name.to_string());
             }
@@ -814,7 +991,11 @@ impl<B: Backend> AamModel<B> {
                 self.out.push((self.path.join("."), grad));
             }
         }
-        let mut collector = GradCollector::<B> { grads, path: Vec::new(), out: Vec::new() };
+        let mut collector = GradCollector::<B> {
+            grads,
+            path: Vec::new(),
+            out: Vec::new(),
+        };
         match self {
             AamModel::SequenceEncoder(m) => m.visit(&mut collector),
             AamModel::SequencePredictor(m) => m.visit(&mut collector),

@@ -63,9 +63,7 @@ impl LinearConfig {
         };
         Linear {
             weight: weight_init.init([self.d_output, self.d_input], device),
-            bias: self
-                .bias
-                .then(|| bias_init.init([self.d_output], device)),
+            bias: self.bias.then(|| bias_init.init([self.d_output], device)),
         }
     }
 }
@@ -158,7 +156,9 @@ impl Activation {
 /// training would then follow a slightly different gradient than the
 /// reference's `nn.GELU()`.
 pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0);
+    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2)
+        .erf()
+        .add_scalar(1.0);
     x * cdf * 0.5
 }
 
@@ -180,7 +180,7 @@ pub(crate) fn xavier_uniform(fan_in: usize, fan_out: usize) -> Initializer {
 mod tests {
     use super::*;
     use burn::backend::NdArray;
-    use burn::tensor::{Tolerance, TensorData};
+    use burn::tensor::{TensorData, Tolerance};
 
     type TB = NdArray<f32>;
 
@@ -192,16 +192,24 @@ mod tests {
             [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]],
             &device,
         ));
-        layer.bias = Some(Param::from_tensor(Tensor::from_floats([0.5, 0.0, -1.0], &device)));
+        layer.bias = Some(Param::from_tensor(Tensor::from_floats(
+            [0.5, 0.0, -1.0],
+            &device,
+        )));
         let y = layer.forward(Tensor::<TB, 2>::from_floats([[1.0, -1.0]], &device));
-        y.into_data()
-            .assert_approx_eq::<f32>(&TensorData::from([[-0.5, -1.0, -2.0]]), Tolerance::default());
+        y.into_data().assert_approx_eq::<f32>(
+            &TensorData::from([[-0.5, -1.0, -2.0]]),
+            Tolerance::default(),
+        );
     }
 
     #[test]
     fn softplus_is_linear_above_threshold_and_finite() {
         let device = Default::default();
-        let y = softplus(Tensor::<TB, 1>::from_floats([0.0, 30.0, 1000.0, -5.0], &device));
+        let y = softplus(Tensor::<TB, 1>::from_floats(
+            [0.0, 30.0, 1000.0, -5.0],
+            &device,
+        ));
         let expected = [2f32.ln(), 30.0, 1000.0, (1.0 + (-5f32).exp()).ln()];
         y.into_data()
             .assert_approx_eq::<f32>(&TensorData::from(expected), Tolerance::default());
@@ -213,8 +221,10 @@ mod tests {
         let mut norm = LayerNormConfig::new(4).init::<TB>(&device);
         norm.bias = Param::from_tensor(Tensor::from_floats([1.0, 2.0, 3.0, 4.0], &device));
         let y = norm.forward(Tensor::<TB, 2>::zeros([1, 4], &device));
-        y.into_data()
-            .assert_approx_eq::<f32>(&TensorData::from([[1.0, 2.0, 3.0, 4.0]]), Tolerance::default());
+        y.into_data().assert_approx_eq::<f32>(
+            &TensorData::from([[1.0, 2.0, 3.0, 4.0]]),
+            Tolerance::default(),
+        );
     }
 
     #[test]
@@ -226,13 +236,22 @@ mod tests {
         let x = Tensor::<Ad, 1>::from_floats(xs.as_slice(), &device).require_grad();
         let y = gelu(x.clone());
         let values = y.clone().into_data().to_vec::<f32>().unwrap();
-        let grads = x.grad(&y.sum().backward()).unwrap().into_data().to_vec::<f32>().unwrap();
+        let grads = x
+            .grad(&y.sum().backward())
+            .unwrap()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
         for ((x, v), g) in xs.iter().zip(values).zip(grads) {
             let x = *x as f64;
             let pdf = (-x * x / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
             let cdf = 0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2));
             assert!((v as f64 - x * cdf).abs() < 1e-6, "gelu({x})");
-            assert!((g as f64 - (cdf + x * pdf)).abs() < 1e-6, "gelu'({x}) = {g}, want {}", cdf + x * pdf);
+            assert!(
+                (g as f64 - (cdf + x * pdf)).abs() < 1e-6,
+                "gelu'({x}) = {g}, want {}",
+                cdf + x * pdf
+            );
         }
     }
 
@@ -245,8 +264,14 @@ mod tests {
                     + t * (0.096_784_18
                         + t * (-0.186_288_06
                             + t * (0.278_868_07
-                                + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+                                + t * (-1.135_203_98
+                                    + t * (1.488_515_87
+                                        + t * (-0.822_152_23 + t * 0.170_872_77))))))));
         let y = 1.0 - t * poly.exp();
-        if x >= 0.0 { y } else { -y }
+        if x >= 0.0 {
+            y
+        } else {
+            -y
+        }
     }
 }

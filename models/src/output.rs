@@ -73,7 +73,11 @@ impl<B: AttentionBackend> OutputTensor<B> {
 impl<B: AttentionBackend> AamModel<B> {
     /// Runs the model and returns every output it has, named as the
     /// reference's output dict (with `return_sample_embeddings=True`).
-    pub fn forward_named(&self, input: ModelInput<B>, return_nucleotides: bool) -> Vec<(&'static str, OutputTensor<B>)> {
+    pub fn forward_named(
+        &self,
+        input: ModelInput<B>,
+        return_nucleotides: bool,
+    ) -> Vec<(&'static str, OutputTensor<B>)> {
         use OutputTensor::*;
         let mut out: Vec<(&'static str, OutputTensor<B>)> = Vec::new();
         let push2 = |out: &mut Vec<_>, name, t: Option<Tensor<B, 2>>| {
@@ -98,7 +102,12 @@ impl<B: AttentionBackend> AamModel<B> {
                 }
             }
             AamModel::SequencePredictor(m) => {
-                let o = m.forward(input.tokens, input.counts, input.categorical_ids.as_ref(), return_nucleotides);
+                let o = m.forward(
+                    input.tokens,
+                    input.counts,
+                    input.categorical_ids.as_ref(),
+                    return_nucleotides,
+                );
                 out.push((
                     "target_prediction",
                     match o.target_prediction {

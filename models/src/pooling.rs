@@ -27,7 +27,9 @@ impl AttentionPoolingConfig {
     /// Builds the module (torch default init for `query`).
     pub fn init<B: Backend>(&self, device: &B::Device) -> AttentionPooling<B> {
         AttentionPooling {
-            query: LinearConfig::new(self.hidden_dim, 1).with_bias(false).init(device),
+            query: LinearConfig::new(self.hidden_dim, 1)
+                .with_bias(false)
+                .init(device),
             norm: LayerNormConfig::new(self.hidden_dim).init(device),
             hidden_dim: self.hidden_dim,
         }
@@ -49,13 +51,16 @@ impl<B: Backend> AttentionPooling<B> {
     pub fn forward(&self, x: Tensor<B, 3>, valid: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 2> {
         let [n, t, d] = x.dims();
         // 2. s = query(x) / √D  (√hidden_dim, not √head_dim)
-        let scores = self.query.forward(x.clone()).reshape([n, t]) / (self.hidden_dim as f64).sqrt();
+        let scores =
+            self.query.forward(x.clone()).reshape([n, t]) / (self.hidden_dim as f64).sqrt();
         let weights = match valid {
             Some(valid) => {
                 // 3. all-padding rows score 0 everywhere; other rows −∞ at padding.
                 let all_padding = valid.clone().any_dim(1).bool_not().expand([n, t]);
                 let ignore = valid.bool_not().bool_and(all_padding.clone().bool_not());
-                let scores = scores.mask_fill(ignore.clone(), f32::NEG_INFINITY).mask_fill(all_padding, 0.0);
+                let scores = scores
+                    .mask_fill(ignore.clone(), f32::NEG_INFINITY)
+                    .mask_fill(all_padding, 0.0);
                 // 4-5. softmax, zero padding, renormalise (+1e-8 as the reference).
                 let w = activation::softmax(scores, 1).mask_fill(ignore, 0.0);
                 let total = w.clone().sum_dim(1) + 1e-8;
@@ -81,12 +86,15 @@ mod tests {
     fn all_padding_zero_row_pools_to_norm_bias() {
         let device = Default::default();
         let mut pool = AttentionPoolingConfig::new(4).init::<TB>(&device);
-        pool.norm.bias = burn::module::Param::from_tensor(Tensor::from_floats([1.0, -2.0, 3.0, 0.5], &device));
+        pool.norm.bias =
+            burn::module::Param::from_tensor(Tensor::from_floats([1.0, -2.0, 3.0, 0.5], &device));
         let x = Tensor::<TB, 3>::zeros([1, 3, 4], &device);
         let valid = Tensor::<TB, 2, Bool>::from_data([[false, false, false]], &device);
         let out = pool.forward(x, Some(valid));
-        out.into_data()
-            .assert_approx_eq::<f32>(&TensorData::from([[1.0, -2.0, 3.0, 0.5]]), Tolerance::default());
+        out.into_data().assert_approx_eq::<f32>(
+            &TensorData::from([[1.0, -2.0, 3.0, 0.5]]),
+            Tolerance::default(),
+        );
     }
 
     #[test]
@@ -97,6 +105,8 @@ mod tests {
         let valid = Tensor::<TB, 2, Bool>::from_data([[true, true, false]], &device);
         let masked = pool.forward(x.clone(), Some(valid));
         let truncated = pool.forward(x.narrow(1, 0, 2), None);
-        masked.into_data().assert_approx_eq::<f32>(&truncated.into_data(), Tolerance::default());
+        masked
+            .into_data()
+            .assert_approx_eq::<f32>(&truncated.into_data(), Tolerance::default());
     }
 }

@@ -84,11 +84,15 @@ pub struct SampleEncoderOutput<B: Backend> {
 impl SampleSequenceEncoderConfig {
     /// The sample-transformer's configuration.
     pub fn sample_transformer(&self) -> TransformerEncoderConfig {
-        TransformerEncoderConfig::new(self.sample_num_layers, self.sample_num_heads, self.asv.embedding_dim)
-            .with_intermediate_size(self.sample_intermediate_size)
-            .with_dropout(self.sample_dropout)
-            .with_activation(self.sample_activation)
-            .with_attn_implementation(self.asv.attn_implementation)
+        TransformerEncoderConfig::new(
+            self.sample_num_layers,
+            self.sample_num_heads,
+            self.asv.embedding_dim,
+        )
+        .with_intermediate_size(self.sample_intermediate_size)
+        .with_dropout(self.sample_dropout)
+        .with_activation(self.sample_activation)
+        .with_attn_implementation(self.asv.attn_implementation)
     }
 
     /// Builds the encoder.
@@ -98,12 +102,18 @@ impl SampleSequenceEncoderConfig {
         let linear = |i, o| LinearConfig::new(i, o).init(device);
         SampleSequenceEncoder {
             asv_encoder: self.asv.init(device),
-            sample_position_embedding: PositionEmbeddingConfig::new(self.token_limit + 5, d).init(device),
+            sample_position_embedding: PositionEmbeddingConfig::new(self.token_limit + 5, d)
+                .init(device),
             sample_transformer: self.sample_transformer().init(device),
-            count_embed: matches!(method, Some(CountEmbeddingMethod::Add | CountEmbeddingMethod::Concat))
-                .then(|| linear(1, d)),
-            count_proj: matches!(method, Some(CountEmbeddingMethod::Concat)).then(|| linear(2 * d, d)),
-            count_film: matches!(method, Some(CountEmbeddingMethod::Film)).then(|| linear(1, 2 * d)),
+            count_embed: matches!(
+                method,
+                Some(CountEmbeddingMethod::Add | CountEmbeddingMethod::Concat)
+            )
+            .then(|| linear(1, d)),
+            count_proj: matches!(method, Some(CountEmbeddingMethod::Concat))
+                .then(|| linear(2 * d, d)),
+            count_film: matches!(method, Some(CountEmbeddingMethod::Film))
+                .then(|| linear(1, 2 * d)),
         }
     }
 }
@@ -159,7 +169,11 @@ impl<B: AttentionBackend> SampleSequenceEncoder<B> {
             let shift = scale_shift.narrow(2, d, d);
             return asv * (scale + 1.0) + shift;
         }
-        let embed = self.count_embed.as_ref().expect("count embedding").forward(c);
+        let embed = self
+            .count_embed
+            .as_ref()
+            .expect("count embedding")
+            .forward(c);
         match &self.count_proj {
             Some(proj) => proj.forward(Tensor::cat(vec![asv, embed], 2)),
             None => asv + embed,

@@ -105,18 +105,26 @@ impl SequenceEncoderConfig {
 
     /// The encoder-transformer's configuration.
     pub fn encoder_transformer(&self) -> TransformerEncoderConfig {
-        TransformerEncoderConfig::new(self.encoder_num_layers, self.encoder_num_heads, self.embedding_dim())
-            .with_intermediate_size(self.encoder_intermediate_size)
-            .with_dropout(self.encoder_dropout)
-            .with_activation(self.encoder_activation)
-            .with_attn_implementation(self.sample.asv.attn_implementation)
+        TransformerEncoderConfig::new(
+            self.encoder_num_layers,
+            self.encoder_num_heads,
+            self.embedding_dim(),
+        )
+        .with_intermediate_size(self.encoder_intermediate_size)
+        .with_dropout(self.encoder_dropout)
+        .with_activation(self.encoder_activation)
+        .with_attn_implementation(self.sample.asv.attn_implementation)
     }
 
     /// Builds the base model.
     pub fn init<B: Backend>(&self, device: &B::Device) -> SequenceEncoder<B> {
         let d = self.embedding_dim();
         let combined = self.encoder_type == EncoderType::Combined;
-        let mut uni_ff = combined.then(|| LinearConfig::new(d, 2).with_init(LinearInit::XavierZeroBias).init(device));
+        let mut uni_ff = combined.then(|| {
+            LinearConfig::new(d, 2)
+                .with_init(LinearInit::XavierZeroBias)
+                .init(device)
+        });
         if let Some(uni) = uni_ff.as_mut() {
             // The reference initialises this bias to 0.85.
             uni.bias = Some(burn::module::Initializer::Constant { value: 0.85 }.init([2], device));
@@ -125,8 +133,11 @@ impl SequenceEncoderConfig {
             sample_encoder: self.sample.init(device),
             encoder_transformer: self.encoder_transformer().init(device),
             attention_pooling: AttentionPoolingConfig::new(d).init(device),
-            output_head: matches!(self.encoder_type, EncoderType::Taxonomy | EncoderType::FaithPd)
-                .then(|| LinearConfig::new(d, self.base_output_dim.unwrap_or(d)).init(device)),
+            output_head: matches!(
+                self.encoder_type,
+                EncoderType::Taxonomy | EncoderType::FaithPd
+            )
+            .then(|| LinearConfig::new(d, self.base_output_dim.unwrap_or(d)).init(device)),
             uni_ff,
             faith_ff: combined.then(|| LinearConfig::new(d, 1).init(device)),
             tax_ff: combined.then(|| LinearConfig::new(d, 7).init(device)),
@@ -148,11 +159,14 @@ impl<B: AttentionBackend> SequenceEncoder<B> {
         let [b, s, _l] = tokens.dims();
         let valid = tokens.clone().greater_elem(0).any_dim(2).reshape([b, s]);
         // 2. sample encoder
-        let sample = self.sample_encoder.forward(tokens, counts, return_nucleotides);
+        let sample = self
+            .sample_encoder
+            .forward(tokens, counts, return_nucleotides);
         // 3. encoder transformer (no extra position embedding)
-        let encoded = self
-            .encoder_transformer
-            .forward(sample.sample_embeddings.clone(), Some(valid.clone().bool_not()));
+        let encoded = self.encoder_transformer.forward(
+            sample.sample_embeddings.clone(),
+            Some(valid.clone().bool_not()),
+        );
         // 4. pool
         let pooled = self.attention_pooling.forward(encoded, Some(valid));
         // 5. heads by type
@@ -168,7 +182,9 @@ impl<B: AttentionBackend> SequenceEncoder<B> {
         };
         if let Some(head) = &self.output_head {
             out.base_prediction = Some(head.forward(pooled));
-        } else if let (Some(uni), Some(faith), Some(tax)) = (&self.uni_ff, &self.faith_ff, &self.tax_ff) {
+        } else if let (Some(uni), Some(faith), Some(tax)) =
+            (&self.uni_ff, &self.faith_ff, &self.tax_ff)
+        {
             out.unifrac_pred = Some(activation::sigmoid(uni.forward(pooled.clone())));
             out.faith_pred = Some(faith.forward(pooled.clone()));
             out.tax_pred = Some(tax.forward(pooled));

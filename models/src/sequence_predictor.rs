@@ -5,9 +5,9 @@
 
 use std::collections::BTreeMap;
 
+use aam_kernels::AttentionBackend;
 use burn::module::{Initializer, Param};
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig};
-use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
@@ -17,7 +17,9 @@ use crate::fusion::{
     CrossAttentionFusion, CrossAttentionFusionConfig, Gmu, GmuConfig, PerceiverFusion,
     PerceiverFusionConfig,
 };
-use crate::nn::{softplus, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig, LinearInit};
+use crate::nn::{
+    softplus, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig, LinearInit,
+};
 use crate::pooling::{AttentionPooling, AttentionPoolingConfig};
 use crate::sequence_encoder::{SequenceEncoder, SequenceEncoderConfig};
 use crate::transformer::{TransformerEncoder, TransformerEncoderConfig};
@@ -158,12 +160,19 @@ impl SequencePredictorConfig {
 
     /// The reference's construction-time checks (§1.8 "Validation").
     pub fn validate(&self) -> Result<(), ModelError> {
-        let bad = |field: &'static str, reason: String| Err(ModelError::InvalidConfig { field, reason });
+        let bad =
+            |field: &'static str, reason: String| Err(ModelError::InvalidConfig { field, reason });
         if self.output_activation != OutputActivation::None && self.bounded_targets {
-            return bad("output_activation", "is incompatible with bounded_targets".into());
+            return bad(
+                "output_activation",
+                "is incompatible with bounded_targets".into(),
+            );
         }
         if self.output_activation != OutputActivation::None && self.is_classifier {
-            return bad("output_activation", "is incompatible with is_classifier".into());
+            return bad(
+                "output_activation",
+                "is incompatible with is_classifier".into(),
+            );
         }
         if let Some(q) = self.num_quantiles {
             if self.is_classifier {
@@ -175,17 +184,29 @@ impl SequencePredictorConfig {
         }
         let hidden = self.regressor_hidden_dims.as_deref().unwrap_or(&[]);
         if self.residual_regression_head && hidden.is_empty() {
-            return bad("residual_regression_head", "needs non-empty regressor_hidden_dims".into());
+            return bad(
+                "residual_regression_head",
+                "needs non-empty regressor_hidden_dims".into(),
+            );
         }
         if hidden.contains(&0) {
-            return bad("regressor_hidden_dims", format!("must be positive, got {hidden:?}"));
+            return bad(
+                "regressor_hidden_dims",
+                format!("must be positive, got {hidden:?}"),
+            );
         }
         if let Some(columns) = &self.conditional_scaling_columns {
             let Some(cards) = &self.categorical_cardinalities else {
-                return bad("conditional_scaling_columns", "needs categorical_cardinalities".into());
+                return bad(
+                    "conditional_scaling_columns",
+                    "needs categorical_cardinalities".into(),
+                );
             };
             if let Some(missing) = columns.iter().find(|c| !cards.contains_key(*c)) {
-                return bad("conditional_scaling_columns", format!("column '{missing}' is not categorical"));
+                return bad(
+                    "conditional_scaling_columns",
+                    format!("column '{missing}' is not categorical"),
+                );
             }
         }
         let d = self.embedding_dim();
@@ -193,8 +214,17 @@ impl SequencePredictorConfig {
             self.categorical_fusion,
             CategoricalFusion::CrossAttention | CategoricalFusion::Perceiver
         );
-        if self.categorical_cardinalities.is_some() && fusion_heads && d % self.cross_attn_heads != 0 {
-            return bad("cross_attn_heads", format!("{} does not divide embedding_dim {d}", self.cross_attn_heads));
+        if self.categorical_cardinalities.is_some()
+            && fusion_heads
+            && d % self.cross_attn_heads != 0
+        {
+            return bad(
+                "cross_attn_heads",
+                format!(
+                    "{} does not divide embedding_dim {d}",
+                    self.cross_attn_heads
+                ),
+            );
         }
         Ok(())
     }
@@ -207,7 +237,14 @@ impl SequencePredictorConfig {
         })
     }
 
-    fn stack(&self, layers: usize, heads: usize, ff: Option<usize>, p: f64, act: Activation) -> TransformerEncoderConfig {
+    fn stack(
+        &self,
+        layers: usize,
+        heads: usize,
+        ff: Option<usize>,
+        p: f64,
+        act: Activation,
+    ) -> TransformerEncoderConfig {
         TransformerEncoderConfig::new(layers, heads, self.embedding_dim())
             .with_intermediate_size(ff)
             .with_dropout(p)
@@ -224,7 +261,11 @@ impl SequencePredictorConfig {
             panic!("{e}");
         }
         let d = self.embedding_dim();
-        let xavier = |i, o| LinearConfig::new(i, o).with_init(LinearInit::XavierZeroBias).init(device);
+        let xavier = |i, o| {
+            LinearConfig::new(i, o)
+                .with_init(LinearInit::XavierZeroBias)
+                .init(device)
+        };
         let embedder = self.categorical_embedder();
         let c = embedder.as_ref().map(|e| e.total_dim()).unwrap_or(0);
         let fusion = embedder.as_ref().map(|_| self.categorical_fusion);
@@ -273,7 +314,9 @@ impl SequencePredictorConfig {
                 )
                 .init(device),
             target_pooling: AttentionPoolingConfig::new(d).init(device),
-            target_norm: self.target_layer_norm.then(|| LayerNormConfig::new(d).init(device)),
+            target_norm: self
+                .target_layer_norm
+                .then(|| LayerNormConfig::new(d).init(device)),
             target_head: TargetHeadConfig {
                 d_input: d,
                 d_output: self.out_dim * self.num_quantiles.unwrap_or(1),
@@ -288,7 +331,8 @@ impl SequencePredictorConfig {
                 Some(CategoricalFusion::Add) => Some(xavier(c, d)),
                 _ => None,
             },
-            gmu: (fusion == Some(CategoricalFusion::Gmu)).then(|| GmuConfig::new(d, c).init(device)),
+            gmu: (fusion == Some(CategoricalFusion::Gmu))
+                .then(|| GmuConfig::new(d, c).init(device)),
             cross_attn_fusion: (fusion == Some(CategoricalFusion::CrossAttention)).then(|| {
                 CrossAttentionFusionConfig::new(d, c)
                     .with_num_heads(self.cross_attn_heads)
@@ -348,7 +392,11 @@ pub struct TargetHead<B: Backend> {
 impl TargetHeadConfig {
     /// Builds the head.
     pub fn init<B: Backend>(&self, device: &B::Device) -> TargetHead<B> {
-        let xavier = |i, o| LinearConfig::new(i, o).with_init(LinearInit::XavierZeroBias).init(device);
+        let xavier = |i, o| {
+            LinearConfig::new(i, o)
+                .with_init(LinearInit::XavierZeroBias)
+                .init(device)
+        };
         let widths: Vec<usize> = std::iter::once(self.d_input)
             .chain(self.hidden_dims.iter().copied())
             .chain(std::iter::once(self.d_output))
@@ -359,7 +407,10 @@ impl TargetHeadConfig {
             widths.windows(2).map(|w| xavier(w[0], w[1])).collect()
         };
         TargetHead {
-            linear: self.hidden_dims.is_empty().then(|| xavier(self.d_input, self.d_output)),
+            linear: self
+                .hidden_dims
+                .is_empty()
+                .then(|| xavier(self.d_input, self.d_output)),
             skip: self.residual.then(|| xavier(self.d_input, self.d_output)),
             mlp,
             dropout: DropoutConfig::new(self.dropout).init(),
@@ -375,14 +426,18 @@ impl<B: AttentionBackend> TargetHead<B> {
             return linear.forward(x);
         }
         let last = self.mlp.len() - 1;
-        let mlp = self.mlp.iter().enumerate().fold(x.clone(), |h, (i, layer)| {
-            let h = layer.forward(h);
-            if i == last {
-                h
-            } else {
-                self.dropout.forward(activation::relu(h))
-            }
-        });
+        let mlp = self
+            .mlp
+            .iter()
+            .enumerate()
+            .fold(x.clone(), |h, (i, layer)| {
+                let h = layer.forward(h);
+                if i == last {
+                    h
+                } else {
+                    self.dropout.forward(activation::relu(h))
+                }
+            });
         match &self.skip {
             Some(skip) => skip.forward(x) + mlp,
             None => mlp,
@@ -578,15 +633,29 @@ impl<B: AttentionBackend> SequencePredictor<B> {
         }
     }
 
-    fn encode_and_pool(&self, x: Tensor<B, 3>, padding: Tensor<B, 2, Bool>, valid: Tensor<B, 2, Bool>) -> Tensor<B, 2> {
+    fn encode_and_pool(
+        &self,
+        x: Tensor<B, 3>,
+        padding: Tensor<B, 2, Bool>,
+        valid: Tensor<B, 2, Bool>,
+    ) -> Tensor<B, 2> {
         let encoded = self.target_encoder.forward(x, Some(padding));
         self.target_pooling.forward(encoded, Some(valid))
     }
 
     /// §1.8 step 8: conditional scaling, learnable scale, then one activation.
-    fn transform_output(&self, mut y: Tensor<B, 2>, ids: Option<&BTreeMap<String, Tensor<B, 1, Int>>>) -> Tensor<B, 2> {
+    fn transform_output(
+        &self,
+        mut y: Tensor<B, 2>,
+        ids: Option<&BTreeMap<String, Tensor<B, 1, Int>>>,
+    ) -> Tensor<B, 2> {
         if let Some(ids) = ids {
-            for ((column, scales), biases) in self.scaling_columns.iter().zip(&self.output_scales).zip(&self.output_biases) {
+            for ((column, scales), biases) in self
+                .scaling_columns
+                .iter()
+                .zip(&self.output_scales)
+                .zip(&self.output_biases)
+            {
                 if let Some(col_ids) = ids.get(column) {
                     let [b] = col_ids.dims();
                     let col_ids = col_ids.clone().reshape([b, 1]);

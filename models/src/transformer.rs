@@ -6,8 +6,8 @@
 //! instead of probabilities, fills masks with -1e4, swaps `norm_1`/`norm_2`
 //! and keeps separate q/k/v projections.
 
-use burn::nn::{Dropout, DropoutConfig};
 use aam_kernels::AttentionBackend;
+use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
@@ -78,12 +78,20 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
     /// # Shapes
     /// - x: `[N, T, D]`, key_padding_mask: `[N, T]` (true = ignore)
     /// - output: `[N, T, D]`
-    pub fn forward(&self, x: Tensor<B, 3>, key_padding_mask: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        key_padding_mask: Option<Tensor<B, 2, Bool>>,
+    ) -> Tensor<B, 3> {
         // 1-3. x = x + dropout(MHA(LN1(x)))
-        let attn = self.self_attn.self_attention(self.norm1.forward(x.clone()), key_padding_mask);
+        let attn = self
+            .self_attn
+            .self_attention(self.norm1.forward(x.clone()), key_padding_mask);
         let x = x + self.dropout1.forward(attn);
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
-        let h = self.activation.forward(self.linear1.forward(self.norm2.forward(x.clone())));
+        let h = self
+            .activation
+            .forward(self.linear1.forward(self.norm2.forward(x.clone())));
         let ff = self.linear2.forward(self.dropout.forward(h));
         x + self.dropout2.forward(ff)
     }
@@ -151,7 +159,9 @@ impl TransformerEncoderConfig {
             .collect();
         TransformerEncoder {
             encoder: EncoderLayers { layers },
-            norm: LayerNormConfig::new(self.hidden_dim).with_eps(1e-6).init(device),
+            norm: LayerNormConfig::new(self.hidden_dim)
+                .with_eps(1e-6)
+                .init(device),
         }
     }
 }
@@ -174,7 +184,11 @@ impl<B: AttentionBackend> TransformerEncoder<B> {
     /// # Shapes
     /// - x: `[N, T, D]`, key_padding_mask: `[N, T]` (true = ignore)
     /// - output: `[N, T, D]` (padded rows are computed, not zeroed)
-    pub fn forward(&self, x: Tensor<B, 3>, key_padding_mask: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        key_padding_mask: Option<Tensor<B, 2, Bool>>,
+    ) -> Tensor<B, 3> {
         let x = self
             .encoder
             .layers

@@ -23,24 +23,43 @@ const OUTPUT_RTOL: f32 = 1e-5;
 const GRAD_RTOL: f32 = 1e-4;
 
 fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/reference")
+        .join(name)
 }
 
-fn model(config: &ModelConfig, ckpt: &TorchCheckpoint, attn: AttnImplementation, device: &burn::backend::wgpu::WgpuDevice) -> AamModel<Gpu> {
+fn model(
+    config: &ModelConfig,
+    ckpt: &TorchCheckpoint,
+    attn: AttnImplementation,
+    device: &burn::backend::wgpu::WgpuDevice,
+) -> AamModel<Gpu> {
     let mut config = config.clone();
     if let ModelConfig::SequenceEncoder(c) = &mut config {
         c.sample.asv.attn_implementation = attn;
     }
     let mut loaded = config.init::<Gpu>(device).unwrap();
-    loaded.load_state_dict(&config, ckpt.tensors.clone(), &ckpt.path).unwrap();
-    config.without_dropout().init::<Gpu>(device).unwrap().with_weights_of(loaded)
+    loaded
+        .load_state_dict(&config, ckpt.tensors.clone(), &ckpt.path)
+        .unwrap();
+    config
+        .without_dropout()
+        .init::<Gpu>(device)
+        .unwrap()
+        .with_weights_of(loaded)
 }
 
 fn tokens(device: &burn::backend::wgpu::WgpuDevice) -> Tensor<Gpu, 3, Int> {
     let npz = fixture("encoder_unifrac").join("inputs.npz");
     let mut reader = ndarray_npy::NpzReader::new(std::fs::File::open(npz).unwrap()).unwrap();
-    let t: ndarray::ArrayD<i64> = reader.by_name("tokens.npy").or_else(|_| reader.by_name("tokens")).unwrap();
-    Tensor::from_data(TensorData::new(t.iter().copied().collect::<Vec<_>>(), t.shape().to_vec()), device)
+    let t: ndarray::ArrayD<i64> = reader
+        .by_name("tokens.npy")
+        .or_else(|_| reader.by_name("tokens"))
+        .unwrap();
+    Tensor::from_data(
+        TensorData::new(t.iter().copied().collect::<Vec<_>>(), t.shape().to_vec()),
+        device,
+    )
 }
 
 fn rel(a: &[f32], b: &[f32]) -> f32 {
@@ -59,7 +78,11 @@ fn sequence_encoder_fused_equals_math() {
     let mut results = Vec::new();
     for attn in [AttnImplementation::Math, AttnImplementation::Fused] {
         let m = model(&config, &ckpt, attn, &device);
-        let input = ModelInput { tokens: tokens(&device), counts: None, categorical_ids: None };
+        let input = ModelInput {
+            tokens: tokens(&device),
+            counts: None,
+            categorical_ids: None,
+        };
         let outputs = m.forward_named(input, true);
         let values: HashMap<&str, Vec<f32>> = outputs
             .iter()
@@ -69,7 +92,9 @@ fn sequence_encoder_fused_equals_math() {
             .iter()
             .filter_map(|(_, t)| {
                 let len = t.shape().iter().product::<usize>();
-                let w: Vec<f32> = (0..len).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+                let w: Vec<f32> = (0..len)
+                    .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+                    .collect();
                 t.weighted_sum(&w)
             })
             .reduce(|a, b| a + b)
@@ -88,12 +113,19 @@ fn sequence_encoder_fused_equals_math() {
         let e = rel(&fused_out[name], want);
         assert!(e <= OUTPUT_RTOL, "{name}: fused vs math rel err {e:e}");
     }
-    assert_eq!(math_grads.len(), fused_grads.len(), "same parameters receive gradients");
+    assert_eq!(
+        math_grads.len(),
+        fused_grads.len(),
+        "same parameters receive gradients"
+    );
     let mut worst = 0f32;
     for (name, want) in math_grads {
         let e = rel(&fused_grads[name], want);
         worst = worst.max(e);
         assert!(e <= GRAD_RTOL, "grad {name}: fused vs math rel err {e:e}");
     }
-    eprintln!("fused vs math: worst gradient rel err {worst:e} over {} tensors", math_grads.len());
+    eprintln!(
+        "fused vs math: worst gradient rel err {worst:e} over {} tensors",
+        math_grads.len()
+    );
 }

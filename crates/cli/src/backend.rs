@@ -11,7 +11,9 @@ use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 
 #[cfg(not(feature = "ndarray"))]
-compile_error!("aam-cli needs its `ndarray` feature: `convert` runs on it (add GPU backends next to it)");
+compile_error!(
+    "aam-cli needs its `ndarray` feature: `convert` runs on it (add GPU backends next to it)"
+);
 
 /// A compute backend (all in float32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
@@ -49,7 +51,10 @@ impl BackendKind {
 
     /// The `--backend` spelling.
     pub fn name(self) -> String {
-        self.to_possible_value().expect("no skipped variants").get_name().to_string()
+        self.to_possible_value()
+            .expect("no skipped variants")
+            .get_name()
+            .to_string()
     }
 
     /// The devices this backend can run on here, or why it cannot run.
@@ -66,7 +71,10 @@ impl BackendKind {
             #[cfg(feature = "rocm")]
             BackendKind::Rocm => rocm_devices(),
             #[cfg(feature = "tch")]
-            BackendKind::Tch => Ok(vec![format!("cpu (libtorch, {} threads)", tch::utils::get_num_threads())]),
+            BackendKind::Tch => Ok(vec![format!(
+                "cpu (libtorch, {} threads)",
+                tch::utils::get_num_threads()
+            )]),
             #[cfg(feature = "tch")]
             BackendKind::TchGpu => tch_gpu_devices(),
         }
@@ -76,9 +84,14 @@ impl BackendKind {
     /// [`with_backend!`](crate::with_backend) calls it before anything is
     /// built, so a missing driver is an error message, not a panic.
     pub fn ensure_available(self) -> Result<()> {
-        let count = self.device_count().with_context(|| format!("backend {} cannot run here", self.name()))?;
+        let count = self
+            .device_count()
+            .with_context(|| format!("backend {} cannot run here", self.name()))?;
         if count == 0 {
-            bail!("backend {} sees no device (run `aam-rs backends`)", self.name());
+            bail!(
+                "backend {} sees no device (run `aam-rs backends`)",
+                self.name()
+            );
         }
         Ok(())
     }
@@ -156,11 +169,17 @@ macro_rules! with_backend {
 /// `aam-rs backends`: one block per compiled backend with the devices it sees.
 pub fn list() -> Result<()> {
     for kind in BackendKind::compiled() {
-        let help = kind.to_possible_value().and_then(|v| v.get_help().map(ToString::to_string)).unwrap_or_default();
+        let help = kind
+            .to_possible_value()
+            .and_then(|v| v.get_help().map(ToString::to_string))
+            .unwrap_or_default();
         println!("{:<9} {help}", kind.name());
         match kind.devices() {
             Ok(devices) if devices.is_empty() => println!("          no device found"),
-            Ok(devices) => devices.iter().enumerate().for_each(|(i, d)| println!("          [{i}] {d}")),
+            Ok(devices) => devices
+                .iter()
+                .enumerate()
+                .for_each(|(i, d)| println!("          [{i}] {d}")),
             Err(err) => println!("          unavailable: {err:#}"),
         }
     }
@@ -168,7 +187,9 @@ pub fn list() -> Result<()> {
 }
 
 fn cpu_device() -> String {
-    let threads = std::thread::available_parallelism().map(usize::from).unwrap_or(1);
+    let threads = std::thread::available_parallelism()
+        .map(usize::from)
+        .unwrap_or(1);
     format!("cpu ({threads} hardware threads)")
 }
 
@@ -192,7 +213,10 @@ fn wgpu_devices() -> Result<Vec<String>> {
         .iter()
         .map(|a| {
             let info = a.get_info();
-            format!("{} ({:?}, {:?}, driver {} {})", info.name, info.backend, info.device_type, info.driver, info.driver_info)
+            format!(
+                "{} ({:?}, {:?}, driver {} {})",
+                info.name, info.backend, info.device_type, info.driver, info.driver_info
+            )
         })
         .collect())
 }
@@ -216,7 +240,8 @@ fn cuda_count() -> Result<usize> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         bail!("no CUDA driver (libcuda.so not found): install the NVIDIA driver");
     }
-    let count = cudarc::driver::CudaContext::device_count().map_err(|e| anyhow::anyhow!("CUDA driver: {e:?}"))?;
+    let count = cudarc::driver::CudaContext::device_count()
+        .map_err(|e| anyhow::anyhow!("CUDA driver: {e:?}"))?;
     Ok(count as usize)
 }
 
@@ -226,10 +251,19 @@ fn cuda_devices() -> Result<Vec<String>> {
     (0..cuda_count()?)
         .map(|i| {
             let ctx = CudaContext::new(i).map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
-            let name = ctx.name().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
-            let (major, minor) = ctx.compute_capability().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
-            let mem = ctx.total_mem().map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
-            Ok(format!("{name} (sm_{major}{minor}, {:.0} GiB)", mem as f64 / (1u64 << 30) as f64))
+            let name = ctx
+                .name()
+                .map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            let mem = ctx
+                .total_mem()
+                .map_err(|e| anyhow::anyhow!("CUDA device {i}: {e:?}"))?;
+            Ok(format!(
+                "{name} (sm_{major}{minor}, {:.0} GiB)",
+                mem as f64 / (1u64 << 30) as f64
+            ))
         })
         .collect()
 }
@@ -255,7 +289,9 @@ fn rocm_devices() -> Result<Vec<String>> {
                 bail!("hipDeviceGetName({i}) failed with HIP error {status}");
             }
             // SAFETY: NUL-terminated by HIP (above).
-            Ok(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned())
+            Ok(unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+                .to_string_lossy()
+                .into_owned())
         })
         .collect()
 }
@@ -265,6 +301,12 @@ fn tch_gpu_devices() -> Result<Vec<String>> {
     if !tch::Cuda::is_available() {
         bail!("this libtorch sees no GPU (a CPU build of libtorch, or no CUDA/ROCm driver)");
     }
-    let flavour = if tch::utils::has_hip() { "ROCm" } else { "CUDA" };
-    Ok((0..tch::Cuda::device_count()).map(|i| format!("cuda:{i} (libtorch {flavour})")).collect())
+    let flavour = if tch::utils::has_hip() {
+        "ROCm"
+    } else {
+        "CUDA"
+    };
+    Ok((0..tch::Cuda::device_count())
+        .map(|i| format!("cuda:{i} (libtorch {flavour})"))
+        .collect())
 }

@@ -88,9 +88,14 @@ enum OutputActivationArg {
 const STACKS: [&str; 5] = ["asv", "sample", "encoder", "count", "target"];
 
 fn parse_stack<T: ValueEnumOrNumber>(s: &str) -> Result<(String, T), String> {
-    let (stack, value) = s.split_once('=').ok_or_else(|| format!("expected STACK=VALUE, got '{s}'"))?;
+    let (stack, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected STACK=VALUE, got '{s}'"))?;
     if !STACKS.contains(&stack) {
-        return Err(format!("unknown stack '{stack}' (expected one of {})", STACKS.join(", ")));
+        return Err(format!(
+            "unknown stack '{stack}' (expected one of {})",
+            STACKS.join(", ")
+        ));
     }
     Ok((stack.to_string(), T::parse(value)?))
 }
@@ -101,7 +106,8 @@ trait ValueEnumOrNumber: Sized + Clone + Send + Sync + 'static {
 
 impl ValueEnumOrNumber for usize {
     fn parse(s: &str) -> Result<Self, String> {
-        s.parse().map_err(|_| format!("'{s}' is not a positive integer"))
+        s.parse()
+            .map_err(|_| format!("'{s}' is not a positive integer"))
     }
 }
 
@@ -124,7 +130,11 @@ impl ConvertArgs {
             attention_heads: self.attention_heads,
             stack_heads: self.stack_heads.iter().cloned().collect(),
             activation: activation(self.activation),
-            stack_activations: self.stack_activations.iter().map(|(s, a)| (s.clone(), activation(*a))).collect(),
+            stack_activations: self
+                .stack_activations
+                .iter()
+                .map(|(s, a)| (s.clone(), activation(*a)))
+                .collect(),
             cross_attn_heads: self.cross_attn_heads,
             encoder_type: self.encoder_type.map(|t| match t {
                 EncoderTypeArg::Taxonomy => EncoderType::Taxonomy,
@@ -152,7 +162,8 @@ impl ConvertArgs {
 pub fn run(args: ConvertArgs) -> Result<()> {
     type B = burn::backend::NdArray<f32>;
     let device = Default::default();
-    let checkpoint = TorchCheckpoint::read(&args.from).context("reading the reference checkpoint")?;
+    let checkpoint =
+        TorchCheckpoint::read(&args.from).context("reading the reference checkpoint")?;
     let config = infer_config(&checkpoint.shapes(), &args.hints(), &checkpoint.path)
         .context("inferring the architecture (see `aam-rs convert --help` for the flags that set what tensors do not record)")?;
     let mut model: AamModel<B> = config.init(&device).context("building the model")?;
@@ -161,7 +172,11 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         .load_state_dict(&config, checkpoint.tensors, &checkpoint.path)
         .context("loading the weights")?;
     save_model_dir(&args.out, &config, &model).context("writing the model directory")?;
-    let params: usize = model.state_dict_shapes(&config).iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let params: usize = model
+        .state_dict_shapes(&config)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
     let class = match &config {
         aam_models::import::ModelConfig::SequenceEncoder(_) => "SequenceEncoder",
         aam_models::import::ModelConfig::SequencePredictor(_) => "SequencePredictor",
@@ -169,7 +184,11 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     tracing::info!(
         "converted {} ({class}, {n_tensors} tensors, {params} parameters{}) -> {}",
         args.from.display(),
-        if checkpoint.from_trainer_checkpoint { ", from a trainer checkpoint" } else { "" },
+        if checkpoint.from_trainer_checkpoint {
+            ", from a trainer checkpoint"
+        } else {
+            ""
+        },
         args.out.display()
     );
     Ok(())

@@ -60,7 +60,13 @@ fn run_on<B: aam_models::AttentionBackend>(args: &ForwardArgs, device: &B::Devic
             let shape = tensor.shape();
             let data = tensor.to_data();
             if name == &"mask_indices" {
-                let values: Vec<u8> = data.convert::<bool>().to_vec::<bool>().expect("bool").into_iter().map(u8::from).collect();
+                let values: Vec<u8> = data
+                    .convert::<bool>()
+                    .to_vec::<bool>()
+                    .expect("bool")
+                    .into_iter()
+                    .map(u8::from)
+                    .collect();
                 npz.add_array(*name, &ArrayD::from_shape_vec(IxDyn(&shape), values)?)?;
             } else {
                 let values = data.convert::<f32>().to_vec::<f32>().expect("f32");
@@ -70,27 +76,56 @@ fn run_on<B: aam_models::AttentionBackend>(args: &ForwardArgs, device: &B::Devic
         npz.finish()?;
     }
     write_atomic(&args.out, buffer.get_ref()).context("writing the outputs")?;
-    let names: Vec<String> = outputs.iter().map(|(n, t)| format!("{n} {:?}", t.shape())).collect();
+    let names: Vec<String> = outputs
+        .iter()
+        .map(|(n, t)| format!("{n} {:?}", t.shape()))
+        .collect();
     tracing::info!("wrote {}: {}", args.out.display(), names.join(", "));
     Ok(())
 }
 
-fn read_inputs<B: aam_models::AttentionBackend>(args: &ForwardArgs, config: &ModelConfig, device: &B::Device) -> Result<ModelInput<B>> {
+fn read_inputs<B: aam_models::AttentionBackend>(
+    args: &ForwardArgs,
+    config: &ModelConfig,
+    device: &B::Device,
+) -> Result<ModelInput<B>> {
     let base = config.base();
     let tokens = read_int_array(&args.tokens)?;
     let shape = tokens.shape().to_vec();
-    ensure!(shape.len() == 3, "{}: tokens must have shape [B, S, L], got {shape:?}", args.tokens.display());
+    ensure!(
+        shape.len() == 3,
+        "{}: tokens must have shape [B, S, L], got {shape:?}",
+        args.tokens.display()
+    );
     let [b, s, l] = [shape[0], shape[1], shape[2]];
     let max_len = base.sample.asv.max_bp + 1;
-    ensure!(l <= max_len, "{}: L = {l} tokens per ASV, but the model's max_bp + 1 is {max_len}", args.tokens.display());
+    ensure!(
+        l <= max_len,
+        "{}: L = {l} tokens per ASV, but the model's max_bp + 1 is {max_len}",
+        args.tokens.display()
+    );
     let max_slots = base.sample.token_limit + 5;
-    ensure!(s <= max_slots, "{}: S = {s} ASV slots, but the model's position table has {max_slots} rows", args.tokens.display());
+    ensure!(
+        s <= max_slots,
+        "{}: S = {s} ASV slots, but the model's position table has {max_slots} rows",
+        args.tokens.display()
+    );
     let vocab = base.sample.asv.vocab_size as i64;
-    if let Some((i, v)) = tokens.iter().enumerate().find(|(_, &v)| v < 0 || v >= vocab) {
+    if let Some((i, v)) = tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| v < 0 || v >= vocab)
+    {
         let idx = [i / (s * l), (i / l) % s, i % l];
-        bail!("{}: token {v} at index {idx:?} is outside the vocabulary 0..{vocab}", args.tokens.display());
+        bail!(
+            "{}: token {v} at index {idx:?} is outside the vocabulary 0..{vocab}",
+            args.tokens.display()
+        );
     }
-    let tokens = Tensor::<B, 3, Int>::from_data(TensorData::new(tokens.into_raw_vec_and_offset().0, shape), device);
+    let tokens = Tensor::<B, 3, Int>::from_data(
+        TensorData::new(tokens.into_raw_vec_and_offset().0, shape),
+        device,
+    );
 
     let uses_counts = base.sample.count_embedding;
     let counts = match (&args.counts, uses_counts) {
@@ -100,18 +135,24 @@ fn read_inputs<B: aam_models::AttentionBackend>(args: &ForwardArgs, config: &Mod
     };
     let categorical_ids = match (&args.categorical, config) {
         (Some(path), ModelConfig::SequencePredictor(p)) => {
-            let cards = p
-                .categorical_cardinalities
-                .clone()
-                .with_context(|| format!("{}: this model has no categorical columns", path.display()))?;
+            let cards = p.categorical_cardinalities.clone().with_context(|| {
+                format!("{}: this model has no categorical columns", path.display())
+            })?;
             Some(read_categorical::<B>(path, &cards, b, device)?)
         }
         (Some(path), ModelConfig::SequenceEncoder(_)) => {
-            bail!("{}: a SequenceEncoder takes no categorical input", path.display())
+            bail!(
+                "{}: a SequenceEncoder takes no categorical input",
+                path.display()
+            )
         }
         (None, _) => None,
     };
-    Ok(ModelInput { tokens, counts, categorical_ids })
+    Ok(ModelInput {
+        tokens,
+        counts,
+        categorical_ids,
+    })
 }
 
 fn read_int_array(path: &Path) -> Result<ArrayD<i64>> {
@@ -124,12 +165,22 @@ fn read_int_array(path: &Path) -> Result<ArrayD<i64>> {
     Ok(a.mapv(i64::from))
 }
 
-fn read_counts<B: Backend>(path: &Path, b: usize, s: usize, device: &B::Device) -> Result<Tensor<B, 3>> {
+fn read_counts<B: Backend>(
+    path: &Path,
+    b: usize,
+    s: usize,
+    device: &B::Device,
+) -> Result<Tensor<B, 3>> {
     let open = || File::open(path).with_context(|| format!("opening {}", path.display()));
     let counts = match ArrayD::<f32>::read_npy(open()?) {
         Ok(a) => a,
         Err(_) => ArrayD::<f64>::read_npy(open()?)
-            .with_context(|| format!("{}: expected a float32 or float64 .npy array", path.display()))?
+            .with_context(|| {
+                format!(
+                    "{}: expected a float32 or float64 .npy array",
+                    path.display()
+                )
+            })?
             .mapv(|x| x as f32),
     };
     let shape = counts.shape().to_vec();
@@ -139,9 +190,15 @@ fn read_counts<B: Backend>(path: &Path, b: usize, s: usize, device: &B::Device) 
         path.display()
     );
     if let Some(v) = counts.iter().find(|v| !v.is_finite() || **v < 0.0) {
-        bail!("{}: counts must be finite and non-negative, found {v}", path.display());
+        bail!(
+            "{}: counts must be finite and non-negative, found {v}",
+            path.display()
+        );
     }
-    Ok(Tensor::from_data(TensorData::new(counts.into_raw_vec_and_offset().0, [b, s, 1]), device))
+    Ok(Tensor::from_data(
+        TensorData::new(counts.into_raw_vec_and_offset().0, [b, s, 1]),
+        device,
+    ))
 }
 
 fn read_categorical<B: Backend>(
@@ -152,11 +209,20 @@ fn read_categorical<B: Backend>(
 ) -> Result<BTreeMap<String, Tensor<B, 1, Int>>> {
     let mut columns: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     if path.extension().is_some_and(|e| e == "npz") {
-        let mut npz = NpzReader::new(File::open(path).with_context(|| format!("opening {}", path.display()))?)?;
+        let mut npz = NpzReader::new(
+            File::open(path).with_context(|| format!("opening {}", path.display()))?,
+        )?;
         for name in npz.names()? {
             let column = name.trim_end_matches(".npy").to_string();
-            ensure!(cards.contains_key(&column), "{}: unknown column '{column}' (model columns: {:?})", path.display(), cards.keys());
-            let a: ArrayD<i64> = npz.by_name(&name).with_context(|| format!("{}: column '{column}' must be int64", path.display()))?;
+            ensure!(
+                cards.contains_key(&column),
+                "{}: unknown column '{column}' (model columns: {:?})",
+                path.display(),
+                cards.keys()
+            );
+            let a: ArrayD<i64> = npz
+                .by_name(&name)
+                .with_context(|| format!("{}: column '{column}' must be int64", path.display()))?;
             columns.insert(column, a.into_raw_vec_and_offset().0);
         }
     } else {
@@ -170,16 +236,27 @@ fn read_categorical<B: Backend>(
             cards.keys()
         );
         for (j, column) in cards.keys().enumerate() {
-            columns.insert(column.clone(), a.index_axis(ndarray::Axis(1), j).iter().copied().collect());
+            columns.insert(
+                column.clone(),
+                a.index_axis(ndarray::Axis(1), j).iter().copied().collect(),
+            );
         }
     }
     columns
         .into_iter()
         .map(|(column, ids)| {
-            ensure!(ids.len() == b, "{}: column '{column}' has {} ids for {b} samples", path.display(), ids.len());
+            ensure!(
+                ids.len() == b,
+                "{}: column '{column}' has {} ids for {b} samples",
+                path.display(),
+                ids.len()
+            );
             let card = cards[&column] as i64;
             if let Some(v) = ids.iter().find(|&&v| v < 0 || v >= card) {
-                bail!("{}: column '{column}' has id {v}, outside 0..{card}", path.display());
+                bail!(
+                    "{}: column '{column}' has id {v}, outside 0..{card}",
+                    path.display()
+                );
             }
             Ok((column, Tensor::from_data(TensorData::new(ids, [b]), device)))
         })

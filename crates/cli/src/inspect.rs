@@ -53,7 +53,8 @@ pub struct InspectArgs {
 
 /// Runs `aam-rs inspect`.
 pub fn run(args: InspectArgs) -> Result<()> {
-    let table = BiomTable::read(&args.table).with_context(|| format!("reading --table {}", args.table.display()))?;
+    let table = BiomTable::read(&args.table)
+        .with_context(|| format!("reading --table {}", args.table.display()))?;
     let mut unreadable = Vec::new();
     let matrix = match &args.unifrac_matrix {
         None => None,
@@ -91,12 +92,18 @@ pub fn run(args: InspectArgs) -> Result<()> {
         summary.add_warning("no --unifrac-matrix: `pretrain` and `train` need one, so its coverage of the samples is not checked");
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary).context("writing the summary as JSON")?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).context("writing the summary as JSON")?
+        );
     } else {
         print!("{}", report(&summary));
     }
     if !summary.ok {
-        let mut reasons = format!("a pretrain/train run on these inputs would not start ({} problem(s)):", summary.problems.len());
+        let mut reasons = format!(
+            "a pretrain/train run on these inputs would not start ({} problem(s)):",
+            summary.problems.len()
+        );
         for p in &summary.problems {
             reasons.push_str("\n  - ");
             reasons.push_str(p);
@@ -118,15 +125,28 @@ fn num(x: f64) -> String {
 
 fn stats(s: &Option<Stats>) -> String {
     match s {
-        Some(s) => format!("min {}, median {}, max {}", num(s.min), num(s.median), num(s.max)),
+        Some(s) => format!(
+            "min {}, median {}, max {}",
+            num(s.min),
+            num(s.median),
+            num(s.max)
+        ),
         None => "-".into(),
     }
 }
 
 fn coverage(c: &Coverage, checked: usize, of_what: &str) -> String {
-    let mut line = format!("{} ({} samples): has {} of the {checked} {of_what}", c.path, c.samples, c.covered);
+    let mut line = format!(
+        "{} ({} samples): has {} of the {checked} {of_what}",
+        c.path, c.samples, c.covered
+    );
     if c.missing > 0 {
-        let _ = write!(line, "; missing {}: {}", c.missing, c.missing_first.join(", "));
+        let _ = write!(
+            line,
+            "; missing {}: {}",
+            c.missing,
+            c.missing_first.join(", ")
+        );
         if c.missing > c.missing_first.len() {
             let _ = write!(line, " (and {} more)", c.missing - c.missing_first.len());
         }
@@ -145,13 +165,33 @@ fn report(s: &Summary) -> String {
         t.samples,
         t.asvs,
         t.nonzero,
-        if t.integer_counts { "" } else { " (some counts are not whole numbers)" }
+        if t.integer_counts {
+            ""
+        } else {
+            " (some counts are not whole numbers)"
+        }
     );
-    let _ = writeln!(out, "reads/sample {}; {} below --rarefy-depth {}", stats(&t.depth), t.below_depth, s.rarefaction.depth);
+    let _ = writeln!(
+        out,
+        "reads/sample {}; {} below --rarefy-depth {}",
+        stats(&t.depth),
+        t.below_depth,
+        s.rarefaction.depth
+    );
     let _ = writeln!(out, "ASVs/sample  {}", stats(&t.asvs_per_sample));
     let q = &s.sequences;
-    let _ = writeln!(out, "ASV length   {} nt; {} longer than --max-bp {}", stats(&q.length), q.longer_than_max_bp, q.max_bp);
-    let _ = writeln!(out, "non-ACGT     {} ASVs contain some, {} characters in all", q.asvs_with_non_acgt, q.non_acgt_bases);
+    let _ = writeln!(
+        out,
+        "ASV length   {} nt; {} longer than --max-bp {}",
+        stats(&q.length),
+        q.longer_than_max_bp,
+        q.max_bp
+    );
+    let _ = writeln!(
+        out,
+        "non-ACGT     {} ASVs contain some, {} characters in all",
+        q.asvs_with_non_acgt, q.non_acgt_bases
+    );
     let r = &s.rarefaction;
     if r.done {
         let _ = writeln!(
@@ -164,7 +204,11 @@ fn report(s: &Summary) -> String {
             stats(&r.asvs_per_sample)
         );
     } else {
-        let _ = writeln!(out, "rarefied     to {} reads: failed (see the problems)", r.depth);
+        let _ = writeln!(
+            out,
+            "rarefied     to {} reads: failed (see the problems)",
+            r.depth
+        );
     }
     let of_what = match s.checked_samples {
         CheckedSamples::Rarefied => "samples kept by rarefaction",
@@ -181,18 +225,36 @@ fn report(s: &Summary) -> String {
             TargetKind::Numeric => "numeric",
             TargetKind::Categorical => "categorical",
         };
-        let _ = writeln!(out, "target       {:?} ({kind}): {} with a value, {} without", target.column, target.with_value, target.missing);
+        let _ = writeln!(
+            out,
+            "target       {:?} ({kind}): {} with a value, {} without",
+            target.column, target.with_value, target.missing
+        );
         if let Some(range) = &target.range {
-            let _ = writeln!(out, "             min {}, max {}, mean {}", num(range.min), num(range.max), num(range.mean));
+            let _ = writeln!(
+                out,
+                "             min {}, max {}, mean {}",
+                num(range.min),
+                num(range.max),
+                num(range.mean)
+            );
         }
         if let Some(distinct) = target.distinct {
-            let listed: Vec<String> = target.categories.iter().map(|c| format!("{} ({})", c.value, c.count)).collect();
+            let listed: Vec<String> = target
+                .categories
+                .iter()
+                .map(|c| format!("{} ({})", c.value, c.count))
+                .collect();
             let more = distinct - target.categories.len();
             let _ = writeln!(
                 out,
                 "             {distinct} distinct: {}{}",
                 listed.join(", "),
-                if more > 0 { format!(" (and {more} more)") } else { String::new() }
+                if more > 0 {
+                    format!(" (and {more} more)")
+                } else {
+                    String::new()
+                }
             );
         }
     }
@@ -206,7 +268,11 @@ fn report(s: &Summary) -> String {
     if s.ok {
         let _ = writeln!(out, "OK: a pretrain/train run on these inputs would start");
     } else {
-        let _ = writeln!(out, "NOT OK: {} problem(s); a pretrain/train run on these inputs would stop", s.problems.len());
+        let _ = writeln!(
+            out,
+            "NOT OK: {} problem(s); a pretrain/train run on these inputs would stop",
+            s.problems.len()
+        );
     }
     out
 }

@@ -31,7 +31,11 @@ fn atomic_png(path: &Path, draw: impl FnOnce(&Path) -> Result<()>) -> Result<()>
 }
 
 fn range(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = values.filter(|v| v.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| (l.min(v), h.max(v)));
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| {
+            (l.min(v), h.max(v))
+        });
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
@@ -45,14 +49,22 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
         return Ok(());
     }
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    let mut keys: Vec<&String> = history.iter().flat_map(|r| r.train.keys()).filter(|k| k.ends_with("_loss")).collect();
+    let mut keys: Vec<&String> = history
+        .iter()
+        .flat_map(|r| r.train.keys())
+        .filter(|k| k.ends_with("_loss"))
+        .collect();
     keys.sort();
     keys.dedup();
     for k in keys {
         for (side, pick) in [("train", true), ("val", false)] {
             let points: Vec<(f64, f64)> = history
                 .iter()
-                .filter_map(|r| (if pick { &r.train } else { &r.validation }).get(k).map(|v| ((r.epoch + 1) as f64, *v)))
+                .filter_map(|r| {
+                    (if pick { &r.train } else { &r.validation })
+                        .get(k)
+                        .map(|v| ((r.epoch + 1) as f64, *v))
+                })
                 .filter(|(_, v)| v.is_finite())
                 .collect();
             if !points.is_empty() {
@@ -71,16 +83,28 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
             .x_label_area_size(40)
             .y_label_area_size(70)
             .build_cartesian_2d(0.5..epochs.max(1.0) + 0.5, y0..y1)?;
-        chart.configure_mesh().x_desc("epoch").y_desc("loss").draw()?;
+        chart
+            .configure_mesh()
+            .x_desc("epoch")
+            .y_desc("loss")
+            .draw()?;
         for (i, (name, points)) in series.iter().enumerate() {
             let color = Palette99::pick(i / 2).to_rgba();
-            let style = if name.starts_with("val") { color.stroke_width(2) } else { color.stroke_width(1) };
+            let style = if name.starts_with("val") {
+                color.stroke_width(2)
+            } else {
+                color.stroke_width(1)
+            };
             chart
                 .draw_series(LineSeries::new(points.iter().copied(), style).point_size(2))?
                 .label(name.clone())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], style));
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
         Ok(())
     })
@@ -88,7 +112,11 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
 
 /// `plots/val_predictions.png`: predicted against true values (original units).
 pub fn predicted_vs_true(out_dir: &Path, pairs: &[(f64, f64)], title: &str) -> Result<()> {
-    let pairs: Vec<(f64, f64)> = pairs.iter().copied().filter(|(a, b)| a.is_finite() && b.is_finite()).collect();
+    let pairs: Vec<(f64, f64)> = pairs
+        .iter()
+        .copied()
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .collect();
     if pairs.is_empty() {
         return Ok(());
     }
@@ -102,9 +130,17 @@ pub fn predicted_vs_true(out_dir: &Path, pairs: &[(f64, f64)], title: &str) -> R
             .x_label_area_size(40)
             .y_label_area_size(60)
             .build_cartesian_2d(lo..hi, lo..hi)?;
-        chart.configure_mesh().x_desc("true").y_desc("predicted").draw()?;
+        chart
+            .configure_mesh()
+            .x_desc("true")
+            .y_desc("predicted")
+            .draw()?;
         chart.draw_series(LineSeries::new([(lo, lo), (hi, hi)], BLACK.mix(0.4)))?;
-        chart.draw_series(pairs.iter().map(|&(t, p)| Circle::new((t, p), 3, BLUE.mix(0.6).filled())))?;
+        chart.draw_series(
+            pairs
+                .iter()
+                .map(|&(t, p)| Circle::new((t, p), 3, BLUE.mix(0.6).filled())),
+        )?;
         root.present()?;
         Ok(())
     })

@@ -21,9 +21,11 @@ impl Progress {
         let bar = self.bar.get_or_insert_with(|| {
             let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
             bar.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}<{eta})")
-                    .expect("valid template")
-                    .progress_chars("=> "),
+                ProgressStyle::with_template(
+                    "{prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}<{eta})",
+                )
+                .expect("valid template")
+                .progress_chars("=> "),
             );
             bar
         });
@@ -45,7 +47,10 @@ impl Observer for Progress {
         let bar = self.bar(s.batches, prefix);
         bar.set_length(s.batches as u64);
         bar.set_position(s.batch as u64);
-        bar.set_message(format!("loss {:.4} lr {:.2e} {:.1} samples/s", s.loss, s.lr, s.samples_per_sec));
+        bar.set_message(format!(
+            "loss {:.4} lr {:.2e} {:.1} samples/s",
+            s.loss, s.lr, s.samples_per_sec
+        ));
     }
 
     fn validating(&mut self, batches: usize) {
@@ -59,7 +64,10 @@ impl Observer for Progress {
             bar.finish_and_clear();
         }
         let fmt = |m: &std::collections::BTreeMap<String, f64>| {
-            m.iter().map(|(k, v)| format!("{k} {v:.4}")).collect::<Vec<_>>().join(", ")
+            m.iter()
+                .map(|(k, v)| format!("{k} {v:.4}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         };
         tracing::info!(
             "epoch {}/{}: train [{}] val [{}] lr {:.2e}, {:.1} samples/s, {:.1}s{}",

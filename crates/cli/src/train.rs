@@ -5,20 +5,25 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use aam_data::{AsvSampling, BiomTable, Dataset, DistanceMatrix, MatrixIds, Metadata, MissingPolicy, TargetTransform, Transforms};
+use aam_data::{
+    AsvSampling, BiomTable, Dataset, DistanceMatrix, MatrixIds, Metadata, MissingPolicy,
+    TargetTransform, Transforms,
+};
 use aam_models::asv_encoder::{AsvEncoderConfig, MaskStrategy};
+use aam_models::categorical::CategoricalEmbedDim;
 use aam_models::import::{AamModel, ModelConfig};
 use aam_models::sample_encoder::{CountEmbeddingMethod, SampleSequenceEncoderConfig};
 use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
-use aam_models::sequence_predictor::{CategoricalFusion, OutputActivation, SequencePredictorConfig};
-use aam_models::categorical::CategoricalEmbedDim;
+use aam_models::sequence_predictor::{
+    CategoricalFusion, OutputActivation, SequencePredictorConfig,
+};
 use aam_models::{AttentionBackend, AttnImplementation};
 use aam_train::checkpoint::{read_checkpoint, Checkpoint, DataInfo};
 use aam_train::loss::{BaseLoss, LossConfig, TargetLossKind};
 use aam_train::optim::{OptimizerConfig, OptimizerKind};
 use aam_train::run::{fit, BestMetric, RunConfig, Task, TrainData};
-use aam_train::TrainError;
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
+use aam_train::TrainError;
 use anyhow::{bail, ensure, Context, Result};
 use burn::backend::Autodiff;
 use clap::Args;
@@ -292,11 +297,27 @@ pub struct TrainArgs {
     best_metric: BestMetric,
 }
 
-fn base_config(m: &ModelArgs, d: &DataArgs, encoder_type: EncoderType) -> Result<SequenceEncoderConfig> {
-    ensure!(m.embedding_dim > 0 && m.embedding_dim % m.attention_heads.max(1) == 0,
-        "--embedding-dim {} must be a positive multiple of --attention-heads {}", m.embedding_dim, m.attention_heads);
-    ensure!((0.0..1.0).contains(&m.dropout), "--dropout must lie in [0, 1), got {}", m.dropout);
-    ensure!((0.0..1.0).contains(&m.nuc_mask_ratio), "--nuc-mask-ratio must lie in [0, 1), got {}", m.nuc_mask_ratio);
+fn base_config(
+    m: &ModelArgs,
+    d: &DataArgs,
+    encoder_type: EncoderType,
+) -> Result<SequenceEncoderConfig> {
+    ensure!(
+        m.embedding_dim > 0 && m.embedding_dim % m.attention_heads.max(1) == 0,
+        "--embedding-dim {} must be a positive multiple of --attention-heads {}",
+        m.embedding_dim,
+        m.attention_heads
+    );
+    ensure!(
+        (0.0..1.0).contains(&m.dropout),
+        "--dropout must lie in [0, 1), got {}",
+        m.dropout
+    );
+    ensure!(
+        (0.0..1.0).contains(&m.nuc_mask_ratio),
+        "--nuc-mask-ratio must lie in [0, 1), got {}",
+        m.nuc_mask_ratio
+    );
     let asv = AsvEncoderConfig::new()
         .with_embedding_dim(m.embedding_dim)
         .with_max_bp(d.max_bp)
@@ -322,7 +343,14 @@ fn base_config(m: &ModelArgs, d: &DataArgs, encoder_type: EncoderType) -> Result
         .with_encoder_type(encoder_type))
 }
 
-fn run_config(task: Task, o: &OptimArgs, d: &DataArgs, loss: LossConfig, categorical_lr: Option<f64>, best_metric: BestMetric) -> RunConfig {
+fn run_config(
+    task: Task,
+    o: &OptimArgs,
+    d: &DataArgs,
+    loss: LossConfig,
+    categorical_lr: Option<f64>,
+    best_metric: BestMetric,
+) -> RunConfig {
     RunConfig {
         task,
         epochs: o.epochs,
@@ -330,7 +358,11 @@ fn run_config(task: Task, o: &OptimArgs, d: &DataArgs, loss: LossConfig, categor
         gradient_accumulation_steps: o.gradient_accumulation_steps,
         max_grad_norm: o.max_grad_norm,
         categorical_lr,
-        optimizer: OptimizerConfig { kind: o.optimizer, weight_decay: o.weight_decay, ..Default::default() },
+        optimizer: OptimizerConfig {
+            kind: o.optimizer,
+            weight_decay: o.weight_decay,
+            ..Default::default()
+        },
         scheduler: SchedulerConfig {
             kind: o.scheduler,
             lr: o.lr,
@@ -373,9 +405,20 @@ struct TargetSpec<'a> {
 }
 
 fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
-    ensure!((0.0..1.0).contains(&d.test_size), "--test-size must lie in [0, 1), got {}", d.test_size);
-    let table = BiomTable::read(&d.table).with_context(|| format!("reading --table {}", d.table.display()))?;
-    let rarefied = table.rarefy(d.rarefy_depth, seed).with_context(|| format!("rarefying {} to --rarefy-depth {}", d.table.display(), d.rarefy_depth))?;
+    ensure!(
+        (0.0..1.0).contains(&d.test_size),
+        "--test-size must lie in [0, 1), got {}",
+        d.test_size
+    );
+    let table = BiomTable::read(&d.table)
+        .with_context(|| format!("reading --table {}", d.table.display()))?;
+    let rarefied = table.rarefy(d.rarefy_depth, seed).with_context(|| {
+        format!(
+            "rarefying {} to --rarefy-depth {}",
+            d.table.display(),
+            d.rarefy_depth
+        )
+    })?;
     if !rarefied.dropped.is_empty() {
         tracing::warn!(
             "{} sample(s) have fewer than {} reads and were dropped by rarefaction: {}",
@@ -386,25 +429,38 @@ fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepar
     }
     let matrix = DistanceMatrix::read(&d.unifrac_matrix, &MatrixIds::Auto)
         .with_context(|| format!("reading --unifrac-matrix {}", d.unifrac_matrix.display()))?;
-    let policy = if d.drop_missing { MissingPolicy::Drop } else { MissingPolicy::Error };
-    let mut builder = Dataset::builder(&rarefied.table).max_bp(d.max_bp).unifrac(Arc::new(matrix), policy);
+    let policy = if d.drop_missing {
+        MissingPolicy::Drop
+    } else {
+        MissingPolicy::Error
+    };
+    let mut builder = Dataset::builder(&rarefied.table)
+        .max_bp(d.max_bp)
+        .unifrac(Arc::new(matrix), policy);
     let mut sources = BTreeMap::from([
         ("table".to_string(), d.table.display().to_string()),
-        ("unifrac_matrix".to_string(), d.unifrac_matrix.display().to_string()),
+        (
+            "unifrac_matrix".to_string(),
+            d.unifrac_matrix.display().to_string(),
+        ),
     ]);
     let mut class_labels = None;
     if let Some(t) = target {
-        let mut meta = Metadata::read(t.path).with_context(|| format!("reading --metadata {}", t.path.display()))?;
+        let mut meta = Metadata::read(t.path)
+            .with_context(|| format!("reading --metadata {}", t.path.display()))?;
         if t.classifier {
             // The dataset reads numeric targets: labels become class indices.
-            let (indexed, labels) = class_indexed(&meta, t.column, rarefied.table.sample_ids(), t.labels)?;
+            let (indexed, labels) =
+                class_indexed(&meta, t.column, rarefied.table.sample_ids(), t.labels)?;
             meta = indexed;
             class_labels = Some(labels);
         }
         builder = builder.metadata(Arc::new(meta)).target(t.column, policy);
         sources.insert("metadata".into(), t.path.display().to_string());
     }
-    let dataset = builder.build().context("matching the table, the UniFrac matrix and the metadata by sample ID")?;
+    let dataset = builder
+        .build()
+        .context("matching the table, the UniFrac matrix and the metadata by sample ID")?;
     let split = dataset.split(d.test_size, seed)?;
     tracing::info!(
         "{} samples ({} train, {} validation), {} ASVs",
@@ -413,13 +469,24 @@ fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepar
         split.validation.len(),
         dataset.asv_ids().len()
     );
-    Ok(Prepared { dataset: Arc::new(dataset), train: split.train, validation: split.validation, sources, class_labels })
+    Ok(Prepared {
+        dataset: Arc::new(dataset),
+        train: split.train,
+        validation: split.validation,
+        sources,
+        class_labels,
+    })
 }
 
 /// A copy of `meta` whose `column` holds class indices instead of labels, and
 /// the labels (index = class): `known` ones (a resumed run's), or the sorted
 /// distinct labels of the samples in `ids` (missing values stay missing).
-fn class_indexed(meta: &Metadata, column: &str, ids: &[String], known: Option<&[String]>) -> Result<(Metadata, Vec<String>)> {
+fn class_indexed(
+    meta: &Metadata,
+    column: &str,
+    ids: &[String],
+    known: Option<&[String]>,
+) -> Result<(Metadata, Vec<String>)> {
     let col = meta.column(column)?;
     let labels: Vec<String> = match known {
         Some(l) => l.to_vec(),
@@ -434,10 +501,21 @@ fn class_indexed(meta: &Metadata, column: &str, ids: &[String], known: Option<&[
             l
         }
     };
-    ensure!(!labels.is_empty(), "{}: column {column} has no values for the table's samples", meta.source().display());
-    let index: BTreeMap<&str, usize> = labels.iter().enumerate().map(|(i, l)| (l.as_str(), i)).collect();
+    ensure!(
+        !labels.is_empty(),
+        "{}: column {column} has no values for the table's samples",
+        meta.source().display()
+    );
+    let index: BTreeMap<&str, usize> = labels
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (l.as_str(), i))
+        .collect();
     let in_table: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
-    let mut text = std::iter::once(meta.id_column()).chain(meta.columns().iter().map(String::as_str)).collect::<Vec<_>>().join("\t");
+    let mut text = std::iter::once(meta.id_column())
+        .chain(meta.columns().iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join("\t");
     text.push('\n');
     for (row, id) in meta.sample_ids().iter().enumerate() {
         text.push_str(id);
@@ -463,8 +541,18 @@ fn class_indexed(meta: &Metadata, column: &str, ids: &[String], known: Option<&[
     Ok((indexed, labels))
 }
 
-fn info(p: &Prepared, d: &DataArgs, transforms: Transforms, class_labels: Option<Vec<String>>, target: Option<String>) -> DataInfo {
-    let ids = |pos: &[usize]| pos.iter().map(|&s| p.dataset.sample_ids()[s].clone()).collect();
+fn info(
+    p: &Prepared,
+    d: &DataArgs,
+    transforms: Transforms,
+    class_labels: Option<Vec<String>>,
+    target: Option<String>,
+) -> DataInfo {
+    let ids = |pos: &[usize]| {
+        pos.iter()
+            .map(|&s| p.dataset.sample_ids()[s].clone())
+            .collect()
+    };
     DataInfo {
         transforms,
         class_labels,
@@ -486,9 +574,18 @@ fn write_ids(path: &Path, ids: &[String]) -> Result<()> {
 
 /// Reads the checkpoint given with `--resume-from`, if any.
 fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
-    let Some(path) = &r.resume_from else { return Ok(None) };
-    let ckpt = read_checkpoint(path).with_context(|| format!("--resume-from {}", path.display()))?;
-    ensure!(ckpt.meta.run.task == task, "--resume-from {}: a {:?} checkpoint cannot resume a {:?} run", path.display(), ckpt.meta.run.task, task);
+    let Some(path) = &r.resume_from else {
+        return Ok(None);
+    };
+    let ckpt =
+        read_checkpoint(path).with_context(|| format!("--resume-from {}", path.display()))?;
+    ensure!(
+        ckpt.meta.run.task == task,
+        "--resume-from {}: a {:?} checkpoint cannot resume a {:?} run",
+        path.display(),
+        ckpt.meta.run.task,
+        task
+    );
     tracing::info!(
         "resuming from {} after epoch {} (step {}); the checkpoint's configuration is used",
         path.display(),
@@ -501,7 +598,9 @@ fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
 /// Checks a run configuration; an error names the flag at fault (`invalid --batch-size: ...`).
 fn check_run(run: &RunConfig) -> Result<()> {
     run.validate().map_err(|e| match e {
-        TrainError::InvalidArgument { field, reason } => anyhow::anyhow!("invalid --{}: {reason}", field.replace('_', "-")),
+        TrainError::InvalidArgument { field, reason } => {
+            anyhow::anyhow!("invalid --{}: {reason}", field.replace('_', "-"))
+        }
         e => e.into(),
     })
 }
@@ -535,19 +634,45 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
         None => {
             let base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
-            let loss = LossConfig { penalty: args.penalty, nuc_penalty: args.nuc_penalty, count_penalty: 0.0, ..Default::default() };
-            (ModelConfig::SequenceEncoder(base), run_config(Task::Pretrain, &args.optim, &args.data, loss, None, BestMetric::ValLoss))
+            let loss = LossConfig {
+                penalty: args.penalty,
+                nuc_penalty: args.nuc_penalty,
+                count_penalty: 0.0,
+                ..Default::default()
+            };
+            (
+                ModelConfig::SequenceEncoder(base),
+                run_config(
+                    Task::Pretrain,
+                    &args.optim,
+                    &args.data,
+                    loss,
+                    None,
+                    BestMetric::ValLoss,
+                ),
+            )
         }
     };
     check_run(&run)?;
     let prepared = prepare(&args.data, run.seed, None)?;
     let counts = prepared.dataset.fit_count_normalizer(&prepared.train)?;
-    let transforms = Transforms { counts: Some(counts), ..Default::default() };
+    let transforms = Transforms {
+        counts: Some(counts),
+        ..Default::default()
+    };
     let info = match &resume {
         Some(c) => c.meta.data.clone(),
         None => info(&prepared, &args.data, transforms, None, None),
     };
-    start(args.run.clone(), model_config, run, prepared, info, resume, None)
+    start(
+        args.run.clone(),
+        model_config,
+        run,
+        prepared,
+        info,
+        resume,
+        None,
+    )
 }
 
 /// `aam-rs train`.
@@ -558,32 +683,71 @@ pub fn train(args: TrainArgs) -> Result<()> {
     }
     if resume.is_none() {
         // The optimisation flags, before the data is read (the loss flags are checked in `start`).
-        check_run(&run_config(Task::Train, &args.optim, &args.data, LossConfig::default(), args.categorical_lr, args.best_metric))?;
+        check_run(&run_config(
+            Task::Train,
+            &args.optim,
+            &args.data,
+            LossConfig::default(),
+            args.categorical_lr,
+            args.best_metric,
+        ))?;
     }
     let seed = resume.as_ref().map_or(args.optim.seed, |c| c.meta.run.seed);
     // A resumed run keeps its checkpoint's task and label order.
-    let labels = resume.as_ref().and_then(|c| c.meta.data.class_labels.as_deref());
-    let classifier = resume.as_ref().map_or(args.classifier, |c| c.meta.data.class_labels.is_some());
-    let target = TargetSpec { path: &args.metadata, column: &args.metadata_column, classifier, labels };
+    let labels = resume
+        .as_ref()
+        .and_then(|c| c.meta.data.class_labels.as_deref());
+    let classifier = resume
+        .as_ref()
+        .map_or(args.classifier, |c| c.meta.data.class_labels.is_some());
+    let target = TargetSpec {
+        path: &args.metadata,
+        column: &args.metadata_column,
+        classifier,
+        labels,
+    };
     let prepared = prepare(&args.data, seed, Some(target))?;
     let pretrained = match (&resume, &args.pretrained_encoder) {
-        (None, Some(path)) => Some(read_checkpoint(path).with_context(|| format!("--pretrained-encoder {}", path.display()))?),
+        (None, Some(path)) => Some(
+            read_checkpoint(path)
+                .with_context(|| format!("--pretrained-encoder {}", path.display()))?,
+        ),
         _ => None,
     };
     let (model_config, run, info) = match &resume {
-        Some(c) => (c.meta.model.clone(), c.meta.run.clone(), c.meta.data.clone()),
+        Some(c) => (
+            c.meta.model.clone(),
+            c.meta.run.clone(),
+            c.meta.data.clone(),
+        ),
         None => train_setup(&args, &prepared, pretrained.as_ref())?,
     };
-    start(args.run.clone(), model_config, run, prepared, info, resume, pretrained)
+    start(
+        args.run.clone(),
+        model_config,
+        run,
+        prepared,
+        info,
+        resume,
+        pretrained,
+    )
 }
 
 /// Model, run and data configuration of a fresh `train` run.
-fn train_setup(args: &TrainArgs, p: &Prepared, pretrained: Option<&Checkpoint>) -> Result<(ModelConfig, RunConfig, DataInfo)> {
+fn train_setup(
+    args: &TrainArgs,
+    p: &Prepared,
+    pretrained: Option<&Checkpoint>,
+) -> Result<(ModelConfig, RunConfig, DataInfo)> {
     let mut base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
     if let Some(ckpt) = pretrained {
         let path = &ckpt.path;
         let ModelConfig::SequenceEncoder(encoder) = &ckpt.meta.model else {
-            bail!("--pretrained-encoder {}: holds a {} model; a `pretrain` checkpoint is needed", path.display(), "SequencePredictor");
+            bail!(
+                "--pretrained-encoder {}: holds a {} model; a `pretrain` checkpoint is needed",
+                path.display(),
+                "SequencePredictor"
+            );
         };
         // The base architecture is the checkpoint's; masking/attention settings stay the flags'.
         let mut from = encoder.clone();
@@ -604,20 +768,41 @@ fn train_setup(args: &TrainArgs, p: &Prepared, pretrained: Option<&Checkpoint>) 
         let normalizer = p
             .dataset
             .fit_target_normalizer(args.target_transform, &args.normalize_by, &p.train)
-            .with_context(|| format!("fitting --target-transform {}", args.target_transform.name()))?;
+            .with_context(|| {
+                format!(
+                    "fitting --target-transform {}",
+                    args.target_transform.name()
+                )
+            })?;
         transforms.target = Some(normalizer);
     }
     transforms.counts = Some(p.dataset.fit_count_normalizer(&p.train)?);
     if !args.categorical_columns.is_empty() {
-        transforms.categorical = Some(p.dataset.fit_categorical(&args.categorical_columns, &p.train)?);
+        transforms.categorical = Some(
+            p.dataset
+                .fit_categorical(&args.categorical_columns, &p.train)?,
+        );
     }
     let n_classes = class_labels.as_ref().map_or(1, |l| l.len());
     if args.classifier {
-        ensure!(n_classes >= 2, "--classifier: column {} has {} distinct label(s); at least 2 are needed", args.metadata_column, n_classes);
+        ensure!(
+            n_classes >= 2,
+            "--classifier: column {} has {} distinct label(s); at least 2 are needed",
+            args.metadata_column,
+            n_classes
+        );
     }
-    let quantiles = (args.loss_type == TargetLossKind::Quantile)
-        .then(|| if args.quantiles.is_empty() { vec![0.1, 0.5, 0.9] } else { args.quantiles.clone() });
-    ensure!(args.quantiles.is_empty() || quantiles.is_some(), "--quantiles is only used with --loss-type quantile");
+    let quantiles = (args.loss_type == TargetLossKind::Quantile).then(|| {
+        if args.quantiles.is_empty() {
+            vec![0.1, 0.5, 0.9]
+        } else {
+            args.quantiles.clone()
+        }
+    });
+    ensure!(
+        args.quantiles.is_empty() || quantiles.is_some(),
+        "--quantiles is only used with --loss-type quantile"
+    );
     let mut predictor = SequencePredictorConfig::new(base)
         .with_count_num_layers(args.model.attention_layers)
         .with_count_num_heads(args.model.attention_heads)
@@ -629,28 +814,50 @@ fn train_setup(args: &TrainArgs, p: &Prepared, pretrained: Option<&Checkpoint>) 
         .with_is_classifier(args.classifier)
         .with_freeze_base(args.freeze_base)
         .with_target_layer_norm(!args.no_target_layer_norm)
-        .with_bounded_targets(args.bounded_targets || (args.target_transform == TargetTransform::LogMinMax && !args.classifier))
+        .with_bounded_targets(
+            args.bounded_targets
+                || (args.target_transform == TargetTransform::LogMinMax && !args.classifier),
+        )
         .with_learnable_output_scale(args.learnable_output_scale)
         .with_output_activation(args.output_activation)
         .with_categorical_embed_dim(CategoricalEmbedDim::Uniform(args.categorical_embed_dim))
         .with_categorical_fusion(args.categorical_fusion)
-        .with_regressor_hidden_dims((!args.regressor_hidden_dims.is_empty()).then(|| args.regressor_hidden_dims.clone()))
+        .with_regressor_hidden_dims(
+            (!args.regressor_hidden_dims.is_empty()).then(|| args.regressor_hidden_dims.clone()),
+        )
         .with_regressor_dropout(args.regressor_dropout)
         .with_residual_regression_head(args.residual_regression_head)
         .with_num_quantiles(quantiles.as_ref().map(Vec::len))
         .with_count_prediction(!args.no_count_prediction);
     if let Some(enc) = &transforms.categorical {
-        let cards = enc.column_names().iter().cloned().zip(enc.cardinalities()).collect();
+        let cards = enc
+            .column_names()
+            .iter()
+            .cloned()
+            .zip(enc.cardinalities())
+            .collect();
         predictor = predictor.with_categorical_cardinalities(Some(cards));
     }
     predictor.validate()?;
     let loss = LossConfig {
         penalty: args.penalty,
-        nuc_penalty: if args.freeze_base { 0.0 } else { args.nuc_penalty },
+        nuc_penalty: if args.freeze_base {
+            0.0
+        } else {
+            args.nuc_penalty
+        },
         target_penalty: args.target_penalty,
-        count_penalty: if args.no_count_prediction { 0.0 } else { args.count_penalty },
+        count_penalty: if args.no_count_prediction {
+            0.0
+        } else {
+            args.count_penalty
+        },
         base: BaseLoss::Unifrac,
-        target_loss: if args.classifier { TargetLossKind::Huber } else { args.loss_type },
+        target_loss: if args.classifier {
+            TargetLossKind::Huber
+        } else {
+            args.loss_type
+        },
         column_losses: None,
         quantiles,
         over_penalty: args.over_penalty,
@@ -658,10 +865,29 @@ fn train_setup(args: &TrainArgs, p: &Prepared, pretrained: Option<&Checkpoint>) 
         class_weights: (!args.class_weights.is_empty()).then(|| args.class_weights.clone()),
     };
     if let Some(w) = &loss.class_weights {
-        ensure!(w.len() == n_classes, "--class-weights has {} values for {} classes ({:?})", w.len(), n_classes, class_labels);
+        ensure!(
+            w.len() == n_classes,
+            "--class-weights has {} values for {} classes ({:?})",
+            w.len(),
+            n_classes,
+            class_labels
+        );
     }
-    let run = run_config(Task::Train, &args.optim, &args.data, loss, args.categorical_lr, args.best_metric);
-    let info = info(p, &args.data, transforms, class_labels, Some(args.metadata_column.clone()));
+    let run = run_config(
+        Task::Train,
+        &args.optim,
+        &args.data,
+        loss,
+        args.categorical_lr,
+        args.best_metric,
+    );
+    let info = info(
+        p,
+        &args.data,
+        transforms,
+        class_labels,
+        Some(args.metadata_column.clone()),
+    );
     Ok((ModelConfig::SequencePredictor(predictor), run, info))
 }
 
@@ -675,7 +901,8 @@ fn start(
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
     check_run(&run)?;
-    std::fs::create_dir_all(&r.output_dir).with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
+    std::fs::create_dir_all(&r.output_dir)
+        .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
     let (train_file, val_file) = match run.task {
         Task::Pretrain => ("train_sample_ids.txt", "val_sample_ids.txt"),
         Task::Train => ("train_samples.txt", "val_samples.txt"),
@@ -685,8 +912,21 @@ fn start(
     if let Some(c) = &resume {
         carry_best(c, &r.output_dir)?;
     }
-    let data = TrainData { dataset: prepared.dataset, train: prepared.train, validation: prepared.validation, info };
-    crate::with_backend!(r.backend, |B, device| fit_on::<B>(&device, &r, model_config, run, data, resume, pretrained))
+    let data = TrainData {
+        dataset: prepared.dataset,
+        train: prepared.train,
+        validation: prepared.validation,
+        info,
+    };
+    crate::with_backend!(r.backend, |B, device| fit_on::<B>(
+        &device,
+        &r,
+        model_config,
+        run,
+        data,
+        resume,
+        pretrained
+    ))
 }
 
 /// A run resumed into an --output-dir without `checkpoints/best.safetensors`
@@ -696,7 +936,9 @@ fn start(
 /// `best.safetensors` beside it when that is the same run's best.
 fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
     let target = out_dir.join(aam_train::run::files::BEST);
-    let Some(best) = &resume.meta.progress.best else { return Ok(()) };
+    let Some(best) = &resume.meta.progress.best else {
+        return Ok(());
+    };
     if target.exists() {
         return Ok(());
     }
@@ -706,7 +948,10 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
         let beside = resume.path.with_file_name("best.safetensors");
         read_checkpoint(&beside)
             .ok()
-            .filter(|c| c.meta.progress.best.as_ref() == Some(best) && c.meta.progress.epochs_done == best.epoch + 1)
+            .filter(|c| {
+                c.meta.progress.best.as_ref() == Some(best)
+                    && c.meta.progress.epochs_done == best.epoch + 1
+            })
             .map(|_| beside)
     };
     let Some(source) = source else {
@@ -723,7 +968,11 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     aam_models::import::write_atomic(&target, &bytes)?;
-    tracing::info!("copied the best checkpoint so far (epoch {}) to {}", best.epoch + 1, target.display());
+    tracing::info!(
+        "copied the best checkpoint so far (epoch {}) to {}",
+        best.epoch + 1,
+        target.display()
+    );
     Ok(())
 }
 
@@ -751,10 +1000,23 @@ fn fit_on<B: AttentionBackend>(
     };
     let task = run.task;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
-    let n_params: usize = model.state_dict_shapes(&model_config).iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    let n_params: usize = model
+        .state_dict_shapes(&model_config)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
     let mut progress = Progress::new(run.epochs);
-    let summary = fit::<AB<B>>(device, model_config, model, run, data, &r.output_dir, resume.as_ref(), &mut progress)?;
+    let summary = fit::<AB<B>>(
+        device,
+        model_config,
+        model,
+        run,
+        data,
+        &r.output_dir,
+        resume.as_ref(),
+        &mut progress,
+    )?;
     progress.finish();
     crate::plot::loss_curves(&r.output_dir, &summary.history)?;
     if task == Task::Train && !classifier {
@@ -770,7 +1032,11 @@ fn fit_on<B: AttentionBackend>(
                 })
                 .collect();
             let best = summary.best.as_ref().map_or(0, |b| b.epoch + 1);
-            crate::plot::predicted_vs_true(&r.output_dir, &pairs, &format!("validation, best epoch {best}"))?;
+            crate::plot::predicted_vs_true(
+                &r.output_dir,
+                &pairs,
+                &format!("validation, best epoch {best}"),
+            )?;
         }
     }
     match &summary.best {
@@ -787,7 +1053,11 @@ fn fit_on<B: AttentionBackend>(
 }
 
 /// Copies a pre-trained encoder's weights into a predictor's `base_model`.
-fn load_encoder<B: burn::tensor::backend::Backend>(model: &mut AamModel<B>, config: &ModelConfig, encoder: &Checkpoint) -> Result<()> {
+fn load_encoder<B: burn::tensor::backend::Backend>(
+    model: &mut AamModel<B>,
+    config: &ModelConfig,
+    encoder: &Checkpoint,
+) -> Result<()> {
     let mut state: std::collections::HashMap<String, aam_models::import::StateTensor> =
         model.state_dict(config).into_iter().collect();
     let mut loaded = 0;
@@ -804,11 +1074,21 @@ fn load_encoder<B: burn::tensor::backend::Backend>(model: &mut AamModel<B>, conf
                 tensor.shape,
                 t.shape
             ),
-            None => bail!("--pretrained-encoder {}: {key} has no place in this model's base_model", encoder.path.display()),
+            None => bail!(
+                "--pretrained-encoder {}: {key} has no place in this model's base_model",
+                encoder.path.display()
+            ),
         }
     }
-    ensure!(loaded > 0, "--pretrained-encoder {}: no weights matched", encoder.path.display());
+    ensure!(
+        loaded > 0,
+        "--pretrained-encoder {}: no weights matched",
+        encoder.path.display()
+    );
     model.load_state_dict(config, state, &encoder.path)?;
-    tracing::info!("loaded {loaded} tensors of the pre-trained encoder {}", encoder.path.display());
+    tracing::info!(
+        "loaded {loaded} tensors of the pre-trained encoder {}",
+        encoder.path.display()
+    );
     Ok(())
 }

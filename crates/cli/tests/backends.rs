@@ -37,11 +37,16 @@ fn compiled() -> Vec<&'static str> {
 }
 
 fn aam_rs(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_aam-rs")).args(args).output().expect("runs")
+    Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(args)
+        .output()
+        .expect("runs")
 }
 
 fn fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/reference").join(case)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/reference")
+        .join(case)
 }
 
 fn npz_f32(path: &Path) -> BTreeMap<String, ArrayD<f32>> {
@@ -49,26 +54,52 @@ fn npz_f32(path: &Path) -> BTreeMap<String, ArrayD<f32>> {
     let names = npz.names().unwrap();
     names
         .into_iter()
-        .filter_map(|n| npz.by_name::<ndarray::OwnedRepr<f32>, ndarray::IxDyn>(&n).ok().map(|a| (n.trim_end_matches(".npy").into(), a)))
+        .filter_map(|n| {
+            npz.by_name::<ndarray::OwnedRepr<f32>, ndarray::IxDyn>(&n)
+                .ok()
+                .map(|a| (n.trim_end_matches(".npy").into(), a))
+        })
         .collect()
 }
 
 #[test]
 fn backends_lists_every_compiled_backend_and_nothing_else() {
     let out = aam_rs(&["backends"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let listed: Vec<&str> =
-        stdout.lines().filter(|l| !l.starts_with(' ')).filter_map(|l| l.split_whitespace().next()).collect();
+    let listed: Vec<&str> = stdout
+        .lines()
+        .filter(|l| !l.starts_with(' '))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
     assert_eq!(listed, compiled(), "{stdout}");
     // The CPU backends always see the CPU.
-    let ndarray_block: Vec<&str> = stdout.lines().skip_while(|l| !l.starts_with("ndarray")).skip(1).take(1).collect();
+    let ndarray_block: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("ndarray"))
+        .skip(1)
+        .take(1)
+        .collect();
     assert!(ndarray_block[0].contains("[0] cpu"), "{stdout}");
 }
 
 #[test]
 fn unknown_backend_is_refused_with_the_compiled_list() {
-    let out = aam_rs(&["forward", "--backend", "nonesuch", "--model", "m", "--tokens", "t.npy", "--out", "o.npz"]);
+    let out = aam_rs(&[
+        "forward",
+        "--backend",
+        "nonesuch",
+        "--model",
+        "m",
+        "--tokens",
+        "t.npy",
+        "--out",
+        "o.npz",
+    ]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     for kind in compiled() {
@@ -87,7 +118,12 @@ fn available() -> BTreeMap<String, bool> {
         .filter(|(_, l)| !l.starts_with(' '))
         .map(|(i, l)| {
             let name = l.split_whitespace().next().unwrap().to_string();
-            (name, lines.get(i + 1).is_some_and(|next| next.trim_start().starts_with("[0]")))
+            (
+                name,
+                lines
+                    .get(i + 1)
+                    .is_some_and(|next| next.trim_start().starts_with("[0]")),
+            )
         })
         .collect()
 }
@@ -101,12 +137,25 @@ fn forward_on_every_compiled_backend_matches_ndarray_or_says_why_not() {
     let tmp = tempfile::tempdir().unwrap();
     let model_dir = tmp.path().join("model");
     let ckpt = fixture("encoder_unifrac").join("state_dict.pt");
-    let out = aam_rs(&["convert", "--from", ckpt.to_str().unwrap(), "--out", model_dir.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let mut inputs = NpzReader::new(File::open(fixture("encoder_unifrac").join("inputs.npz")).unwrap()).unwrap();
+    let out = aam_rs(&[
+        "convert",
+        "--from",
+        ckpt.to_str().unwrap(),
+        "--out",
+        model_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut inputs =
+        NpzReader::new(File::open(fixture("encoder_unifrac").join("inputs.npz")).unwrap()).unwrap();
     let tokens: ArrayD<i64> = inputs.by_name("tokens").unwrap();
     let tokens_path = tmp.path().join("tokens.npy");
-    tokens.write_npy(File::create(&tokens_path).unwrap()).unwrap();
+    tokens
+        .write_npy(File::create(&tokens_path).unwrap())
+        .unwrap();
 
     let forward = |kind: &str| {
         let path = tmp.path().join(format!("{kind}.npz"));
@@ -124,27 +173,50 @@ fn forward_on_every_compiled_backend_matches_ndarray_or_says_why_not() {
         (out, path)
     };
     let (out, path) = forward("ndarray");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let want = npz_f32(&path);
     let available = available();
-    assert!(available["ndarray"] && available.get("candle").copied().unwrap_or(true), "CPU backends: {available:?}");
+    assert!(
+        available["ndarray"] && available.get("candle").copied().unwrap_or(true),
+        "CPU backends: {available:?}"
+    );
     for kind in compiled().into_iter().skip(1) {
         let (out, path) = forward(kind);
         let stderr = String::from_utf8_lossy(&out.stderr);
         if !available[kind] {
-            assert!(!out.status.success() && !path.exists(), "{kind} has no device but forward ran");
-            assert!(stderr.contains("error: ") && !stderr.contains("panicked"), "{kind}: {stderr}");
+            assert!(
+                !out.status.success() && !path.exists(),
+                "{kind} has no device but forward ran"
+            );
+            assert!(
+                stderr.contains("error: ") && !stderr.contains("panicked"),
+                "{kind}: {stderr}"
+            );
             continue;
         }
         assert!(out.status.success(), "{kind}: {stderr}");
         let got = npz_f32(&path);
-        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{kind}: output names");
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "{kind}: output names"
+        );
         for (key, w) in &want {
             let g = &got[key];
             assert_eq!(g.shape(), w.shape(), "{kind}/{key}: shape");
             let scale = w.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let diff = g.iter().zip(w.iter()).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(diff <= WIRING_RTOL * scale, "{kind}/{key}: max |Δ| {diff:e} vs scale {scale:e}");
+            let diff = g
+                .iter()
+                .zip(w.iter())
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                diff <= WIRING_RTOL * scale,
+                "{kind}/{key}: max |Δ| {diff:e} vs scale {scale:e}"
+            );
         }
     }
 }

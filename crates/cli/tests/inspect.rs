@@ -33,11 +33,18 @@ macro_rules! shared_data {
 }
 
 fn demo(file: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/demo").join(file).display().to_string()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../data/demo")
+        .join(file)
+        .display()
+        .to_string()
 }
 
 fn aam_rs(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_aam-rs")).args(args).output().expect("runs")
+    Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(args)
+        .output()
+        .expect("runs")
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -45,13 +52,22 @@ fn text(bytes: &[u8]) -> String {
 }
 
 fn json(out: &Output) -> Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}):\n{}", text(&out.stdout)))
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}):\n{}",
+            text(&out.stdout)
+        )
+    })
 }
 
 #[test]
 fn oral2550_passes_with_full_coverage() {
     let d = shared_data!().join("oral2550");
-    let (table, matrix, map) = (d.join("oral_2550.biom"), d.join("unifrac.unweighted.h5"), d.join("oral_2550_map.txt"));
+    let (table, matrix, map) = (
+        d.join("oral_2550.biom"),
+        d.join("unifrac.unweighted.h5"),
+        d.join("oral_2550_map.txt"),
+    );
     let out = aam_rs(&[
         "inspect",
         "--table",
@@ -66,7 +82,12 @@ fn oral2550_passes_with_full_coverage() {
         "1000",
         "--json",
     ]);
-    assert!(out.status.success(), "stdout:\n{}\nstderr:\n{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "stdout:\n{}\nstderr:\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
     let s = json(&out);
     assert_eq!(s["ok"], true);
     assert_eq!(s["problems"], Value::Array(vec![]));
@@ -84,8 +105,14 @@ fn oral2550_passes_with_full_coverage() {
     }
     assert_eq!(s["target"]["kind"], "numeric");
     assert_eq!(s["target"]["with_value"], 2537);
-    let (min, max) = (s["target"]["range"]["min"].as_f64().unwrap(), s["target"]["range"]["max"].as_f64().unwrap());
-    assert!((18.0..=85.0).contains(&min) && (18.0..=85.0).contains(&max) && min < max, "age {min}..{max}");
+    let (min, max) = (
+        s["target"]["range"]["min"].as_f64().unwrap(),
+        s["target"]["range"]["max"].as_f64().unwrap(),
+    );
+    assert!(
+        (18.0..=85.0).contains(&min) && (18.0..=85.0).contains(&max) && min < max,
+        "age {min}..{max}"
+    );
     assert_eq!(s["usable_samples"], 2537);
 }
 
@@ -93,15 +120,35 @@ fn oral2550_passes_with_full_coverage() {
 fn a_matrix_of_another_study_fails_naming_missing_ids() {
     let mp_matrix = shared_data!().join("moving-pictures/unifrac.unweighted.h5");
     let (table, map) = (demo("demo.biom"), demo("demo_map.txt"));
-    let base = ["inspect", "--table", &table, "--unifrac-matrix", mp_matrix.to_str().unwrap(), "--rarefy-depth", "1000"];
+    let base = [
+        "inspect",
+        "--table",
+        &table,
+        "--unifrac-matrix",
+        mp_matrix.to_str().unwrap(),
+        "--rarefy-depth",
+        "1000",
+    ];
 
     // The readable report: every demo sample is missing, and the reasons are on stderr.
     let out = aam_rs(&base);
     assert!(!out.status.success());
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert!(stdout.contains("problem:") && stdout.contains("NOT OK"), "{stdout}");
-    assert!(stderr.contains("64 of the 64 samples kept by rarefaction are missing from the distance matrix"), "{stderr}");
-    assert!(stderr.contains("moving-pictures/unifrac.unweighted.h5") && stderr.contains("(and 54 more)"), "{stderr}");
+    assert!(
+        stdout.contains("problem:") && stdout.contains("NOT OK"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(
+            "64 of the 64 samples kept by rarefaction are missing from the distance matrix"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("moving-pictures/unifrac.unweighted.h5")
+            && stderr.contains("(and 54 more)"),
+        "{stderr}"
+    );
 
     // JSON: the same, with the first IDs listed; they are the demo's samples.
     let mut args = base.to_vec();
@@ -118,10 +165,21 @@ fn a_matrix_of_another_study_fails_naming_missing_ids() {
     let id = first[0].as_str().unwrap();
     assert!(demo_ids.lines().any(|l| l == id), "{id}");
     let problems = s["problems"].as_array().unwrap();
-    assert!(problems.iter().any(|p| p.as_str().unwrap().contains(id)), "{problems:?}");
+    assert!(
+        problems.iter().any(|p| p.as_str().unwrap().contains(id)),
+        "{problems:?}"
+    );
     // The metadata matches: only the matrix is at fault, and dropping would leave nothing.
     assert_eq!(s["metadata"]["missing"], 0);
-    assert!(problems.last().unwrap().as_str().unwrap().contains("0 sample(s) would be left"), "{problems:?}");
+    assert!(
+        problems
+            .last()
+            .unwrap()
+            .as_str()
+            .unwrap()
+            .contains("0 sample(s) would be left"),
+        "{problems:?}"
+    );
 }
 
 #[test]
@@ -129,12 +187,31 @@ fn a_partial_matrix_lists_the_first_missing_samples() {
     // The 64-sample demo matrix against the full oral2550 table.
     let table = shared_data!().join("oral2550/oral_2550.biom");
     let matrix = demo("unifrac.unweighted.h5");
-    let args = ["inspect", "--table", table.to_str().unwrap(), "--unifrac-matrix", &matrix, "--rarefy-depth", "1000", "--json"];
+    let args = [
+        "inspect",
+        "--table",
+        table.to_str().unwrap(),
+        "--unifrac-matrix",
+        &matrix,
+        "--rarefy-depth",
+        "1000",
+        "--json",
+    ];
     let out = aam_rs(&args);
     assert!(!out.status.success());
     let s = json(&out);
-    assert_eq!((s["matrix"]["covered"].as_u64(), s["matrix"]["missing"].as_u64()), (Some(64), Some(2537 - 64)));
-    assert!(text(&out.stderr).contains(&format!("(and {} more)", 2537 - 64 - 10)), "{}", text(&out.stderr));
+    assert_eq!(
+        (
+            s["matrix"]["covered"].as_u64(),
+            s["matrix"]["missing"].as_u64()
+        ),
+        (Some(64), Some(2537 - 64))
+    );
+    assert!(
+        text(&out.stderr).contains(&format!("(and {} more)", 2537 - 64 - 10)),
+        "{}",
+        text(&out.stderr)
+    );
     // With --drop-missing the run would go on with the 64.
     let mut args = args.to_vec();
     args.push("--drop-missing");
@@ -142,18 +219,46 @@ fn a_partial_matrix_lists_the_first_missing_samples() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let s = json(&out);
     assert_eq!(s["usable_samples"], 64);
-    assert_eq!(s["warnings"].as_array().unwrap().len(), 1, "{}", s["warnings"]);
+    assert_eq!(
+        s["warnings"].as_array().unwrap().len(),
+        1,
+        "{}",
+        s["warnings"]
+    );
 }
 
 #[test]
 fn demo_set_passes() {
-    let (table, matrix, map) = (demo("demo.biom"), demo("unifrac.unweighted.h5"), demo("demo_map.txt"));
+    let (table, matrix, map) = (
+        demo("demo.biom"),
+        demo("unifrac.unweighted.h5"),
+        demo("demo_map.txt"),
+    );
     let out = aam_rs(&[
-        "inspect", "--table", &table, "--unifrac-matrix", &matrix, "--metadata", &map, "--metadata-column", "age", "--rarefy-depth", "1000",
+        "inspect",
+        "--table",
+        &table,
+        "--unifrac-matrix",
+        &matrix,
+        "--metadata",
+        &map,
+        "--metadata-column",
+        "age",
+        "--rarefy-depth",
+        "1000",
     ]);
     let stdout = text(&out.stdout);
-    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{}", text(&out.stderr));
-    for expected in ["64 samples, 534 ASVs", "has 64 of the 64 samples kept by rarefaction", "\"age\" (numeric): 64 with a value", "OK:"] {
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        text(&out.stderr)
+    );
+    for expected in [
+        "64 samples, 534 ASVs",
+        "has 64 of the 64 samples kept by rarefaction",
+        "\"age\" (numeric): 64 with a value",
+        "OK:",
+    ] {
         assert!(stdout.contains(expected), "{expected:?} not in:\n{stdout}");
     }
     assert!(!stdout.contains("warning:"), "{stdout}");
@@ -167,24 +272,47 @@ fn unreachable_depth_and_bad_files_are_reported() {
     assert!(!out.status.success());
     let s = json(&out);
     assert_eq!(s["table"]["below_depth"], 64);
-    assert!(text(&out.stderr).contains("rarefaction to depth 5000 leaves no sample"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("rarefaction to depth 5000 leaves no sample"),
+        "{}",
+        text(&out.stderr)
+    );
 
     // An absent column, a matrix without sample IDs: named with their files.
     let tmp = tempfile::tempdir().unwrap();
     let npy = tmp.path().join("lonely.npy");
     std::fs::copy(demo("unifrac.weighted_normalized.npy"), &npy).unwrap();
     let out = aam_rs(&[
-        "inspect", "--table", &table, "--rarefy-depth", "1000", "--unifrac-matrix", npy.to_str().unwrap(), "--metadata", &map, "--metadata-column", "agee",
+        "inspect",
+        "--table",
+        &table,
+        "--rarefy-depth",
+        "1000",
+        "--unifrac-matrix",
+        npy.to_str().unwrap(),
+        "--metadata",
+        &map,
+        "--metadata-column",
+        "agee",
     ]);
     assert!(!out.status.success());
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("reading --unifrac-matrix") && stderr.contains("lonely.npy"), "{stderr}");
-    assert!(stderr.contains("demo_map.txt: no column \"agee\""), "{stderr}");
+    assert!(
+        stderr.contains("reading --unifrac-matrix") && stderr.contains("lonely.npy"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("demo_map.txt: no column \"agee\""),
+        "{stderr}"
+    );
 
     // A table that cannot be read stops at once, naming the flag and the file.
     let missing = tmp.path().join("nope.biom");
     let out = aam_rs(&["inspect", "--table", missing.to_str().unwrap()]);
     assert!(!out.status.success() && out.stdout.is_empty());
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("reading --table") && stderr.contains("nope.biom"), "{stderr}");
+    assert!(
+        stderr.contains("reading --table") && stderr.contains("nope.biom"),
+        "{stderr}"
+    );
 }

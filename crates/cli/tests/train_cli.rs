@@ -11,7 +11,9 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn demo(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/demo").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../data/demo")
+        .join(name)
 }
 
 fn s(p: &Path) -> String {
@@ -19,14 +21,23 @@ fn s(p: &Path) -> String {
 }
 
 fn aam_rs(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_aam-rs")).args(args).env("AAM_LOG", "info").output().expect("runs aam-rs")
+    Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(args)
+        .env("AAM_LOG", "info")
+        .output()
+        .expect("runs aam-rs")
 }
 
 /// Runs and asserts success; returns stderr (the log).
 fn run_ok(args: &[String]) -> String {
     let out = aam_rs(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "aam-rs {} failed ({}):\n{stderr}", args.join(" "), out.status);
+    assert!(
+        out.status.success(),
+        "aam-rs {} failed ({}):\n{stderr}",
+        args.join(" "),
+        out.status
+    );
     stderr
 }
 
@@ -34,7 +45,11 @@ fn run_ok(args: &[String]) -> String {
 fn run_err(args: &[String]) -> String {
     let out = aam_rs(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "aam-rs {} should have failed:\n{stderr}", args.join(" "));
+    assert!(
+        !out.status.success(),
+        "aam-rs {} should have failed:\n{stderr}",
+        args.join(" ")
+    );
     assert_ne!(out.status.code(), Some(0));
     stderr
 }
@@ -50,25 +65,59 @@ fn tiny(command: &str, out: &Path, epochs: usize) -> Vec<String> {
     a.push("--unifrac-matrix".into());
     a.push(s(&demo("unifrac.unweighted.h5")));
     a.extend(args(&[
-        "--rarefy-depth", "1000", "--test-size", "0.25",
-        "--embedding-dim", "16", "--attention-heads", "2", "--attention-layers", "1",
-        "--token-limit", "32", "--max-bp", "60",
-        "--batch-size", "8", "--num-workers", "1", "--warmup-steps", "2", "--lr", "1e-3",
+        "--rarefy-depth",
+        "1000",
+        "--test-size",
+        "0.25",
+        "--embedding-dim",
+        "16",
+        "--attention-heads",
+        "2",
+        "--attention-layers",
+        "1",
+        "--token-limit",
+        "32",
+        "--max-bp",
+        "60",
+        "--batch-size",
+        "8",
+        "--num-workers",
+        "1",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "1e-3",
     ]));
-    a.extend(["--epochs".into(), epochs.to_string(), "--output-dir".into(), s(out)]);
+    a.extend([
+        "--epochs".into(),
+        epochs.to_string(),
+        "--output-dir".into(),
+        s(out),
+    ]);
     a
 }
 
 /// `tiny("train", ...)` predicting `column` of `metadata`.
 fn tiny_train(out: &Path, epochs: usize, metadata: &Path, column: &str) -> Vec<String> {
     let mut a = tiny("train", out, epochs);
-    a.extend(["--metadata".into(), s(metadata), "--metadata-column".into(), column.into()]);
+    a.extend([
+        "--metadata".into(),
+        s(metadata),
+        "--metadata-column".into(),
+        column.into(),
+    ]);
     a
 }
 
 fn predict(model: &Path, output: &Path) -> String {
     let mut a = args(&["predict", "--model"]);
-    a.extend([s(model), "--table".into(), s(&demo("demo.biom")), "--output".into(), s(output)]);
+    a.extend([
+        s(model),
+        "--table".into(),
+        s(&demo("demo.biom")),
+        "--output".into(),
+        s(output),
+    ]);
     run_ok(&a)
 }
 
@@ -76,7 +125,12 @@ fn predict(model: &Path, output: &Path) -> String {
 fn metrics(dir: &Path) -> (Vec<String>, Vec<BTreeMap<String, f64>>) {
     let text = std::fs::read_to_string(dir.join("metrics.csv")).expect("metrics.csv");
     let mut lines = text.lines();
-    let header: Vec<String> = lines.next().expect("header").split(',').map(str::to_string).collect();
+    let header: Vec<String> = lines
+        .next()
+        .expect("header")
+        .split(',')
+        .map(str::to_string)
+        .collect();
     let rows = lines
         .map(|l| {
             let cells: Vec<&str> = l.split(',').collect();
@@ -84,7 +138,16 @@ fn metrics(dir: &Path) -> (Vec<String>, Vec<BTreeMap<String, f64>>) {
             header
                 .iter()
                 .zip(cells)
-                .map(|(k, v)| (k.clone(), if v.is_empty() { f64::NAN } else { v.parse().unwrap_or_else(|_| panic!("{k}={v:?}")) }))
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        if v.is_empty() {
+                            f64::NAN
+                        } else {
+                            v.parse().unwrap_or_else(|_| panic!("{k}={v:?}"))
+                        },
+                    )
+                })
                 .collect()
         })
         .collect();
@@ -95,8 +158,18 @@ fn metrics(dir: &Path) -> (Vec<String>, Vec<BTreeMap<String, f64>>) {
 fn tsv(path: &Path) -> (Vec<String>, Vec<Vec<String>>) {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut lines = text.lines();
-    let header = lines.next().expect("header").split('\t').map(str::to_string).collect();
-    (header, lines.map(|l| l.split('\t').map(str::to_string).collect()).collect())
+    let header = lines
+        .next()
+        .expect("header")
+        .split('\t')
+        .map(str::to_string)
+        .collect();
+    (
+        header,
+        lines
+            .map(|l| l.split('\t').map(str::to_string).collect())
+            .collect(),
+    )
 }
 
 fn ids_file(path: &Path) -> Vec<String> {
@@ -110,7 +183,12 @@ fn ids_file(path: &Path) -> Vec<String> {
 
 /// The demo table's sample IDs, read independently of the CLI.
 fn demo_ids() -> BTreeSet<String> {
-    let ids: BTreeSet<String> = aam_data::BiomTable::read(demo("demo.biom")).unwrap().sample_ids().iter().cloned().collect();
+    let ids: BTreeSet<String> = aam_data::BiomTable::read(demo("demo.biom"))
+        .unwrap()
+        .sample_ids()
+        .iter()
+        .cloned()
+        .collect();
     assert_eq!(ids.len(), 64);
     ids
 }
@@ -118,12 +196,21 @@ fn demo_ids() -> BTreeSet<String> {
 /// Asserts the train/validation lists partition the 64 demo samples; returns (train, validation).
 fn assert_partition(train: &Path, val: &Path) -> (Vec<String>, Vec<String>) {
     let (t, v) = (ids_file(train), ids_file(val));
-    let (ts, vs): (BTreeSet<_>, BTreeSet<_>) = (t.iter().cloned().collect(), v.iter().cloned().collect());
+    let (ts, vs): (BTreeSet<_>, BTreeSet<_>) =
+        (t.iter().cloned().collect(), v.iter().cloned().collect());
     assert_eq!(ts.len(), t.len(), "duplicate IDs in {}", train.display());
     assert_eq!(vs.len(), v.len(), "duplicate IDs in {}", val.display());
-    assert!(ts.is_disjoint(&vs), "train and validation overlap: {:?}", ts.intersection(&vs).collect::<Vec<_>>());
+    assert!(
+        ts.is_disjoint(&vs),
+        "train and validation overlap: {:?}",
+        ts.intersection(&vs).collect::<Vec<_>>()
+    );
     assert!(!vs.is_empty(), "empty validation set");
-    assert_eq!(&ts | &vs, demo_ids(), "train ∪ validation is not the demo's 64 samples");
+    assert_eq!(
+        &ts | &vs,
+        demo_ids(),
+        "train ∪ validation is not the demo's 64 samples"
+    );
     assert_eq!(v.len(), 16, "test size 0.25 of 64");
     (t, v)
 }
@@ -131,8 +218,13 @@ fn assert_partition(train: &Path, val: &Path) -> (Vec<String>, Vec<String>) {
 /// The metadata column of each sample (the demo map has `#SampleID` first).
 fn metadata_column(path: &Path, column: &str) -> BTreeMap<String, String> {
     let (header, rows) = tsv(path);
-    let k = header.iter().position(|h| h == column).unwrap_or_else(|| panic!("no column {column}"));
-    rows.into_iter().map(|r| (r[0].clone(), r[k].clone())).collect()
+    let k = header
+        .iter()
+        .position(|h| h == column)
+        .unwrap_or_else(|| panic!("no column {column}"));
+    rows.into_iter()
+        .map(|r| (r[0].clone(), r[k].clone()))
+        .collect()
 }
 
 /// A checkpoint's tensor names (its safetensors header) and its `aam_checkpoint` metadata.
@@ -140,8 +232,19 @@ fn checkpoint_header(path: &Path) -> (BTreeSet<String>, Value) {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let names = header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").cloned().collect();
-    let meta = serde_json::from_str(header["__metadata__"]["aam_checkpoint"].as_str().expect("aam_checkpoint metadata")).unwrap();
+    let names = header
+        .as_object()
+        .unwrap()
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .cloned()
+        .collect();
+    let meta = serde_json::from_str(
+        header["__metadata__"]["aam_checkpoint"]
+            .as_str()
+            .expect("aam_checkpoint metadata"),
+    )
+    .unwrap();
     (names, meta)
 }
 
@@ -153,7 +256,9 @@ fn checkpoint_tensors(path: &Path) -> Vec<u8> {
 }
 
 fn non_empty(path: &Path) {
-    let len = std::fs::metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).len();
+    let len = std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .len();
     assert!(len > 0, "{} is empty", path.display());
 }
 
@@ -165,10 +270,19 @@ fn numeric_predictions(path: &Path) -> BTreeMap<String, f64> {
         .iter()
         .map(|r| {
             assert_eq!(r.len(), 2, "{r:?}");
-            (r[0].clone(), r[1].parse::<f64>().unwrap_or_else(|_| panic!("prediction {:?}", r[1])))
+            (
+                r[0].clone(),
+                r[1].parse::<f64>()
+                    .unwrap_or_else(|_| panic!("prediction {:?}", r[1])),
+            )
         })
         .collect();
-    assert_eq!(map.len(), rows.len(), "duplicate sample IDs in {}", path.display());
+    assert_eq!(
+        map.len(),
+        rows.len(),
+        "duplicate sample IDs in {}",
+        path.display()
+    );
     map
 }
 
@@ -179,8 +293,22 @@ fn pretrain_loss_falls() {
     run_ok(&tiny("pretrain", &out, 3));
 
     let (header, rows) = metrics(&out);
-    for col in ["epoch", "step", "lr", "samples_per_sec", "seconds", "train_total_loss", "train_unifrac_loss", "train_nuc_loss", "val_total_loss", "val_unifrac_loss"] {
-        assert!(header.iter().any(|h| h == col), "metrics.csv lacks {col}: {header:?}");
+    for col in [
+        "epoch",
+        "step",
+        "lr",
+        "samples_per_sec",
+        "seconds",
+        "train_total_loss",
+        "train_unifrac_loss",
+        "train_nuc_loss",
+        "val_total_loss",
+        "val_unifrac_loss",
+    ] {
+        assert!(
+            header.iter().any(|h| h == col),
+            "metrics.csv lacks {col}: {header:?}"
+        );
     }
     assert_eq!(rows.len(), 3, "one row per epoch");
     for (e, row) in rows.iter().enumerate() {
@@ -190,16 +318,29 @@ fn pretrain_loss_falls() {
         }
     }
     // 48 training samples in batches of 8: 6 optimiser steps per epoch.
-    assert_eq!(rows.iter().map(|r| r["step"]).collect::<Vec<_>>(), [6.0, 12.0, 18.0]);
+    assert_eq!(
+        rows.iter().map(|r| r["step"]).collect::<Vec<_>>(),
+        [6.0, 12.0, 18.0]
+    );
     let (first, last) = (rows[0]["train_total_loss"], rows[2]["train_total_loss"]);
-    assert!(last < first, "train_total_loss did not fall: {first} -> {last}");
+    assert!(
+        last < first,
+        "train_total_loss did not fall: {first} -> {last}"
+    );
 
-    for f in ["checkpoints/best.safetensors", "checkpoints/last.safetensors", "plots/loss.png"] {
+    for f in [
+        "checkpoints/best.safetensors",
+        "checkpoints/last.safetensors",
+        "plots/loss.png",
+    ] {
         non_empty(&out.join(f));
     }
     let (_, meta) = checkpoint_header(&out.join("checkpoints/last.safetensors"));
     assert_eq!(meta["progress"]["epochs_done"], 3);
-    assert_partition(&out.join("train_sample_ids.txt"), &out.join("val_sample_ids.txt"));
+    assert_partition(
+        &out.join("train_sample_ids.txt"),
+        &out.join("val_sample_ids.txt"),
+    );
 }
 
 #[test]
@@ -211,7 +352,10 @@ fn pretrain_train_predict_workflow() {
     let mut a = tiny_train(&tr, 2, &demo("demo_map.txt"), "age");
     a.extend(["--pretrained-encoder".into(), s(&encoder)]);
     let log = run_ok(&a);
-    assert!(log.contains("of the pre-trained encoder"), "no encoder loaded:\n{log}");
+    assert!(
+        log.contains("of the pre-trained encoder"),
+        "no encoder loaded:\n{log}"
+    );
 
     let (_, rows) = metrics(&tr);
     assert_eq!(rows.len(), 2);
@@ -227,12 +371,19 @@ fn pretrain_train_predict_workflow() {
     let ages = metadata_column(&demo("demo_map.txt"), "age");
     let (header, vrows) = tsv(&tr.join("val_predictions.tsv"));
     assert_eq!(header, ["sample_id", "prediction", "actual"]);
-    assert_eq!(vrows.iter().map(|r| r[0].clone()).collect::<BTreeSet<_>>(), val_ids.iter().cloned().collect());
+    assert_eq!(
+        vrows.iter().map(|r| r[0].clone()).collect::<BTreeSet<_>>(),
+        val_ids.iter().cloned().collect()
+    );
     let mut val_pred = BTreeMap::new();
     for r in &vrows {
         let actual: f64 = r[2].parse().unwrap();
         let want: f64 = ages[&r[0]].parse().unwrap();
-        assert!((actual - want).abs() < 1e-9, "{}: actual {actual}, metadata age {want}", r[0]);
+        assert!(
+            (actual - want).abs() < 1e-9,
+            "{}: actual {actual}, metadata age {want}",
+            r[0]
+        );
         val_pred.insert(r[0].clone(), r[1].parse::<f64>().unwrap());
     }
 
@@ -242,13 +393,22 @@ fn pretrain_train_predict_workflow() {
     let preds = numeric_predictions(&preds_path);
     assert_eq!(preds.keys().cloned().collect::<BTreeSet<_>>(), demo_ids());
     assert!(preds.values().all(|v| v.is_finite()), "{preds:?}");
-    assert!(!preds.values().all(|v| (0.0..=1.0).contains(v)), "predictions look min-max normalised: {preds:?}");
+    assert!(
+        !preds.values().all(|v| (0.0..=1.0).contains(v)),
+        "predictions look min-max normalised: {preds:?}"
+    );
     let mean = preds.values().sum::<f64>() / preds.len() as f64;
-    assert!((5.0..=120.0).contains(&mean), "mean prediction {mean} is no plausible age in years");
+    assert!(
+        (5.0..=120.0).contains(&mean),
+        "mean prediction {mean} is no plausible age in years"
+    );
     // The best checkpoint predicts its validation samples as the run did.
     for (id, v) in &val_pred {
         let p = preds[id];
-        assert!((p - v).abs() <= 1e-4 * v.abs().max(1.0), "{id}: predict {p}, val_predictions.tsv {v}");
+        assert!(
+            (p - v).abs() <= 1e-4 * v.abs().max(1.0),
+            "{id}: predict {p}, val_predictions.tsv {v}"
+        );
     }
 }
 
@@ -263,7 +423,11 @@ fn classifier_trains_and_predicts_labels() {
     let mut labels = BTreeMap::new();
     for line in lines.filter(|l| !l.is_empty()) {
         let cells: Vec<&str> = line.split('\t').collect();
-        let label = if cells[2].parse::<f64>().unwrap() < 30.0 { "young" } else { "old" };
+        let label = if cells[2].parse::<f64>().unwrap() < 30.0 {
+            "young"
+        } else {
+            "old"
+        };
         labels.insert(cells[0].to_string(), label.to_string());
         labelled.push_str(&format!("{line}\t{label}\n"));
     }
@@ -278,14 +442,22 @@ fn classifier_trains_and_predicts_labels() {
 
     let (header, rows) = metrics(&out);
     for col in ["val_accuracy", "val_f1"] {
-        assert!(header.iter().any(|h| h == col), "metrics.csv lacks {col}: {header:?}");
+        assert!(
+            header.iter().any(|h| h == col),
+            "metrics.csv lacks {col}: {header:?}"
+        );
         for r in &rows {
             assert!((0.0..=1.0).contains(&r[col]), "{col} = {}", r[col]);
         }
     }
-    assert!(rows.iter().all(|r| r["val_total_loss"].is_finite() && r["train_target_loss"].is_finite()));
+    assert!(rows
+        .iter()
+        .all(|r| r["val_total_loss"].is_finite() && r["train_target_loss"].is_finite()));
     let (_, meta) = checkpoint_header(&out.join("checkpoints/best.safetensors"));
-    assert_eq!(meta["data"]["class_labels"], serde_json::json!(["old", "young"]));
+    assert_eq!(
+        meta["data"]["class_labels"],
+        serde_json::json!(["old", "young"])
+    );
 
     // Validation rows: labels, with the truth as in the metadata.
     let (header, vrows) = tsv(&out.join("val_predictions.tsv"));
@@ -302,10 +474,18 @@ fn classifier_trains_and_predicts_labels() {
     predict(&out.join("checkpoints/best.safetensors"), &preds_path);
     let (header, prows) = tsv(&preds_path);
     assert_eq!(header, ["sample_id", "prediction"]);
-    assert_eq!(prows.iter().map(|r| r[0].clone()).collect::<BTreeSet<_>>(), demo_ids());
+    assert_eq!(
+        prows.iter().map(|r| r[0].clone()).collect::<BTreeSet<_>>(),
+        demo_ids()
+    );
     assert_eq!(prows.len(), 64);
     for r in &prows {
-        assert!(classes.contains(&r[1]), "{}: prediction {:?} is not a label", r[0], r[1]);
+        assert!(
+            classes.contains(&r[1]),
+            "{}: prediction {:?} is not a label",
+            r[0],
+            r[1]
+        );
         if let Some(v) = val_pred.get(&r[0]) {
             assert_eq!(&r[1], v, "{}: predict vs val_predictions.tsv", r[0]);
         }
@@ -323,23 +503,46 @@ fn count_embedding_trains_and_validates() {
     let (_, rows) = metrics(&pre);
     assert_eq!(rows.len(), 1);
     for k in ["val_total_loss", "val_unifrac_loss", "val_nuc_loss"] {
-        assert!(rows[0].get(k).is_some_and(|v| v.is_finite()), "{k}: {:?}", rows[0].get(k));
+        assert!(
+            rows[0].get(k).is_some_and(|v| v.is_finite()),
+            "{k}: {:?}",
+            rows[0].get(k)
+        );
     }
     let (names, meta) = checkpoint_header(&pre.join("checkpoints/last.safetensors"));
     assert_eq!(meta["model"]["sample"]["count_embedding"], true);
-    assert!(names.contains("model.sample_encoder.count_embed.weight"), "{names:?}");
+    assert!(
+        names.contains("model.sample_encoder.count_embed.weight"),
+        "{names:?}"
+    );
 
     // Training with FiLM counts, then predicting (counts enter there too).
     let tr = tmp.path().join("train");
     let mut a = tiny_train(&tr, 1, &demo("demo_map.txt"), "age");
-    a.extend(args(&["--count-embedding", "--count-embedding-method", "film"]));
+    a.extend(args(&[
+        "--count-embedding",
+        "--count-embedding-method",
+        "film",
+    ]));
     run_ok(&a);
     let (_, rows) = metrics(&tr);
-    for k in ["val_total_loss", "val_target_loss", "val_mae", "val_count_loss"] {
-        assert!(rows[0].get(k).is_some_and(|v| v.is_finite()), "{k}: {:?}", rows[0].get(k));
+    for k in [
+        "val_total_loss",
+        "val_target_loss",
+        "val_mae",
+        "val_count_loss",
+    ] {
+        assert!(
+            rows[0].get(k).is_some_and(|v| v.is_finite()),
+            "{k}: {:?}",
+            rows[0].get(k)
+        );
     }
     let (names, _) = checkpoint_header(&tr.join("checkpoints/best.safetensors"));
-    assert!(names.contains("model.base_model.sample_encoder.count_film.weight"), "{names:?}");
+    assert!(
+        names.contains("model.base_model.sample_encoder.count_film.weight"),
+        "{names:?}"
+    );
     let preds_path = tmp.path().join("preds.tsv");
     predict(&tr.join("checkpoints/best.safetensors"), &preds_path);
     let preds = numeric_predictions(&preds_path);
@@ -354,12 +557,23 @@ fn bad_input_names_the_flag() {
     // An odd batch: named as the flag, before anything is written.
     for command in ["pretrain", "train"] {
         let out = tmp.path().join(format!("odd_{command}"));
-        let mut a = if command == "train" { tiny_train(&out, 1, &demo("demo_map.txt"), "age") } else { tiny(command, &out, 1) };
+        let mut a = if command == "train" {
+            tiny_train(&out, 1, &demo("demo_map.txt"), "age")
+        } else {
+            tiny(command, &out, 1)
+        };
         let k = a.iter().position(|x| x == "--batch-size").unwrap();
         a[k + 1] = "7".into();
         let stderr = run_err(&a);
-        assert!(stderr.contains("--batch-size") && stderr.contains('7'), "{command}: {stderr}");
-        assert!(!out.exists(), "{command}: wrote {} before failing", out.display());
+        assert!(
+            stderr.contains("--batch-size") && stderr.contains('7'),
+            "{command}: {stderr}"
+        );
+        assert!(
+            !out.exists(),
+            "{command}: wrote {} before failing",
+            out.display()
+        );
     }
 
     // A missing table: the path, once.
@@ -367,12 +581,27 @@ fn bad_input_names_the_flag() {
     let missing = tmp.path().join("no_such_table.biom");
     a[2] = s(&missing);
     let stderr = run_err(&a);
-    assert!(stderr.contains(&s(&missing)) && stderr.contains("--table"), "{stderr}");
-    assert_eq!(stderr.matches("No such file").count(), 1, "cause repeated: {stderr}");
+    assert!(
+        stderr.contains(&s(&missing)) && stderr.contains("--table"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("No such file").count(),
+        1,
+        "cause repeated: {stderr}"
+    );
 
     // A metadata column that is not there.
-    let stderr = run_err(&tiny_train(&tmp.path().join("nocol"), 1, &demo("demo_map.txt"), "agee"));
-    assert!(stderr.contains("agee") && stderr.contains("demo_map.txt"), "{stderr}");
+    let stderr = run_err(&tiny_train(
+        &tmp.path().join("nocol"),
+        1,
+        &demo("demo_map.txt"),
+        "agee",
+    ));
+    assert!(
+        stderr.contains("agee") && stderr.contains("demo_map.txt"),
+        "{stderr}"
+    );
 
     // A checkpoint cut to half its length.
     let pre = tmp.path().join("pre");
@@ -383,26 +612,59 @@ fn bad_input_names_the_flag() {
     let mut a = tiny("pretrain", &tmp.path().join("resumed"), 1);
     a.extend(["--resume-from".into(), s(&half)]);
     let stderr = run_err(&a);
-    assert!(stderr.contains(&s(&half)) && stderr.contains("--resume-from"), "{stderr}");
-    assert!(stderr.contains("cut short") || stderr.contains("incomplete"), "{stderr}");
+    assert!(
+        stderr.contains(&s(&half)) && stderr.contains("--resume-from"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("cut short") || stderr.contains("incomplete"),
+        "{stderr}"
+    );
     let mut a = args(&["predict", "--model"]);
-    a.extend([s(&half), "--table".into(), s(&demo("demo.biom")), "--output".into(), s(&tmp.path().join("p.tsv"))]);
+    a.extend([
+        s(&half),
+        "--table".into(),
+        s(&demo("demo.biom")),
+        "--output".into(),
+        s(&tmp.path().join("p.tsv")),
+    ]);
     let stderr = run_err(&a);
-    assert!(stderr.contains(&s(&half)) && (stderr.contains("cut short") || stderr.contains("incomplete")), "{stderr}");
+    assert!(
+        stderr.contains(&s(&half))
+            && (stderr.contains("cut short") || stderr.contains("incomplete")),
+        "{stderr}"
+    );
     assert!(!tmp.path().join("p.tsv").exists());
 
     // A pre-trained encoder of another --max-bp; predict on a pretrain checkpoint.
     let encoder = pre.join("checkpoints/best.safetensors");
-    let mut a = tiny_train(&tmp.path().join("mismatch"), 1, &demo("demo_map.txt"), "age");
+    let mut a = tiny_train(
+        &tmp.path().join("mismatch"),
+        1,
+        &demo("demo_map.txt"),
+        "age",
+    );
     let k = a.iter().position(|x| x == "--max-bp").unwrap();
     a[k + 1] = "50".into();
     a.extend(["--pretrained-encoder".into(), s(&encoder)]);
     let stderr = run_err(&a);
-    assert!(stderr.contains("--max-bp") && stderr.contains(&s(&encoder)), "{stderr}");
+    assert!(
+        stderr.contains("--max-bp") && stderr.contains(&s(&encoder)),
+        "{stderr}"
+    );
     let mut a = args(&["predict", "--model"]);
-    a.extend([s(&encoder), "--table".into(), s(&demo("demo.biom")), "--output".into(), s(&tmp.path().join("p.tsv"))]);
+    a.extend([
+        s(&encoder),
+        "--table".into(),
+        s(&demo("demo.biom")),
+        "--output".into(),
+        s(&tmp.path().join("p.tsv")),
+    ]);
     let stderr = run_err(&a);
-    assert!(stderr.contains("pretrain") && stderr.contains("prediction head"), "{stderr}");
+    assert!(
+        stderr.contains("pretrain") && stderr.contains("prediction head"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -413,10 +675,16 @@ fn resume_continues_the_run() {
     let (a_dir, b_dir) = (tmp.path().join("a"), tmp.path().join("b"));
     run_ok(&tiny("pretrain", &a_dir, 2));
     let mut a = tiny("pretrain", &b_dir, 2);
-    a.extend(["--resume-from".into(), s(&a_dir.join("checkpoints/last.safetensors"))]);
+    a.extend([
+        "--resume-from".into(),
+        s(&a_dir.join("checkpoints/last.safetensors")),
+    ]);
     let log = run_ok(&a);
     assert!(log.contains("already complete"), "{log}");
-    assert!(!b_dir.join("metrics.csv").exists() && !b_dir.join("checkpoints").exists(), "a finished run trained on");
+    assert!(
+        !b_dir.join("metrics.csv").exists() && !b_dir.join("checkpoints").exists(),
+        "a finished run trained on"
+    );
 
     // A run resumed from a mid-run checkpoint (a best epoch before the last)
     // into another directory ends as the uninterrupted run did, bit for bit.
@@ -449,18 +717,32 @@ fn resume_continues_the_run() {
     let (h_full, r_full) = metrics(&full);
     let (h_res, r_res) = metrics(&resumed);
     assert_eq!(h_full, h_res);
-    assert_eq!(r_res.len(), 3, "the resumed run's metrics.csv holds the whole history");
+    assert_eq!(
+        r_res.len(),
+        3,
+        "the resumed run's metrics.csv holds the whole history"
+    );
     for (e, (x, y)) in r_full.iter().zip(&r_res).enumerate() {
         for k in &h_full {
             if k != "seconds" && k != "samples_per_sec" {
-                assert_eq!(x[k].to_bits(), y[k].to_bits(), "epoch {e}: {k} {} vs {}", x[k], y[k]);
+                assert_eq!(
+                    x[k].to_bits(),
+                    y[k].to_bits(),
+                    "epoch {e}: {k} {} vs {}",
+                    x[k],
+                    y[k]
+                );
             }
         }
     }
     assert!(
-        checkpoint_tensors(&full.join("checkpoints/last.safetensors")) == checkpoint_tensors(&resumed.join("checkpoints/last.safetensors")),
+        checkpoint_tensors(&full.join("checkpoints/last.safetensors"))
+            == checkpoint_tensors(&resumed.join("checkpoints/last.safetensors")),
         "the resumed run's final weights and optimiser state differ from the uninterrupted run's"
     );
     // The new directory has the run's best model even though no later epoch improved.
-    assert!(std::fs::read(resumed.join("checkpoints/best.safetensors")).unwrap() == std::fs::read(&best).unwrap());
+    assert!(
+        std::fs::read(resumed.join("checkpoints/best.safetensors")).unwrap()
+            == std::fs::read(&best).unwrap()
+    );
 }

@@ -47,11 +47,11 @@ pub fn tokenize_into(sequence: &str, out: &mut [u8]) {
     body[n..].fill(PAD);
 }
 
-/// The `max_bp + 1` tokens of one sequence as the model's `i64`.
-pub fn tokenize(sequence: &str, max_bp: usize) -> Vec<i64> {
+/// The `max_bp + 1` tokens of one sequence.
+pub fn tokenize(sequence: &str, max_bp: usize) -> Vec<u8> {
     let mut row = vec![0u8; max_bp + 1];
     tokenize_into(sequence, &mut row);
-    row.into_iter().map(i64::from).collect()
+    row
 }
 
 /// Token rows of a fixed set of sequences, computed once.
@@ -124,7 +124,7 @@ mod tests {
         assert_eq!(cache.len(), 3);
         assert_eq!(cache.seq_len(), 5);
         for (i, s) in seqs.iter().enumerate() {
-            let expected: Vec<u8> = tokenize(s, 4).into_iter().map(|t| t as u8).collect();
+            let expected = tokenize(s, 4);
             assert_eq!(cache.row(i), expected.as_slice());
         }
         let mut buf = [9u8; 6];

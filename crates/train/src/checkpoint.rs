@@ -153,21 +153,31 @@ pub fn write_checkpoint<B: Backend>(
         .collect();
     for (k, data) in optimizer {
         let shape = data.shape.to_vec();
-        let values = data.convert::<f32>().to_vec::<f32>().expect("f32 optimiser state");
+        let values = data
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32 optimiser state");
         named.push((k, shape, le_bytes(&values)));
     }
     let views = named
         .iter()
         .map(|(k, shape, bytes)| {
-            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .expect("shape matches data");
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .expect("shape matches data");
             (k.clone(), view)
         })
         .collect::<Vec<_>>();
     let json = serde_json::to_string(meta).expect("checkpoint metadata serialises");
-    let metadata = HashMap::from([(META_KEY.to_string(), json), ("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| TrainError::Checkpoint { path: path.to_path_buf(), reason: e.to_string() })?;
+    let metadata = HashMap::from([
+        (META_KEY.to_string(), json),
+        ("format".to_string(), "pt".to_string()),
+    ]);
+    let bytes =
+        safetensors::serialize(views, Some(metadata)).map_err(|e| TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     write_atomic(path, &bytes)?;
     Ok(())
 }
@@ -175,30 +185,48 @@ pub fn write_checkpoint<B: Backend>(
 /// Reads a checkpoint; a truncated, corrupt or foreign file is an error
 /// naming the file and what is wrong.
 pub fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
-    let bad = |reason: String| TrainError::Checkpoint { path: path.to_path_buf(), reason };
+    let bad = |reason: String| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
     let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
-    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
-        .map_err(|e| bad(format!("not a readable safetensors file ({e}); was it cut short or is it another format?")))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| {
+        bad(format!(
+            "not a readable safetensors file ({e}); was it cut short or is it another format?"
+        ))
+    })?;
     let json = header
         .metadata()
         .as_ref()
         .and_then(|m| m.get(META_KEY))
         .ok_or_else(|| bad(format!("no `{META_KEY}` metadata: not an aam-rs training checkpoint (for a model directory from `aam-rs convert`, use the directory)")))?;
-    let meta: CheckpointMeta =
-        serde_json::from_str(json).map_err(|e| bad(format!("its metadata does not parse ({e})")))?;
+    let meta: CheckpointMeta = serde_json::from_str(json)
+        .map_err(|e| bad(format!("its metadata does not parse ({e})")))?;
     if meta.format != FORMAT_VERSION {
-        return Err(bad(format!("format version {} (this aam-rs reads {FORMAT_VERSION})", meta.format)));
+        return Err(bad(format!(
+            "format version {} (this aam-rs reads {FORMAT_VERSION})",
+            meta.format
+        )));
     }
-    let file = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("the tensor data is incomplete or corrupt ({e}); the file was probably cut short")))?;
+    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        bad(format!(
+            "the tensor data is incomplete or corrupt ({e}); the file was probably cut short"
+        ))
+    })?;
     let mut model = HashMap::new();
     let mut optimizer = BTreeMap::new();
     for (name, view) in file.tensors() {
         if view.dtype() != safetensors::Dtype::F32 {
-            return Err(bad(format!("tensor {name} has dtype {:?}, expected F32", view.dtype())));
+            return Err(bad(format!(
+                "tensor {name} has dtype {:?}, expected F32",
+                view.dtype()
+            )));
         }
-        let values: Vec<f32> =
-            view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
         let shape = view.shape().to_vec();
         if let Some(key) = name.strip_prefix("model.") {
             model.insert(key.to_string(), StateTensor { shape, values });
@@ -208,7 +236,12 @@ pub fn read_checkpoint(path: &Path) -> Result<Checkpoint> {
             return Err(bad(format!("unexpected tensor {name}")));
         }
     }
-    Ok(Checkpoint { path: path.to_path_buf(), meta, model, optimizer })
+    Ok(Checkpoint {
+        path: path.to_path_buf(),
+        meta,
+        model,
+        optimizer,
+    })
 }
 
 impl Checkpoint {

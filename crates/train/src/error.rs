@@ -70,11 +70,17 @@ pub type Result<T, E = TrainError> = std::result::Result<T, E>;
 impl TrainError {
     /// An I/O error on `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Self::Io { path: path.into(), source }
+        Self::Io {
+            path: path.into(),
+            source,
+        }
     }
 
     /// An invalid-argument error.
     pub fn arg(field: &str, reason: impl Into<String>) -> Self {
-        Self::InvalidArgument { field: field.into(), reason: reason.into() }
+        Self::InvalidArgument {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }

@@ -108,7 +108,12 @@ impl Default for LossConfig {
 impl LossConfig {
     /// Checks the combinations the reference rejects (with clearer messages).
     pub fn validate(&self) -> Result<()> {
-        let bad = |field: &str, reason: String| Err(TrainError::InvalidArgument { field: field.into(), reason });
+        let bad = |field: &str, reason: String| {
+            Err(TrainError::InvalidArgument {
+                field: field.into(),
+                reason,
+            })
+        };
         for (name, v) in [
             ("penalty", self.penalty),
             ("nuc_penalty", self.nuc_penalty),
@@ -121,31 +126,66 @@ impl LossConfig {
         }
         if self.target_loss == TargetLossKind::Quantile {
             let Some(q) = &self.quantiles else {
-                return bad("quantiles", "the quantile loss needs quantile levels".into());
+                return bad(
+                    "quantiles",
+                    "the quantile loss needs quantile levels".into(),
+                );
             };
             if q.is_empty() || q.iter().any(|&t| !(t > 0.0 && t < 1.0)) {
-                return bad("quantiles", format!("each level must lie in (0, 1), got {q:?}"));
+                return bad(
+                    "quantiles",
+                    format!("each level must lie in (0, 1), got {q:?}"),
+                );
             }
             if q.windows(2).any(|w| w[0] >= w[1]) {
-                return bad("quantiles", format!("levels must be sorted and distinct, got {q:?}"));
+                return bad(
+                    "quantiles",
+                    format!("levels must be sorted and distinct, got {q:?}"),
+                );
             }
         } else if self.quantiles.is_some() {
-            return bad("quantiles", format!("only used with the quantile loss, not {}", self.target_loss.name()));
+            return bad(
+                "quantiles",
+                format!(
+                    "only used with the quantile loss, not {}",
+                    self.target_loss.name()
+                ),
+            );
         }
-        if self.target_loss == TargetLossKind::Asymmetric && !(self.over_penalty > 0.0 && self.under_penalty > 0.0) {
-            return bad("over_penalty/under_penalty", "both must be > 0 for the asymmetric loss".into());
+        if self.target_loss == TargetLossKind::Asymmetric
+            && !(self.over_penalty > 0.0 && self.under_penalty > 0.0)
+        {
+            return bad(
+                "over_penalty/under_penalty",
+                "both must be > 0 for the asymmetric loss".into(),
+            );
         }
         if let Some(columns) = &self.column_losses {
-            if matches!(self.target_loss, TargetLossKind::Quantile | TargetLossKind::Asymmetric) {
-                return bad("loss_config", "per-column losses cannot be combined with quantile or asymmetric".into());
+            if matches!(
+                self.target_loss,
+                TargetLossKind::Quantile | TargetLossKind::Asymmetric
+            ) {
+                return bad(
+                    "loss_config",
+                    "per-column losses cannot be combined with quantile or asymmetric".into(),
+                );
             }
-            if let Some(k) = columns.iter().find(|k| matches!(k, TargetLossKind::Quantile | TargetLossKind::Asymmetric)) {
-                return bad("loss_config", format!("a column loss must be mse, mae or huber, not {}", k.name()));
+            if let Some(k) = columns
+                .iter()
+                .find(|k| matches!(k, TargetLossKind::Quantile | TargetLossKind::Asymmetric))
+            {
+                return bad(
+                    "loss_config",
+                    format!("a column loss must be mse, mae or huber, not {}", k.name()),
+                );
             }
         }
         if let Some(w) = &self.class_weights {
             if w.iter().any(|&x| !(x.is_finite() && x >= 0.0)) || w.iter().all(|&x| x == 0.0) {
-                return bad("class_weights", format!("weights must be finite, ≥ 0 and not all 0, got {w:?}"));
+                return bad(
+                    "class_weights",
+                    format!("weights must be finite, ≥ 0 and not all 0, got {w:?}"),
+                );
             }
         }
         Ok(())
@@ -237,10 +277,17 @@ pub struct LossParts<B: Backend> {
 
 impl LossConfig {
     /// Every component and their weighted sum.
-    pub fn forward<B: Backend>(&self, pred: &Predictions<B>, targets: &LossTargets<B>) -> Result<LossParts<B>> {
+    pub fn forward<B: Backend>(
+        &self,
+        pred: &Predictions<B>,
+        targets: &LossTargets<B>,
+    ) -> Result<LossParts<B>> {
         let device = targets.tokens.device();
         let unifrac = match (self.base, &targets.base) {
-            (BaseLoss::Unifrac, Some(t)) => pred.embeddings.as_ref().map(|e| unifrac_loss(e.clone(), t.clone())),
+            (BaseLoss::Unifrac, Some(t)) => pred
+                .embeddings
+                .as_ref()
+                .map(|e| unifrac_loss(e.clone(), t.clone())),
             (BaseLoss::Mse, Some(t)) => pred
                 .base_prediction
                 .as_ref()
@@ -248,10 +295,13 @@ impl LossConfig {
                 .transpose()?,
             (_, None) => None,
         };
-        let nuc = pred
-            .nuc_logits
-            .as_ref()
-            .map(|logits| nucleotide_loss(logits.clone(), targets.tokens.clone(), pred.mask_indices.clone()));
+        let nuc = pred.nuc_logits.as_ref().map(|logits| {
+            nucleotide_loss(
+                logits.clone(),
+                targets.tokens.clone(),
+                pred.mask_indices.clone(),
+            )
+        });
         let count = match (&pred.count_prediction, &targets.counts) {
             (Some(p), Some(c)) => Some(count_loss(p.clone(), c.clone(), targets.tokens.clone())),
             _ => None,
@@ -273,7 +323,13 @@ impl LossConfig {
                 }
             }
         }
-        Ok(LossParts { total, unifrac, nuc, count, target })
+        Ok(LossParts {
+            total,
+            unifrac,
+            nuc,
+            count,
+            target,
+        })
     }
 
     /// §3.5: the target loss for a point, quantile or class prediction.
@@ -284,9 +340,12 @@ impl LossConfig {
         sample_weights: Option<Tensor<B, 1>>,
     ) -> Result<Tensor<B, 1>> {
         match (pred, target) {
-            (TargetPrediction::Point(log_probs), Target::Classes(classes)) => {
-                Ok(nll_loss(log_probs.clone(), classes.clone(), self.class_weights.as_deref(), sample_weights))
-            }
+            (TargetPrediction::Point(log_probs), Target::Classes(classes)) => Ok(nll_loss(
+                log_probs.clone(),
+                classes.clone(),
+                self.class_weights.as_deref(),
+                sample_weights,
+            )),
             (TargetPrediction::Point(p), Target::Regression(y)) => {
                 check_same(&p.dims(), &y.dims(), "target_prediction vs target")?;
                 let per_column = |e: Tensor<B, 2>, kind: TargetLossKind| self.elementwise(e, kind);
@@ -298,7 +357,10 @@ impl LossConfig {
                         if kinds.len() != out {
                             return Err(TrainError::InvalidArgument {
                                 field: "loss_config".into(),
-                                reason: format!("{} column losses for {out} output columns", kinds.len()),
+                                reason: format!(
+                                    "{} column losses for {out} output columns",
+                                    kinds.len()
+                                ),
                             });
                         }
                         // Mean of per-column means = overall mean (equal column sizes).
@@ -316,14 +378,22 @@ impl LossConfig {
             (TargetPrediction::Quantiles(p), Target::Regression(y)) => {
                 let [b, out, q] = p.dims();
                 check_same(&[b, out], &y.dims(), "target_prediction vs target")?;
-                let levels = self.quantiles.as_ref().ok_or_else(|| TrainError::InvalidArgument {
-                    field: "quantiles".into(),
-                    reason: "the model predicts quantiles but the loss has no quantile levels".into(),
-                })?;
+                let levels =
+                    self.quantiles
+                        .as_ref()
+                        .ok_or_else(|| TrainError::InvalidArgument {
+                            field: "quantiles".into(),
+                            reason:
+                                "the model predicts quantiles but the loss has no quantile levels"
+                                    .into(),
+                        })?;
                 if levels.len() != q {
                     return Err(TrainError::InvalidArgument {
                         field: "quantiles".into(),
-                        reason: format!("{} levels for a model with {q} quantile outputs", levels.len()),
+                        reason: format!(
+                            "{} levels for a model with {q} quantile outputs",
+                            levels.len()
+                        ),
                     });
                 }
                 let device = p.device();
@@ -336,10 +406,12 @@ impl LossConfig {
                 let pinball = (e.clone() * tau.clone()).max_pair(e * (tau - 1.0));
                 Ok(weighted_mean(pinball.reshape([b, out * q]), sample_weights))
             }
-            (TargetPrediction::Quantiles(_), Target::Classes(_)) => Err(TrainError::InvalidArgument {
-                field: "classifier".into(),
-                reason: "a quantile model cannot be trained on class labels".into(),
-            }),
+            (TargetPrediction::Quantiles(_), Target::Classes(_)) => {
+                Err(TrainError::InvalidArgument {
+                    field: "classifier".into(),
+                    reason: "a quantile model cannot be trained on class labels".into(),
+                })
+            }
         }
     }
 
@@ -354,7 +426,8 @@ impl LossConfig {
                 (e.powi_scalar(2) * 0.5).mask_where(a.greater_equal_elem(1.0), linear)
             }
             TargetLossKind::Asymmetric => {
-                activation::relu(e.clone()) * self.over_penalty + activation::relu(e.neg()) * self.under_penalty
+                activation::relu(e.clone()) * self.over_penalty
+                    + activation::relu(e.neg()) * self.under_penalty
             }
             // Quantile predictions have their own branch; a point prediction
             // with a quantile loss is the median's absolute error ×0.5.
@@ -365,7 +438,10 @@ impl LossConfig {
 
 /// Mean of `[B, k]` elementwise losses; with sample weights
 /// `mean_i(w_i · mean_k l_ik)` (not divided by Σw, as the reference).
-fn weighted_mean<B: Backend>(l: Tensor<B, 2>, sample_weights: Option<Tensor<B, 1>>) -> Tensor<B, 1> {
+fn weighted_mean<B: Backend>(
+    l: Tensor<B, 2>,
+    sample_weights: Option<Tensor<B, 1>>,
+) -> Tensor<B, 1> {
     match sample_weights {
         None => l.mean(),
         Some(w) => {
@@ -379,7 +455,11 @@ fn check_same(a: &[usize], b: &[usize], what: &str) -> Result<()> {
     if a == b {
         Ok(())
     } else {
-        Err(TrainError::Shape { what: what.into(), left: a.to_vec(), right: b.to_vec() })
+        Err(TrainError::Shape {
+            what: what.into(),
+            left: a.to_vec(),
+            right: b.to_vec(),
+        })
     }
 }
 
@@ -406,7 +486,9 @@ pub fn pairwise_tanh_distances<B: Backend>(embeddings: Tensor<B, 2>) -> Tensor<B
 
 /// 1 on the strict upper triangle (`i < j`), 0 elsewhere.
 fn strict_upper<B: Backend>(b: usize, device: &B::Device) -> Tensor<B, 2> {
-    let values: Vec<f32> = (0..b * b).map(|k| if k / b < k % b { 1.0 } else { 0.0 }).collect();
+    let values: Vec<f32> = (0..b * b)
+        .map(|k| if k / b < k % b { 1.0 } else { 0.0 })
+        .collect();
     Tensor::from_data(TensorData::new(values, [b, b]), device)
 }
 
@@ -428,7 +510,10 @@ pub fn unifrac_loss<B: Backend>(embeddings: Tensor<B, 2>, target: Tensor<B, 2>) 
 
 /// The positions scored by the nucleotide loss: masked ∧ valid when the model
 /// corrupted its input, else every valid (non-zero) position, START included.
-fn nucleotide_positions<B: Backend>(tokens: Tensor<B, 3, Int>, mask_indices: Option<Tensor<B, 3, Bool>>) -> Tensor<B, 3, Bool> {
+fn nucleotide_positions<B: Backend>(
+    tokens: Tensor<B, 3, Int>,
+    mask_indices: Option<Tensor<B, 3, Bool>>,
+) -> Tensor<B, 3, Bool> {
     let valid = tokens.greater_elem(0);
     match mask_indices {
         Some(masked) => masked.bool_and(valid),
@@ -449,7 +534,9 @@ pub fn nucleotide_loss<B: Backend>(
     let [b, s, l, _v] = logits.dims();
     let positions = nucleotide_positions(tokens.clone(), mask_indices).float();
     let log_probs = activation::log_softmax(logits, 3);
-    let picked = log_probs.gather(3, tokens.reshape([b, s, l, 1])).reshape([b, s, l]);
+    let picked = log_probs
+        .gather(3, tokens.reshape([b, s, l, 1]))
+        .reshape([b, s, l]);
     let n = positions.clone().sum().clamp_min(1.0);
     (picked.neg() * positions).sum() / n
 }
@@ -463,7 +550,10 @@ pub fn nucleotide_accuracy<B: Backend>(
     mask_indices: Option<Tensor<B, 3, Bool>>,
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
     let [b, s, l, _] = logits.dims();
-    let nucleotides = tokens.clone().greater_elem(0).bool_and(tokens.clone().lower_elem(5));
+    let nucleotides = tokens
+        .clone()
+        .greater_elem(0)
+        .bool_and(tokens.clone().lower_elem(5));
     let masked = mask_indices.map(|m| m.bool_and(tokens.clone().greater_elem(0)));
     let positions = match masked {
         Some(m) => {
@@ -473,7 +563,11 @@ pub fn nucleotide_accuracy<B: Backend>(
         }
         None => nucleotides,
     };
-    let hits = logits.argmax(3).reshape([b, s, l]).equal(tokens).bool_and(positions.clone());
+    let hits = logits
+        .argmax(3)
+        .reshape([b, s, l])
+        .equal(tokens)
+        .bool_and(positions.clone());
     (hits.float().sum(), positions.float().sum())
 }
 
@@ -482,7 +576,11 @@ pub fn nucleotide_accuracy<B: Backend>(
 ///
 /// # Shapes
 /// - prediction, counts: `[B, S, 1]`; tokens: `[B, S, L]` → `[1]`
-pub fn count_loss<B: Backend>(prediction: Tensor<B, 3>, counts: Tensor<B, 3>, tokens: Tensor<B, 3, Int>) -> Tensor<B, 1> {
+pub fn count_loss<B: Backend>(
+    prediction: Tensor<B, 3>,
+    counts: Tensor<B, 3>,
+    tokens: Tensor<B, 3, Int>,
+) -> Tensor<B, 1> {
     let slots = tokens.sum_dim(2).greater_elem(0).float();
     let n = slots.clone().sum().clamp_min(1.0);
     ((prediction - counts).powi_scalar(2) * slots).sum() / n
@@ -502,10 +600,20 @@ pub fn nll_loss<B: Backend>(
 ) -> Tensor<B, 1> {
     let [b, c] = log_probs.dims();
     let device = log_probs.device();
-    let picked = log_probs.gather(1, classes.clone().reshape([b, 1])).reshape([b]).neg();
+    let picked = log_probs
+        .gather(1, classes.clone().reshape([b, 1]))
+        .reshape([b])
+        .neg();
     let weights = class_weights.map(|w| {
         let table = Tensor::<B, 1>::from_data(
-            TensorData::new(w.iter().map(|&x| x as f32).chain(std::iter::repeat(1.0)).take(c).collect::<Vec<f32>>(), [c]),
+            TensorData::new(
+                w.iter()
+                    .map(|&x| x as f32)
+                    .chain(std::iter::repeat(1.0))
+                    .take(c)
+                    .collect::<Vec<f32>>(),
+                [c],
+            ),
             &device,
         );
         table.select(0, classes)
@@ -534,7 +642,10 @@ mod tests {
         let device = Default::default();
         let e = Tensor::<TB, 2>::from_floats([[0.0, 0.0], [3.0, 4.0], [0.0, 0.0]], &device);
         // Pairs: (0,1) d=5, (0,2) d=0 → clamp 1e-4, (1,2) d=5.
-        let t = Tensor::<TB, 2>::from_floats([[0.0, 0.1, 0.2], [9.0, 0.0, 0.3], [9.0, 9.0, 0.0]], &device);
+        let t = Tensor::<TB, 2>::from_floats(
+            [[0.0, 0.1, 0.2], [9.0, 0.0, 0.3], [9.0, 9.0, 0.0]],
+            &device,
+        );
         let p = [(0.5f32).tanh(), (1e-5f32).tanh(), (0.5f32).tanh()];
         let want = ((p[0] - 0.1).powi(2) + (p[1] - 0.2).powi(2) + (p[2] - 0.3).powi(2)) / 3.0;
         close(unifrac_loss(e, t).into_scalar(), want);
@@ -544,7 +655,10 @@ mod tests {
     fn unifrac_loss_of_one_sample_is_zero() {
         let device = Default::default();
         let e = Tensor::<TB, 2>::from_floats([[1.0, 2.0]], &device);
-        close(unifrac_loss(e, Tensor::zeros([1, 1], &device)).into_scalar(), 0.0);
+        close(
+            unifrac_loss(e, Tensor::zeros([1, 1], &device)).into_scalar(),
+            0.0,
+        );
     }
 
     #[test]
@@ -553,10 +667,17 @@ mod tests {
         // One ASV: START, A, pad. Uniform logits → CE = ln 7 at each position.
         let tokens = Tensor::<TB, 3, Int>::from_ints([[[5, 1, 0]]], &device);
         let logits = Tensor::<TB, 4>::zeros([1, 1, 3, 7], &device);
-        close(nucleotide_loss(logits.clone(), tokens.clone(), None).into_scalar(), 7f32.ln());
-        let none = Tensor::<TB, 3, Bool>::from_bool(TensorData::from([[[false, false, true]]]), &device);
+        close(
+            nucleotide_loss(logits.clone(), tokens.clone(), None).into_scalar(),
+            7f32.ln(),
+        );
+        let none =
+            Tensor::<TB, 3, Bool>::from_bool(TensorData::from([[[false, false, true]]]), &device);
         // The only masked position is padding → no position → 0.
-        close(nucleotide_loss(logits, tokens, Some(none)).into_scalar(), 0.0);
+        close(
+            nucleotide_loss(logits, tokens, Some(none)).into_scalar(),
+            0.0,
+        );
     }
 
     #[test]

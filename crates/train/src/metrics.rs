@@ -68,7 +68,12 @@ impl ClassificationMetrics {
 
     /// Fraction correct.
     pub fn accuracy(&self) -> f64 {
-        let correct: u64 = self.confusion.iter().filter(|((t, p), _)| t == p).map(|(_, c)| c).sum();
+        let correct: u64 = self
+            .confusion
+            .iter()
+            .filter(|((t, p), _)| t == p)
+            .map(|(_, c)| c)
+            .sum();
         correct as f64 / self.n.max(1) as f64
     }
 
@@ -92,7 +97,11 @@ impl ClassificationMetrics {
                 _ => 0.0,
             };
             let recall = tp / s as f64;
-            let f1 = if precision + recall > 0.0 { 2.0 * precision * recall / (precision + recall) } else { 0.0 };
+            let f1 = if precision + recall > 0.0 {
+                2.0 * precision * recall / (precision + recall)
+            } else {
+                0.0
+            };
             total += f1 * s as f64;
         }
         total / self.n.max(1) as f64
@@ -115,7 +124,10 @@ impl Means {
 
     /// The means.
     pub fn finish(&self) -> BTreeMap<String, f64> {
-        self.sums.iter().map(|(k, (s, n))| (k.clone(), s / (*n).max(1) as f64)).collect()
+        self.sums
+            .iter()
+            .map(|(k, (s, n))| (k.clone(), s / (*n).max(1) as f64))
+            .collect()
     }
 }
 

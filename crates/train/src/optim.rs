@@ -50,7 +50,14 @@ pub struct OptimizerConfig {
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
-        Self { kind: OptimizerKind::Adamw, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, momentum: 0.9 }
+        Self {
+            kind: OptimizerKind::Adamw,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            momentum: 0.9,
+        }
     }
 }
 
@@ -79,7 +86,9 @@ pub struct GradientBuffer<B: Backend> {
 
 impl<B: Backend> Default for GradientBuffer<B> {
     fn default() -> Self {
-        Self { grads: BTreeMap::new() }
+        Self {
+            grads: BTreeMap::new(),
+        }
     }
 }
 
@@ -103,7 +112,12 @@ impl PathTracker {
 impl<B: Backend> GradientBuffer<B> {
     /// Collects `scale · ∂loss/∂p` for every parameter of `module` that
     /// received a gradient; `name` maps a Burn path to the torch key.
-    pub fn collect<AB, M>(module: &M, grads: &AB::Gradients, name: &dyn Fn(&str) -> String, scale: f64) -> Self
+    pub fn collect<AB, M>(
+        module: &M,
+        grads: &AB::Gradients,
+        name: &dyn Fn(&str) -> String,
+        scale: f64,
+    ) -> Self
     where
         AB: AutodiffBackend<InnerBackend = B>,
         M: Module<AB>,
@@ -131,7 +145,13 @@ impl<B: Backend> GradientBuffer<B> {
                 }
             }
         }
-        let mut c = Collector::<AB> { grads, name, scale, path: PathTracker { path: Vec::new() }, out: BTreeMap::new() };
+        let mut c = Collector::<AB> {
+            grads,
+            name,
+            scale,
+            path: PathTracker { path: Vec::new() },
+            out: BTreeMap::new(),
+        };
         module.visit(&mut c);
         Self { grads: c.out }
     }
@@ -181,7 +201,10 @@ impl<B: Backend> GradientBuffer<B> {
 impl<B: Backend> Optimizer<B> {
     /// A fresh optimiser.
     pub fn new(config: OptimizerConfig) -> Self {
-        Self { config, state: BTreeMap::new() }
+        Self {
+            config,
+            state: BTreeMap::new(),
+        }
     }
 
     /// The hyper-parameters.
@@ -219,7 +242,10 @@ impl<B: Backend> Optimizer<B> {
             fn exit_module(&mut self, _: &str, _: &str) {
                 self.path.exit();
             }
-            fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
                 let key = (self.name)(&self.path.current());
                 let Some(grad) = self.grads.remove(&key) else {
                     return param;
@@ -238,20 +264,36 @@ impl<B: Backend> Optimizer<B> {
                 Param::from_mapped_value(id, t, mapper)
             }
         }
-        let mut stepper =
-            Stepper::<AB> { optim: self, grads: grads.grads, name, lr, beta1, path: PathTracker { path: Vec::new() } };
+        let mut stepper = Stepper::<AB> {
+            optim: self,
+            grads: grads.grads,
+            name,
+            lr,
+            beta1,
+            path: PathTracker { path: Vec::new() },
+        };
         module.map(&mut stepper)
     }
 
     /// The PyTorch update of one flattened parameter.
-    fn update(&mut self, key: &str, p: Tensor<B, 1>, g: Tensor<B, 1>, lr: f64, beta1: Option<f64>) -> Tensor<B, 1> {
+    fn update(
+        &mut self,
+        key: &str,
+        p: Tensor<B, 1>,
+        g: Tensor<B, 1>,
+        lr: f64,
+        beta1: Option<f64>,
+    ) -> Tensor<B, 1> {
         let c = &self.config;
         let wd = c.weight_decay;
-        let state = self.state.entry(key.to_string()).or_insert_with(|| ParamState {
-            step: 0,
-            first: p.zeros_like(),
-            second: (c.kind != OptimizerKind::Sgd).then(|| p.zeros_like()),
-        });
+        let state = self
+            .state
+            .entry(key.to_string())
+            .or_insert_with(|| ParamState {
+                step: 0,
+                first: p.zeros_like(),
+                second: (c.kind != OptimizerKind::Sgd).then(|| p.zeros_like()),
+            });
         state.step += 1;
         match c.kind {
             OptimizerKind::Adamw | OptimizerKind::Adam => {
@@ -264,7 +306,8 @@ impl<B: Backend> Optimizer<B> {
                 let b1 = beta1.unwrap_or(c.beta1);
                 let b2 = c.beta2;
                 let m = state.first.clone() * b1 + g.clone() * (1.0 - b1);
-                let v = state.second.take().expect("adam state") * b2 + g.powi_scalar(2) * (1.0 - b2);
+                let v =
+                    state.second.take().expect("adam state") * b2 + g.powi_scalar(2) * (1.0 - b2);
                 let t = state.step as i32;
                 let bias1 = 1.0 - b1.powi(t);
                 let bias2 = 1.0 - b2.powi(t);
@@ -276,7 +319,11 @@ impl<B: Backend> Optimizer<B> {
             }
             OptimizerKind::Sgd => {
                 let g = if wd != 0.0 { g + p.clone() * wd } else { g };
-                let buf = if state.step == 1 { g } else { state.first.clone() * c.momentum + g };
+                let buf = if state.step == 1 {
+                    g
+                } else {
+                    state.first.clone() * c.momentum + g
+                };
                 state.first = buf.clone();
                 p - buf * lr
             }
@@ -286,7 +333,11 @@ impl<B: Backend> Optimizer<B> {
     /// The state as named tensors (`optim.<key>.exp_avg`, `.exp_avg_sq`,
     /// `.momentum_buffer`) and per-parameter step counts.
     pub fn state_tensors(&self) -> (Vec<(String, TensorData)>, BTreeMap<String, u64>) {
-        let first = if self.config.kind == OptimizerKind::Sgd { "momentum_buffer" } else { "exp_avg" };
+        let first = if self.config.kind == OptimizerKind::Sgd {
+            "momentum_buffer"
+        } else {
+            "exp_avg"
+        };
         let mut tensors = Vec::new();
         let mut steps = BTreeMap::new();
         for (k, s) in &self.state {
@@ -306,18 +357,38 @@ impl<B: Backend> Optimizer<B> {
         steps: &BTreeMap<String, u64>,
         device: &B::Device,
     ) -> Result<()> {
-        let first = if self.config.kind == OptimizerKind::Sgd { "momentum_buffer" } else { "exp_avg" };
+        let first = if self.config.kind == OptimizerKind::Sgd {
+            "momentum_buffer"
+        } else {
+            "exp_avg"
+        };
         let mut take = |name: String| {
-            tensors.remove(&name).map(|(shape, v)| Tensor::<B, 1>::from_data(TensorData::new(v, shape), device)).ok_or_else(
-                || TrainError::arg("resume-from", format!("the checkpoint lacks optimiser tensor {name}")),
-            )
+            tensors
+                .remove(&name)
+                .map(|(shape, v)| Tensor::<B, 1>::from_data(TensorData::new(v, shape), device))
+                .ok_or_else(|| {
+                    TrainError::arg(
+                        "resume-from",
+                        format!("the checkpoint lacks optimiser tensor {name}"),
+                    )
+                })
         };
         self.state.clear();
         for (k, &step) in steps {
             let first = take(format!("optim.{k}.{first}"))?;
-            let second =
-                if self.config.kind == OptimizerKind::Sgd { None } else { Some(take(format!("optim.{k}.exp_avg_sq"))?) };
-            self.state.insert(k.clone(), ParamState { step, first, second });
+            let second = if self.config.kind == OptimizerKind::Sgd {
+                None
+            } else {
+                Some(take(format!("optim.{k}.exp_avg_sq"))?)
+            };
+            self.state.insert(
+                k.clone(),
+                ParamState {
+                    step,
+                    first,
+                    second,
+                },
+            );
         }
         Ok(())
     }
@@ -336,7 +407,9 @@ mod tests {
     }
 
     fn toy(values: [f32; 2]) -> Toy<AB> {
-        Toy { w: Param::from_tensor(Tensor::from_floats(values, &Default::default())) }
+        Toy {
+            w: Param::from_tensor(Tensor::from_floats(values, &Default::default())),
+        }
     }
 
     fn quad_grads(m: &Toy<AB>) -> GradientBuffer<NdArray<f32>> {
@@ -394,10 +467,24 @@ mod tests {
             .map(|(k, d)| (k, (d.shape.to_vec(), d.to_vec::<f32>().unwrap())))
             .collect();
         let mut restored = Optimizer::<NdArray<f32>>::new(OptimizerConfig::default());
-        restored.load_state(&mut map, &steps, &Default::default()).unwrap();
+        restored
+            .load_state(&mut map, &steps, &Default::default())
+            .unwrap();
         let (m1, m2) = (m.clone(), m);
-        let a = opt.step::<AB, _>(m1.clone(), quad_grads(&m1), &|p: &str| p.to_string(), &|_: &str| 0.1, None);
-        let b = restored.step::<AB, _>(m2.clone(), quad_grads(&m2), &|p: &str| p.to_string(), &|_: &str| 0.1, None);
+        let a = opt.step::<AB, _>(
+            m1.clone(),
+            quad_grads(&m1),
+            &|p: &str| p.to_string(),
+            &|_: &str| 0.1,
+            None,
+        );
+        let b = restored.step::<AB, _>(
+            m2.clone(),
+            quad_grads(&m2),
+            &|p: &str| p.to_string(),
+            &|_: &str| 0.1,
+            None,
+        );
         assert_eq!(a.w.val().into_data(), b.w.val().into_data());
     }
 }

@@ -29,9 +29,15 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochRecord, Progress, FORMAT_VERSION};
+use crate::checkpoint::{
+    write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochRecord, Progress,
+    FORMAT_VERSION,
+};
 use crate::error::{Result, TrainError};
-use crate::loss::{nucleotide_accuracy, pairwise_tanh_distances, LossConfig, LossParts, LossTargets, Predictions, Target};
+use crate::loss::{
+    nucleotide_accuracy, pairwise_tanh_distances, LossConfig, LossParts, LossTargets, Predictions,
+    Target,
+};
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
 use crate::optim::{GradientBuffer, Optimizer, OptimizerConfig};
 use crate::schedule::{Scheduler, SchedulerConfig};
@@ -123,7 +129,13 @@ impl RunConfig {
             return bad("epochs", "must be ≥ 1".into());
         }
         if self.batch_size < 2 || self.batch_size % 2 == 1 {
-            return bad("batch-size", format!("must be even and ≥ 2 (UniFrac pairs), got {}", self.batch_size));
+            return bad(
+                "batch-size",
+                format!(
+                    "must be even and ≥ 2 (UniFrac pairs), got {}",
+                    self.batch_size
+                ),
+            );
         }
         if self.gradient_accumulation_steps == 0 {
             return bad("gradient-accumulation-steps", "must be ≥ 1".into());
@@ -229,39 +241,73 @@ pub fn predict_batch<B: AttentionBackend>(
     return_nucleotides: bool,
 ) -> Predictions<B> {
     match model {
-        AamModel::SequenceEncoder(m) => m.forward(input.tokens, input.counts, return_nucleotides).into(),
+        AamModel::SequenceEncoder(m) => m
+            .forward(input.tokens, input.counts, return_nucleotides)
+            .into(),
         AamModel::SequencePredictor(m) => m
-            .forward(input.tokens, input.counts, input.categorical_ids.as_ref(), return_nucleotides)
+            .forward(
+                input.tokens,
+                input.counts,
+                input.categorical_ids.as_ref(),
+                return_nucleotides,
+            )
             .into(),
     }
 }
 
 /// Tensors of a batch: the model input and the loss targets.
-pub fn batch_tensors<B: Backend>(batch: &Batch, device: &B::Device, classifier: bool) -> (ModelInput<B>, LossTargets<B>) {
+pub fn batch_tensors<B: Backend>(
+    batch: &Batch,
+    device: &B::Device,
+    classifier: bool,
+) -> (ModelInput<B>, LossTargets<B>) {
     let b = batch.batch_size();
-    let tokens = Tensor::<B, 3, Int>::from_data(TensorData::new(batch.tokens.clone(), batch.tokens_shape()), device);
-    let counts = Tensor::<B, 3>::from_data(TensorData::new(batch.counts.clone(), batch.counts_shape()), device);
-    let base = batch
-        .unifrac
-        .as_ref()
-        .map(|u| Tensor::<B, 2>::from_data(TensorData::new(u.clone(), batch.unifrac_shape()), device));
+    let tokens = Tensor::<B, 3, Int>::from_data(
+        TensorData::new(batch.tokens.clone(), batch.tokens_shape()),
+        device,
+    );
+    let counts = Tensor::<B, 3>::from_data(
+        TensorData::new(batch.counts.clone(), batch.counts_shape()),
+        device,
+    );
+    let base = batch.unifrac.as_ref().map(|u| {
+        Tensor::<B, 2>::from_data(TensorData::new(u.clone(), batch.unifrac_shape()), device)
+    });
     let target = batch.targets.as_ref().map(|t| {
         if classifier {
             let classes: Vec<i64> = t.iter().map(|&c| c as i64).collect();
             Target::Classes(Tensor::from_data(TensorData::new(classes, [b]), device))
         } else {
-            Target::Regression(Tensor::from_data(TensorData::new(t.clone(), batch.targets_shape()), device))
+            Target::Regression(Tensor::from_data(
+                TensorData::new(t.clone(), batch.targets_shape()),
+                device,
+            ))
         }
     });
     let categorical_ids = (!batch.categorical_ids.is_empty()).then(|| {
         batch
             .categorical_ids
             .iter()
-            .map(|(col, ids)| (col.clone(), Tensor::<B, 1, Int>::from_data(TensorData::new(ids.clone(), [b]), device)))
+            .map(|(col, ids)| {
+                (
+                    col.clone(),
+                    Tensor::<B, 1, Int>::from_data(TensorData::new(ids.clone(), [b]), device),
+                )
+            })
             .collect::<BTreeMap<_, _>>()
     });
-    let input = ModelInput { tokens: tokens.clone(), counts: Some(counts.clone()), categorical_ids };
-    let targets = LossTargets { tokens, base, counts: Some(counts), target, sample_weights: None };
+    let input = ModelInput {
+        tokens: tokens.clone(),
+        counts: Some(counts.clone()),
+        categorical_ids,
+    };
+    let targets = LossTargets {
+        tokens,
+        base,
+        counts: Some(counts),
+        target,
+        sample_weights: None,
+    };
     (input, targets)
 }
 
@@ -275,19 +321,32 @@ fn mix(seed: u64, counter: u64) -> u64 {
 
 /// Whether a torch key belongs to the categorical parameter group (§4.1).
 pub fn is_categorical_param(key: &str) -> bool {
-    ["categorical_embedder", "categorical_projection", "gmu", "output_scales", "cross_attn_fusion"]
-        .iter()
-        .any(|m| key.starts_with(&format!("{m}.")) || key.contains(&format!(".{m}.")))
+    [
+        "categorical_embedder",
+        "categorical_projection",
+        "gmu",
+        "output_scales",
+        "cross_attn_fusion",
+    ]
+    .iter()
+    .any(|m| key.starts_with(&format!("{m}.")) || key.contains(&format!(".{m}.")))
 }
 
 /// Reads a batch's losses (and nucleotide accuracy counts) in one device
 /// read, adds them to `means`, and returns the total.
-fn record_batch<B: Backend>(parts: &LossParts<B>, accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>, means: &mut Means) -> f64 {
+fn record_batch<B: Backend>(
+    parts: &LossParts<B>,
+    accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+    means: &mut Means,
+) -> f64 {
     let mut names = vec!["total_loss"];
     let mut values = vec![parts.total.clone()];
-    for (name, part) in
-        [("unifrac_loss", &parts.unifrac), ("nuc_loss", &parts.nuc), ("count_loss", &parts.count), ("target_loss", &parts.target)]
-    {
+    for (name, part) in [
+        ("unifrac_loss", &parts.unifrac),
+        ("nuc_loss", &parts.nuc),
+        ("count_loss", &parts.count),
+        ("target_loss", &parts.target),
+    ] {
         if let Some(p) = part {
             names.push(name);
             values.push(p.clone());
@@ -298,7 +357,12 @@ fn record_batch<B: Backend>(parts: &LossParts<B>, accuracy: Option<(Tensor<B, 1>
         values.push(hits);
         values.push(n);
     }
-    let host: Vec<f64> = Tensor::cat(values, 0).detach().into_data().convert::<f64>().to_vec::<f64>().expect("f64");
+    let host: Vec<f64> = Tensor::cat(values, 0)
+        .detach()
+        .into_data()
+        .convert::<f64>()
+        .to_vec::<f64>()
+        .expect("f64");
     for (name, v) in names.iter().zip(&host) {
         means.add(name, *v);
     }
@@ -324,7 +388,12 @@ struct PhaseTimer {
 impl PhaseTimer {
     fn from_env() -> Self {
         let enabled = std::env::var("AAM_PROFILE").is_ok_and(|v| v == "1");
-        Self { enabled, last: Instant::now(), totals: BTreeMap::new(), steps: 0 }
+        Self {
+            enabled,
+            last: Instant::now(),
+            totals: BTreeMap::new(),
+            steps: 0,
+        }
     }
 
     fn mark<B: Backend>(&mut self, device: &B::Device, phase: &'static str) {
@@ -343,9 +412,18 @@ impl PhaseTimer {
         self.steps += 1;
         if self.steps % 10 == 0 || self.steps == 1 {
             let n = self.steps as f64;
-            let parts: Vec<String> = self.totals.iter().map(|(k, v)| format!("{k} {:.1} ms", 1e3 * v / n)).collect();
+            let parts: Vec<String> = self
+                .totals
+                .iter()
+                .map(|(k, v)| format!("{k} {:.1} ms", 1e3 * v / n))
+                .collect();
             let total: f64 = self.totals.values().sum();
-            tracing::info!("profile over {} batches: {:.1} ms/batch = {}", self.steps, 1e3 * total / n, parts.join(", "));
+            tracing::info!(
+                "profile over {} batches: {:.1} ms/batch = {}",
+                self.steps,
+                1e3 * total / n,
+                parts.join(", ")
+            );
         }
     }
 }
@@ -374,12 +452,27 @@ where
     train_cfg.workers = run.workers.max(1);
     train_cfg.prefetch = 2 * train_cfg.workers;
     let transforms = Arc::new(data.info.transforms.clone());
-    let train_loader = BatchLoader::new(data.dataset.clone(), data.train.clone(), transforms.clone(), train_cfg.clone())?;
+    let train_loader = BatchLoader::new(
+        data.dataset.clone(),
+        data.train.clone(),
+        transforms.clone(),
+        train_cfg.clone(),
+    )?;
     let val_loader = if data.validation.is_empty() {
         None
     } else {
-        let cfg = BatchConfig { shuffle: false, drop_last: false, require_even: false, ..train_cfg.clone() };
-        Some(BatchLoader::new(data.dataset.clone(), data.validation.clone(), transforms, cfg)?)
+        let cfg = BatchConfig {
+            shuffle: false,
+            drop_last: false,
+            require_even: false,
+            ..train_cfg.clone()
+        };
+        Some(BatchLoader::new(
+            data.dataset.clone(),
+            data.validation.clone(),
+            transforms,
+            cfg,
+        )?)
     };
     let batches = train_loader.num_batches();
     let accum = run.gradient_accumulation_steps;
@@ -390,7 +483,9 @@ where
     let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone());
     let (mut scheduler, mut progress) = match resume {
         Some(ckpt) => {
-            if ckpt.meta.data.train_ids != data.info.train_ids || ckpt.meta.data.validation_ids != data.info.validation_ids {
+            if ckpt.meta.data.train_ids != data.info.train_ids
+                || ckpt.meta.data.validation_ids != data.info.validation_ids
+            {
                 return Err(TrainError::Checkpoint {
                     path: ckpt.path.clone(),
                     reason: "its train/validation samples differ from this run's (same table, matrix, seed and --test-size are needed to resume)".into(),
@@ -402,7 +497,14 @@ where
         }
         None => (
             Scheduler::new(run.scheduler.clone()),
-            Progress { epochs_done: 0, global_step: 0, micro_step: 0, best: None, bad_epochs: 0, history: Vec::new() },
+            Progress {
+                epochs_done: 0,
+                global_step: 0,
+                micro_step: 0,
+                best: None,
+                bad_epochs: 0,
+                history: Vec::new(),
+            },
         ),
     };
     let return_nucleotides = run.loss.nuc_penalty > 0.0;
@@ -430,16 +532,30 @@ where
             timer.mark::<AB>(device, "forward");
             let parts = run.loss.forward(&predictions, &targets)?;
             let accuracy = predictions.nuc_logits.as_ref().map(|logits| {
-                nucleotide_accuracy(logits.clone().detach(), targets.tokens.clone(), predictions.mask_indices.clone())
+                nucleotide_accuracy(
+                    logits.clone().detach(),
+                    targets.tokens.clone(),
+                    predictions.mask_indices.clone(),
+                )
             });
             let total = record_batch(&parts, accuracy, &mut means);
             timer.mark::<AB>(device, "loss");
             if !total.is_finite() {
-                return Err(TrainError::NonFinite { what: "training loss".into(), value: total, epoch, step: progress.global_step });
+                return Err(TrainError::NonFinite {
+                    what: "training loss".into(),
+                    value: total,
+                    epoch,
+                    step: progress.global_step,
+                });
             }
             let grads = parts.total.backward();
             timer.mark::<AB>(device, "backward");
-            buffer.accumulate(GradientBuffer::collect_model(&model, &grads, &name, 1.0 / accum as f64));
+            buffer.accumulate(GradientBuffer::collect_model(
+                &model,
+                &grads,
+                &name,
+                1.0 / accum as f64,
+            ));
             timer.mark::<AB>(device, "collect");
             pending += 1;
             seen += batch.batch_size();
@@ -453,7 +569,14 @@ where
                     Some(c) if is_categorical_param(key) => c * factor,
                     _ => last_lr,
                 };
-                model = step_model(&mut optimizer, model, std::mem::take(&mut buffer), &name, &group_lr, scheduler.beta1());
+                model = step_model(
+                    &mut optimizer,
+                    model,
+                    std::mem::take(&mut buffer),
+                    &name,
+                    &group_lr,
+                    scheduler.beta1(),
+                );
                 scheduler.step();
                 progress.global_step += 1;
                 pending = 0;
@@ -486,9 +609,18 @@ where
             // Without validation the training loss decides (as the reference).
             train_means.get("total_loss").copied().unwrap_or(f64::NAN)
         } else {
-            validation.get(run.best_metric.key()).copied().unwrap_or(f64::NAN)
+            validation
+                .get(run.best_metric.key())
+                .copied()
+                .unwrap_or(f64::NAN)
         };
-        scheduler.epoch_end(validation.get("total_loss").or(train_means.get("total_loss")).copied().unwrap_or(f64::NAN));
+        scheduler.epoch_end(
+            validation
+                .get("total_loss")
+                .or(train_means.get("total_loss"))
+                .copied()
+                .unwrap_or(f64::NAN),
+        );
         let improved = monitored.is_finite()
             && progress.best.as_ref().is_none_or(|b| {
                 if run.best_metric.higher_is_better() {
@@ -498,7 +630,11 @@ where
                 }
             });
         if improved {
-            progress.best = Some(Best { metric: run.best_metric.key().to_string(), value: monitored, epoch });
+            progress.best = Some(Best {
+                metric: run.best_metric.key().to_string(),
+                value: monitored,
+                epoch,
+            });
             progress.bad_epochs = 0;
         } else {
             progress.bad_epochs += 1;
@@ -536,7 +672,11 @@ where
         write_metrics_csv(&out(files::METRICS), &progress.history)?;
         observer.epoch(&record, improved);
         if progress.bad_epochs >= run.patience.max(1) {
-            tracing::info!("early stopping: no improvement of {} for {} epochs", run.best_metric.key(), progress.bad_epochs);
+            tracing::info!(
+                "early stopping: no improvement of {} for {} epochs",
+                run.best_metric.key(),
+                progress.bad_epochs
+            );
             stopped_early = true;
             break;
         }
@@ -562,13 +702,22 @@ fn step_model<AB: AutodiffBackend>(
     beta1: Option<f64>,
 ) -> AamModel<AB> {
     match model {
-        AamModel::SequenceEncoder(m) => AamModel::SequenceEncoder(optimizer.step::<AB, _>(m, grads, name, lr, beta1)),
-        AamModel::SequencePredictor(m) => AamModel::SequencePredictor(optimizer.step::<AB, _>(m, grads, name, lr, beta1)),
+        AamModel::SequenceEncoder(m) => {
+            AamModel::SequenceEncoder(optimizer.step::<AB, _>(m, grads, name, lr, beta1))
+        }
+        AamModel::SequencePredictor(m) => {
+            AamModel::SequencePredictor(optimizer.step::<AB, _>(m, grads, name, lr, beta1))
+        }
     }
 }
 
 impl<B: Backend> GradientBuffer<B> {
-    fn collect_model<AB: AutodiffBackend<InnerBackend = B>>(model: &AamModel<AB>, grads: &AB::Gradients, name: &dyn Fn(&str) -> String, scale: f64) -> Self {
+    fn collect_model<AB: AutodiffBackend<InnerBackend = B>>(
+        model: &AamModel<AB>,
+        grads: &AB::Gradients,
+        name: &dyn Fn(&str) -> String,
+        scale: f64,
+    ) -> Self {
         match model {
             AamModel::SequenceEncoder(m) => Self::collect(m, grads, name, scale),
             AamModel::SequencePredictor(m) => Self::collect(m, grads, name, scale),
@@ -611,14 +760,23 @@ fn validate<B: AttentionBackend>(
         record_batch(&parts, None, &mut means);
         if let Some(logits) = &predictions.nuc_logits {
             let (hits, n) = nucleotide_accuracy(logits.clone(), targets.tokens.clone(), None);
-            let counts = Tensor::cat(vec![hits, n], 0).into_data().convert::<f64>().to_vec::<f64>().expect("f64");
+            let counts = Tensor::cat(vec![hits, n], 0)
+                .into_data()
+                .convert::<f64>()
+                .to_vec::<f64>()
+                .expect("f64");
             nuc_hits += counts[0];
             nuc_total += counts[1];
         }
         // Pretraining reports metrics of the predicted UniFrac distances.
-        if let (Task::Pretrain, Some(e), Some(t)) = (run.task, &predictions.embeddings, &targets.base) {
+        if let (Task::Pretrain, Some(e), Some(t)) =
+            (run.task, &predictions.embeddings, &targets.base)
+        {
             let b = batch.batch_size();
-            let p = pairwise_tanh_distances(e.clone()).into_data().to_vec::<f32>().expect("f32");
+            let p = pairwise_tanh_distances(e.clone())
+                .into_data()
+                .to_vec::<f32>()
+                .expect("f32");
             let t = t.clone().into_data().to_vec::<f32>().expect("f32");
             let (mut pp, mut tt) = (Vec::new(), Vec::new());
             for i in 0..b {
@@ -630,14 +788,26 @@ fn validate<B: AttentionBackend>(
             pairs.update(&pp, &tt);
         }
         if let Some(pred) = &predictions.target {
-            target_rows(pred, &batch, data, classifier, &mut targets_metrics, &mut classes, &mut rows);
+            target_rows(
+                pred,
+                &batch,
+                data,
+                classifier,
+                &mut targets_metrics,
+                &mut classes,
+                &mut rows,
+            );
         }
     }
     let mut out = means.finish();
     if nuc_total > 0.0 {
         out.insert("nuc_accuracy".into(), nuc_hits / nuc_total);
     }
-    let regression = if run.task == Task::Pretrain { &pairs } else { &targets_metrics };
+    let regression = if run.task == Task::Pretrain {
+        &pairs
+    } else {
+        &targets_metrics
+    };
     if regression.count() > 0 {
         out.insert("mae".into(), regression.mae());
         out.insert("mse".into(), regression.mse());
@@ -665,12 +835,25 @@ fn target_rows<B: Backend>(
     let (values, width) = match pred {
         TargetPrediction::Point(p) => {
             let [_, out] = p.dims();
-            (p.clone().into_data().convert::<f32>().to_vec::<f32>().expect("f32"), out)
+            (
+                p.clone()
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .expect("f32"),
+                out,
+            )
         }
         TargetPrediction::Quantiles(p) => {
             let [_, out, q] = p.dims();
             let mid = p.clone().narrow(2, q / 2, 1).reshape([b, out]);
-            (mid.into_data().convert::<f32>().to_vec::<f32>().expect("f32"), out)
+            (
+                mid.into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .expect("f32"),
+                out,
+            )
         }
     };
     let raw = data.dataset.targets();
@@ -686,7 +869,11 @@ fn target_rows<B: Backend>(
             let truth = batch.targets.as_ref().map_or(0, |t| t[i] as usize);
             classes.update(truth, predicted);
             let label = |c: usize| {
-                data.info.class_labels.as_ref().and_then(|l| l.get(c).cloned()).unwrap_or_else(|| c.to_string())
+                data.info
+                    .class_labels
+                    .as_ref()
+                    .and_then(|l| l.get(c).cloned())
+                    .unwrap_or_else(|| c.to_string())
             };
             rows.push((id, vec![label(predicted)], label(truth)));
         } else {
@@ -700,7 +887,11 @@ fn target_rows<B: Backend>(
                 .collect();
             let actual = raw.map_or(f64::NAN, |r| r[pos]);
             metrics.update(&denorm[..1], &[actual]);
-            rows.push((id, denorm.iter().map(|v| format!("{v}")).collect(), format!("{actual}")));
+            rows.push((
+                id,
+                denorm.iter().map(|v| format!("{v}")).collect(),
+                format!("{actual}"),
+            ));
         }
     }
 }
@@ -710,7 +901,11 @@ pub fn category_key(data: &TrainData, pos: usize) -> Option<String> {
     let norm = data.info.transforms.target.as_ref()?;
     let cat = norm.category.as_ref()?;
     let (meta, rows) = data.dataset.metadata()?;
-    let cols: Vec<usize> = cat.columns.iter().filter_map(|c| meta.column(c).ok()).collect();
+    let cols: Vec<usize> = cat
+        .columns
+        .iter()
+        .filter_map(|c| meta.column(c).ok())
+        .collect();
     rows[pos].map(|r| meta.category_key(r, &cols))
 }
 
@@ -720,7 +915,12 @@ fn write_predictions(path: &Path, rows: &[PredictionRow]) -> Result<()> {
     if width == 1 {
         text.push_str("prediction");
     } else {
-        text.push_str(&(0..width).map(|k| format!("prediction_{k}")).collect::<Vec<_>>().join("\t"));
+        text.push_str(
+            &(0..width)
+                .map(|k| format!("prediction_{k}"))
+                .collect::<Vec<_>>()
+                .join("\t"),
+        );
     }
     text.push_str("\tactual\n");
     for (id, pred, actual) in rows {
@@ -748,7 +948,10 @@ fn write_metrics_csv(path: &Path, history: &[EpochRecord]) -> Result<()> {
     text.push('\n');
     let cell = |v: Option<&f64>| v.map_or(String::new(), |v| format!("{v}"));
     for r in history {
-        text.push_str(&format!("{},{},{},{},{}", r.epoch, r.step, r.lr, r.samples_per_sec, r.seconds));
+        text.push_str(&format!(
+            "{},{},{},{},{}",
+            r.epoch, r.step, r.lr, r.samples_per_sec, r.seconds
+        ));
         for k in &train_keys {
             text.push_str(&format!(",{}", cell(r.train.get(*k))));
         }

@@ -111,7 +111,15 @@ impl Scheduler {
             config.warmup_steps = clamped;
         }
         let lr = config.lr;
-        Self { config, steps: 0, plateau: PlateauState { best: None, bad_epochs: 0, lr } }
+        Self {
+            config,
+            steps: 0,
+            plateau: PlateauState {
+                best: None,
+                bad_epochs: 0,
+                lr,
+            },
+        }
     }
 
     /// The learning rate of the next optimiser step.
@@ -121,7 +129,9 @@ impl Scheduler {
         let t = c.total_steps as f64;
         let k = self.steps as f64;
         let eta_min = c.eta_min.unwrap_or(0.0);
-        let cosine = |from: f64, to: f64, progress: f64| to + (from - to) * 0.5 * (1.0 + (std::f64::consts::PI * progress.clamp(0.0, 1.0)).cos());
+        let cosine = |from: f64, to: f64, progress: f64| {
+            to + (from - to) * 0.5 * (1.0 + (std::f64::consts::PI * progress.clamp(0.0, 1.0)).cos())
+        };
         match c.kind {
             SchedulerKind::None => base,
             SchedulerKind::Plateau => self.plateau.lr,
@@ -165,8 +175,14 @@ impl Scheduler {
         }
         let (end1, end2) = onecycle_phases(self.config.total_steps);
         let k = (self.steps as f64).min(end2);
-        let cosine = |from: f64, to: f64, p: f64| to + (from - to) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos());
-        Some(if k <= end1 { cosine(0.95, 0.85, k / end1.max(1.0)) } else { cosine(0.85, 0.95, (k - end1) / (end2 - end1).max(1.0)) })
+        let cosine = |from: f64, to: f64, p: f64| {
+            to + (from - to) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
+        };
+        Some(if k <= end1 {
+            cosine(0.95, 0.85, k / end1.max(1.0))
+        } else {
+            cosine(0.85, 0.95, (k - end1) / (end2 - end1).max(1.0))
+        })
     }
 
     /// Call after each optimiser step.
@@ -188,7 +204,8 @@ impl Scheduler {
             p.bad_epochs += 1;
         }
         if p.bad_epochs > self.config.patience.unwrap_or(5) {
-            let new = (p.lr * self.config.factor.unwrap_or(0.3)).max(self.config.min_lr.unwrap_or(0.0));
+            let new =
+                (p.lr * self.config.factor.unwrap_or(0.3)).max(self.config.min_lr.unwrap_or(0.0));
             if p.lr - new > 1e-8 {
                 tracing::info!("plateau: learning rate {:.3e} → {new:.3e}", p.lr);
                 p.lr = new;
@@ -247,7 +264,12 @@ mod tests {
     fn cosine_matches_the_closed_form() {
         let mut s = Scheduler::new(config(SchedulerKind::Cosine, 4, 0));
         let lrs = run(&mut s, 4);
-        let want = [1.0, 0.5 * (1.0 + (std::f64::consts::PI / 4.0).cos()), 0.5, 0.5 * (1.0 + (3.0 * std::f64::consts::PI / 4.0).cos())];
+        let want = [
+            1.0,
+            0.5 * (1.0 + (std::f64::consts::PI / 4.0).cos()),
+            0.5,
+            0.5 * (1.0 + (3.0 * std::f64::consts::PI / 4.0).cos()),
+        ];
         for (a, b) in lrs.iter().zip(want) {
             assert!((a - b).abs() < 1e-12);
         }

@@ -25,14 +25,26 @@ fn demo() -> PathBuf {
 }
 
 fn data() -> TrainData {
-    let table = BiomTable::read(demo().join("demo.biom")).unwrap().rarefy(500, 7).unwrap().table;
-    let matrix = DistanceMatrix::read(demo().join("unifrac.unweighted.h5"), &MatrixIds::Auto).unwrap();
-    let dataset = Dataset::builder(&table).max_bp(40).unifrac(Arc::new(matrix), MissingPolicy::Error).build().unwrap();
+    let table = BiomTable::read(demo().join("demo.biom"))
+        .unwrap()
+        .rarefy(500, 7)
+        .unwrap()
+        .table;
+    let matrix =
+        DistanceMatrix::read(demo().join("unifrac.unweighted.h5"), &MatrixIds::Auto).unwrap();
+    let dataset = Dataset::builder(&table)
+        .max_bp(40)
+        .unifrac(Arc::new(matrix), MissingPolicy::Error)
+        .build()
+        .unwrap();
     let split = dataset.split(0.25, 7).unwrap();
     let counts = dataset.fit_count_normalizer(&split.train).unwrap();
     let ids = |p: &[usize]| p.iter().map(|&s| dataset.sample_ids()[s].clone()).collect();
     let info = DataInfo {
-        transforms: Transforms { counts: Some(counts), ..Default::default() },
+        transforms: Transforms {
+            counts: Some(counts),
+            ..Default::default()
+        },
         class_labels: None,
         max_bp: 40,
         target_column: None,
@@ -41,7 +53,12 @@ fn data() -> TrainData {
         train_ids: ids(&split.train),
         validation_ids: ids(&split.validation),
     };
-    TrainData { dataset: Arc::new(dataset), train: split.train, validation: split.validation, info }
+    TrainData {
+        dataset: Arc::new(dataset),
+        train: split.train,
+        validation: split.validation,
+        info,
+    }
 }
 
 fn model_config() -> ModelConfig {
@@ -52,8 +69,15 @@ fn model_config() -> ModelConfig {
         .with_num_heads(2)
         .with_predict_nucleotides(true)
         .with_mask_ratio(0.15);
-    let sample = SampleSequenceEncoderConfig::new(asv).with_token_limit(16).with_sample_num_layers(1).with_sample_num_heads(2);
-    ModelConfig::SequenceEncoder(SequenceEncoderConfig::new(sample).with_encoder_num_layers(1).with_encoder_num_heads(2))
+    let sample = SampleSequenceEncoderConfig::new(asv)
+        .with_token_limit(16)
+        .with_sample_num_layers(1)
+        .with_sample_num_heads(2);
+    ModelConfig::SequenceEncoder(
+        SequenceEncoderConfig::new(sample)
+            .with_encoder_num_layers(1)
+            .with_encoder_num_heads(2),
+    )
 }
 
 fn run_config() -> RunConfig {
@@ -66,7 +90,10 @@ fn run_config() -> RunConfig {
         categorical_lr: None,
         optimizer: OptimizerConfig::default(),
         scheduler: SchedulerConfig::new(SchedulerKind::WarmupCosine, 1e-3, 0, 2),
-        loss: LossConfig { count_penalty: 0.0, ..Default::default() },
+        loss: LossConfig {
+            count_penalty: 0.0,
+            ..Default::default()
+        },
         patience: 10,
         best_metric: BestMetric::ValLoss,
         seed: 11,
@@ -103,7 +130,17 @@ fn train(out: &Path, resume: Option<&Path>, observer: &mut dyn Observer) {
             config.init::<AB>(&device).unwrap()
         }
     };
-    fit::<AB>(&device, config, model, run_config(), data(), out, ckpt.as_ref(), observer).unwrap();
+    fit::<AB>(
+        &device,
+        config,
+        model,
+        run_config(),
+        data(),
+        out,
+        ckpt.as_ref(),
+        observer,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -125,9 +162,15 @@ fn resumed_run_matches_the_uninterrupted_one_bitwise() {
     keys.sort();
     assert!(!keys.is_empty());
     for k in keys {
-        assert_eq!(a.model[k].values, b.model[k].values, "weights of {k} differ after resuming");
+        assert_eq!(
+            a.model[k].values, b.model[k].values,
+            "weights of {k} differ after resuming"
+        );
     }
-    assert_eq!(a.optimizer, b.optimizer, "optimiser state differs after resuming");
+    assert_eq!(
+        a.optimizer, b.optimizer,
+        "optimiser state differs after resuming"
+    );
     // The first epoch really trained: the weights moved from the initial ones.
     let first = &interrupted.model;
     assert!(first.iter().any(|(k, t)| t.values != a.model[k].values));
