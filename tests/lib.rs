@@ -22,9 +22,15 @@ pub const FORWARD_ATOL: f32 = 1e-5;
 /// Parameter gradients, relative to the largest reference entry per tensor.
 pub const GRAD_RTOL: f32 = 1e-4;
 
-/// The fixtures folder.
+/// The fixtures folder: under `CARGO_MANIFEST_DIR` as cargo sets it when it
+/// runs the tests, else as it was at build time. A test binary carried to
+/// another machine (the GPU device) is pointed at the repository there with
+/// `CARGO_MANIFEST_DIR=<repo>/tests`.
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/reference")
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf())
+        .join("fixtures/reference")
 }
 
 /// One reference case.

@@ -60,6 +60,10 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         B::has_fused_attention()
     }
 
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        B::memory_reserved(device)
+    }
+
     fn fused_masked_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -126,6 +126,13 @@ where
         true
     }
 
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        R::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_reserved)
+    }
+
     fn fused_masked_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -58,6 +58,14 @@ pub trait AttentionBackend: Backend {
         false
     }
 
+    /// Bytes the backend's memory pool holds on `device`, where it reports
+    /// them (the CubeCL backends); `None` elsewhere. Diagnostics read it before
+    /// and after an operation to see how much the pool had to grow for it.
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        let _ = device;
+        None
+    }
+
     /// Fused masked attention.
     ///
     /// # Shapes

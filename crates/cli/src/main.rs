@@ -4,11 +4,13 @@
 //! Subcommands: `pretrain` and `train` (training, in `aam-train`),
 //! `predict` (a trained checkpoint + a table → TSV), `convert` (reference
 //! PyTorch checkpoint → aam-rs model directory), `forward` (run a model on
-//! raw token tensors, write every output to .npz) and `backends` (what this
-//! binary can run on, here).
+//! raw token tensors, write every output to .npz), `backends` (what this
+//! binary can run on, here), `inspect` (check a run's inputs) and `diagnose
+//! attention` (does this platform compute attention correctly?).
 
 mod backend;
 mod convert;
+mod diagnose;
 mod forward;
 mod inspect;
 mod plot;
@@ -44,6 +46,8 @@ enum Command {
     Backends,
     /// Summarise and check a run's inputs (table, UniFrac matrix, metadata) before a long job.
     Inspect(inspect::InspectArgs),
+    /// Check that this platform computes attention correctly (exit 1 when it does not).
+    Diagnose(diagnose::DiagnoseArgs),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +69,7 @@ fn main() -> ExitCode {
         Command::Forward(args) => forward::run(args),
         Command::Backends => backend::list(),
         Command::Inspect(args) => inspect::run(args),
+        Command::Diagnose(args) => diagnose::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,125 @@
+//! `aam-rs diagnose attention` through the binary: it passes a correct
+//! backend, fails (exit 1, naming the path) when a wrong attention is injected,
+//! and on wgpu (lavapipe in CI) checks the fused kernel beside the math path.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn diagnose(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(["diagnose", "attention", "--quick", "--reps", "1"])
+        .args(args)
+        // Plain loops keep shader compilation short on CPU Vulkan (lavapipe).
+        .env("AAM_KERNEL_UNROLL", "0")
+        .output()
+        .expect("runs")
+}
+
+fn report(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn rows(report: &Value) -> &Vec<Value> {
+    report["rows"].as_array().expect("rows")
+}
+
+#[test]
+fn ndarray_math_path_agrees_with_the_f64_oracle() {
+    let out = diagnose(&["--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&out);
+    assert_eq!(r["correct"], true);
+    let rows = rows(&r);
+    // Every case (masked and unmasked) checked forward and in three gradients.
+    let f32_rows: Vec<&Value> = rows.iter().filter(|row| row["dtype"] == "f32").collect();
+    assert_eq!(f32_rows.len(), 6 * 4, "6 cases x (forward + dq, dk, dv)");
+    for row in &f32_rows {
+        assert_eq!(row["path"], "math");
+        assert_eq!(row["verdict"], "ok", "{row}");
+        // On the CPU f32 is far inside the (TF32-sized) tolerance.
+        let rel = row["errors"]["relative"].as_f64().unwrap();
+        assert!(rel < 1e-5, "{row}");
+        assert_eq!(row["errors"]["padding_rows_max"], 0.0, "{row}");
+    }
+    // ndarray has no f16/bf16 here: reported as skipped, not failed.
+    assert!(rows
+        .iter()
+        .filter(|row| row["dtype"] != "f32")
+        .all(|row| row["verdict"] == "skipped"));
+}
+
+#[test]
+fn an_inverted_mask_is_reported_wrong_and_fails_the_command() {
+    let out = diagnose(&[
+        "--dtypes",
+        "f32",
+        "--no-backward",
+        "--inject-fault",
+        "inverted-mask",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("WRONG"), "{stdout}");
+    assert!(
+        stderr.contains("attention is not computed correctly on backend ndarray")
+            && stderr.contains("math+inverted-mask forward on asv masked"),
+        "{stderr}"
+    );
+    // The table: every masked case wrong, every unmasked one right.
+    let json = diagnose(&[
+        "--dtypes",
+        "f32",
+        "--no-backward",
+        "--inject-fault",
+        "inverted-mask",
+        "--json",
+    ]);
+    assert_eq!(json.status.code(), Some(1));
+    let r = report(&json);
+    assert_eq!(r["correct"], false);
+    for row in rows(&r) {
+        let expected = if row["masked"] == true { "wrong" } else { "ok" };
+        assert_eq!(row["verdict"], expected, "{row}");
+    }
+}
+
+#[test]
+fn bad_arguments_name_the_flag() {
+    let out = diagnose(&["--dtypes", "f8"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dtypes"));
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_fused_and_math_paths_agree_with_the_f64_oracle() {
+    let out = diagnose(&["--backend", "wgpu", "--dtypes", "f32", "--json"]);
+    let r = report(&out);
+    assert!(
+        out.status.success(),
+        "{r:#}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows = rows(&r);
+    for path in ["math", "fused"] {
+        let of_path: Vec<&Value> = rows.iter().filter(|row| row["path"] == path).collect();
+        assert_eq!(
+            of_path.len(),
+            6 * 4,
+            "{path}: 6 cases x (forward + 3 gradients)"
+        );
+        assert!(of_path.iter().all(|row| row["verdict"] == "ok"), "{path}");
+    }
+}
