@@ -7,31 +7,37 @@
 #     --test backend_parity --no-run          # prints the test binary's path
 #   gzip -c <each> > .carry/gpu/{aam-rs,backend_parity}.gz
 # and the Vulkan loader debs in .gl/ (device README). Run from the repository root with
-# carry [".carry", ".gl"]; writes diagnose_<backend>.{txt,json} and backend_parity.log to $OUT.
+# carry [".carry/gpu", ".gl"]; env BACKENDS (default "cuda wgpu") and PARITY (1: also run the
+# parity suite, 0: only the diagnostic). Writes diagnose_<backend>.{txt,json} and backend_parity.log to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
+# CubeCL's autotune results (target/autotune under the repository root) go back in
+# $OUT/autotune.tgz; carried in .carry/gpu/autotune.tgz, a later call skips the tuning.
+trap 'tar czf "$OUT/autotune.tgz" target/autotune 2>/dev/null' EXIT
+[ -f .carry/gpu/autotune.tgz ] && tar xzf .carry/gpu/autotune.tgz
 mkdir -p /tmp/gpu
-for b in aam-rs backend_parity; do gunzip -c ".carry/gpu/$b.gz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"; done
+bins=aam-rs; [ "${PARITY:-1}" = 1 ] && bins="aam-rs backend_parity"
+for b in $bins; do gunzip -c ".carry/gpu/$b.gz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 /tmp/gpu/aam-rs backends
 status=0
-for backend in ${BACKENDS:-cuda wgpu}; do
+for backend in ${BACKENDS-cuda wgpu}; do
   echo "== diagnose attention --backend $backend"
   start=$(date +%s)
-  /tmp/gpu/aam-rs diagnose attention --backend "$backend" --json-out "$OUT/diagnose_$backend.json" \
-    > "$OUT/diagnose_$backend.txt" 2>&1
+  timeout "${DIAGNOSE_TIMEOUT:-280}" /tmp/gpu/aam-rs diagnose attention --backend "$backend" \
+    --json-out "$OUT/diagnose_$backend.json" ${DIAGNOSE_ARGS:-} > "$OUT/diagnose_$backend.txt" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   grep -v " ok$" "$OUT/diagnose_$backend.txt" | cut -c1-220 | head -40
   echo "rc=$rc wall=$(( $(date +%s) - start ))s"
 done
 if [ "${PARITY:-1}" = 1 ]; then
   echo "== backend_parity (cuda, wgpu)"
-  CARGO_MANIFEST_DIR="$PWD/tests" /tmp/gpu/backend_parity --nocapture --test-threads 1 \
-    > "$OUT/backend_parity.log" 2>&1
+  CARGO_MANIFEST_DIR="$PWD/tests" timeout "${PARITY_TIMEOUT:-400}" /tmp/gpu/backend_parity \
+    --nocapture --test-threads 1 > "$OUT/backend_parity.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   grep -E "^test |max|result" "$OUT/backend_parity.log" | cut -c1-200 | tail -40
   echo "rc=$rc"

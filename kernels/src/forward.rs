@@ -5,7 +5,7 @@
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::{CubeCount, CubeDim};
@@ -164,13 +164,18 @@ where
         let (key_valid, tile_valid) =
             validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
         let client = q.client.clone();
-        let out = empty_device_dtype::<R>(
+        // The kernels index their outputs as dense row-major arrays. CubeCL's
+        // plain `empty` may hand out a pitched layout (rows padded for
+        // alignment, as CUDA does for a last dimension like T = 151), which
+        // the backward's `into_contiguous(lse)` then read as garbage: the
+        // outputs must be allocated contiguous.
+        let out = empty_device_contiguous_dtype::<R>(
             client.clone(),
             q.device.clone(),
             Shape::new([n, h, tq, dh]),
             q.dtype,
         );
-        let lse = empty_device_dtype::<R>(
+        let lse = empty_device_contiguous_dtype::<R>(
             client.clone(),
             q.device.clone(),
             Shape::new([n, h, tq]),
@@ -236,7 +241,7 @@ where
         let lse = into_contiguous(lse);
         let client = q.client.clone();
         let alloc = |t: usize| {
-            empty_device_dtype::<R>(
+            empty_device_contiguous_dtype::<R>(
                 client.clone(),
                 q.device.clone(),
                 Shape::new([n, h, t, dh]),

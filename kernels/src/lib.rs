@@ -158,7 +158,10 @@ pub fn reference_attention<B: Backend>(
             let mask = mask.reshape([n, 1, 1, tk]);
             let shape = scores.dims();
             let scores = scores.mask_fill(mask.clone().expand(shape), -65_504.0);
-            activation::softmax(scores, 3) * mask.bool_not().float()
+            // The keep-mask in the scores' float type: `float()` alone gives the
+            // default (f32), and an f16/bf16 product with it is garbage on wgpu.
+            let keep = mask.bool_not().float().cast(scores.dtype());
+            activation::softmax(scores, 3) * keep
         }
         None => activation::softmax(scores, 3),
     };

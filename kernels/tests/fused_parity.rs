@@ -284,3 +284,68 @@ fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
         "Σ dV⊙v = {identity} but f = {f_value}"
     );
 }
+
+/// f16 / bf16 forward (acceptance: ≤1e-2). The reference runs in f32 on the
+/// inputs rounded to the half type, so what is measured is the kernel's own
+/// error: its f32 accumulation and the rounding of its output.
+const FORWARD_RTOL_HALF: f32 = 1e-2;
+
+#[test]
+fn half_precision_forward() {
+    use burn::tensor::{bf16, f16, DType};
+    #[cfg(not(feature = "cuda"))]
+    std::env::set_var("AAM_KERNEL_UNROLL", "0");
+    let gpu = Default::default();
+    let cpu = Default::default();
+    let mut checked = 0;
+    for dtype in [DType::F16, DType::BF16] {
+        if !Gpu::supports_dtype(&gpu, dtype) {
+            eprintln!("{dtype:?}: not supported by this device, skipped");
+            continue;
+        }
+        let round = |x: &Vec<f32>| -> Vec<f32> {
+            x.iter()
+                .map(|&v| match dtype {
+                    DType::F16 => f16::from_f32(v).to_f32(),
+                    _ => bf16::from_f32(v).to_f32(),
+                })
+                .collect()
+        };
+        for (i, &(t, dh)) in [(1, 32), (7, 32), (151, 32), (33, 16), (40, 64), (1024, 32)]
+            .iter()
+            .enumerate()
+        {
+            let n = if t == 1024 { 2 } else { 3 };
+            let mut case = Case::new(500 + i as u64, n, 2, t, t, dh);
+            (case.q, case.k, case.v) = (round(&case.q), round(&case.k), round(&case.v));
+            let [q, k, v, _] = case.tensors::<Gpu>(&gpu);
+            let out = fused_attention(
+                q.cast(dtype),
+                k.cast(dtype),
+                v.cast(dtype),
+                Some(case.mask::<Gpu>(&gpu)),
+                AttentionDropout::NONE,
+            );
+            assert_eq!(out.dtype(), dtype, "the kernel keeps the input type");
+            let fused = values(out.cast(DType::F32));
+            let [q, k, v, _] = case.tensors::<Cpu>(&cpu);
+            let reference = values(reference_attention(q, k, v, Some(case.mask::<Cpu>(&cpu))));
+            let e = rel(&fused, &reference);
+            eprintln!("{dtype:?} t={t} dh={dh}: forward rel err {e:e}");
+            assert!(
+                e <= FORWARD_RTOL_HALF,
+                "{dtype:?} t={t} dh={dh}: forward rel err {e:e}"
+            );
+            if n > 2 {
+                let row0 = case.h * case.tq * case.dh;
+                assert!(
+                    fused[..row0].iter().all(|x| *x == 0.0),
+                    "all-padding sample must give zeros"
+                );
+            }
+            checked += 1;
+        }
+    }
+    // Every device aam-rs runs the kernel on has at least f16 (lavapipe, CUDA).
+    assert!(checked > 0, "no half type was checked");
+}

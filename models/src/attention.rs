@@ -141,7 +141,10 @@ pub fn math_attention<B: Backend>(
             let scores = scores.mask_fill(mask.clone().expand(shape), MASKED_SCORE);
             // Zero the masked keys explicitly: a no-op for rows with a valid key,
             // and it turns the uniform weights of an all-masked row into zeros.
-            activation::softmax(scores, 3) * mask.bool_not().float()
+            // The keep-mask in the scores' float type: `float()` alone gives the
+            // default (f32), and an f16/bf16 product with it is garbage on wgpu.
+            let keep = mask.bool_not().float().cast(scores.dtype());
+            activation::softmax(scores, 3) * keep
         }
         None => activation::softmax(scores, 3),
     };

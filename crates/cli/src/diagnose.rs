@@ -81,6 +81,19 @@ pub struct AttentionArgs {
     /// broken attention, which must then be reported WRONG.
     #[arg(long, value_enum, hide = true)]
     inject_fault: Option<Fault>,
+    /// Only these paths (default: every path the backend has).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    paths: Vec<PathKind>,
+    /// Only these cases: asv, sample, edge-dh16, edge-dh64 (default: all).
+    #[arg(long, value_delimiter = ',')]
+    cases: Vec<String>,
+}
+
+/// An attention path of `--paths`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PathKind {
+    Math,
+    Fused,
 }
 
 /// A float type of the attention inputs.
@@ -414,8 +427,18 @@ fn run_attention(args: AttentionArgs) -> Result<()> {
         .ok()
         .and_then(|d| d.into_iter().next())
         .unwrap_or_else(|| "?".into());
+    if !args.json {
+        print_header(&args.backend.name(), &device_name);
+    }
+    let mut on_row = |row: &Row| {
+        if !args.json {
+            print_row(row);
+        }
+    };
     let rows = crate::with_backend!(args.backend, |B, device| Ok(check_backend::<B>(
-        &args, &device
+        &args,
+        &device,
+        &mut on_row
     )))?;
     let correct = !rows.iter().any(|r| r.verdict.failed());
     let report = Report {
@@ -432,7 +455,7 @@ fn run_attention(args: AttentionArgs) -> Result<()> {
     if args.json {
         println!("{json}");
     } else {
-        print_table(&report);
+        print_verdict(report.correct);
     }
     if !correct {
         let wrong: Vec<String> = report
@@ -456,17 +479,33 @@ fn run_attention(args: AttentionArgs) -> Result<()> {
 }
 
 /// Runs every case, path and float type on backend `B`.
-fn check_backend<B: AttentionBackend>(args: &AttentionArgs, device: &B::Device) -> Vec<Row> {
+/// Rows are handed to `on_row` as they are measured (a first run on a GPU
+/// compiles and autotunes kernels for minutes: the user sees progress, and a
+/// job killed by its time limit still shows what was checked).
+fn check_backend<B: AttentionBackend>(
+    args: &AttentionArgs,
+    device: &B::Device,
+    on_row: &mut dyn FnMut(&Row),
+) -> Vec<Row> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let mut paths = vec![("math".to_string(), AttnImplementation::Math)];
-    if B::has_fused_attention() {
+    let wanted = |p: PathKind| args.paths.is_empty() || args.paths.contains(&p);
+    let mut paths = Vec::new();
+    if wanted(PathKind::Math) {
+        paths.push(("math".to_string(), AttnImplementation::Math));
+    }
+    if B::has_fused_attention() && wanted(PathKind::Fused) {
         paths.push(("fused".to_string(), AttnImplementation::Fused));
     }
-    if let Some(Fault::InvertedMask) = args.inject_fault {
-        paths[0].0 = "math+inverted-mask".into();
+    if let (Some(Fault::InvertedMask), Some(math)) = (args.inject_fault, paths.first_mut()) {
+        if math.1 == AttnImplementation::Math {
+            math.0 = "math+inverted-mask".into();
+        }
     }
     let mut rows = Vec::new();
     for case in cases(args.quick, &mut rng) {
+        if !args.cases.is_empty() && !args.cases.iter().any(|c| c == case.name) {
+            continue;
+        }
         let x = inputs(&case, &mut rng);
         let want = oracle(&case, &x);
         for &precision in &args.dtypes {
@@ -490,6 +529,7 @@ fn check_backend<B: AttentionBackend>(args: &AttentionArgs, device: &B::Device) 
                 if !supported {
                     row.verdict = Verdict::Skipped;
                     row.note = Some("this backend has no such float type".into());
+                    on_row(&row);
                     rows.push(row);
                     continue;
                 }
@@ -505,6 +545,7 @@ fn check_backend<B: AttentionBackend>(args: &AttentionArgs, device: &B::Device) 
                         row.note = Some(panic_message(panic));
                     }
                 }
+                on_row(&row);
                 rows.push(row);
             }
         }
@@ -538,6 +579,7 @@ fn check_backend<B: AttentionBackend>(args: &AttentionArgs, device: &B::Device) 
                         let mut row = base(check);
                         row.verdict = verdict(&e, GRAD_TOLERANCE);
                         (row.errors, row.ms, row.pool_growth_mib) = (Some(e), Some(ms), growth);
+                        on_row(&row);
                         rows.push(row);
                     }
                 }
@@ -545,6 +587,7 @@ fn check_backend<B: AttentionBackend>(args: &AttentionArgs, device: &B::Device) 
                     let mut row = base("grad");
                     row.verdict = Verdict::Error;
                     row.note = Some(panic_message(panic));
+                    on_row(&row);
                     rows.push(row);
                 }
             }
@@ -721,11 +764,8 @@ fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
-fn print_table(report: &Report) {
-    println!(
-        "aam-rs diagnose attention: backend {} ({})",
-        report.backend, report.device
-    );
+fn print_header(backend: &str, device: &str) {
+    println!("aam-rs diagnose attention: backend {backend} ({device})");
     println!(
         "{:<10} {:<16} {:<6} {:<5} {:<20} {:<8} {:>10} {:>10} {:>8} {:>9} {:>9}  verdict",
         "case",
@@ -740,52 +780,59 @@ fn print_table(report: &Report) {
         "ms",
         "pool_MiB"
     );
-    for r in &report.rows {
-        let shape = format!(
-            "{}x{}x{}x{}",
-            r.shape[0], r.shape[1], r.shape[2], r.shape[3]
-        );
-        let (abs, rel) = r.errors.map_or(("-".into(), "-".into()), |e| {
-            (format!("{:.2e}", e.max_abs), format!("{:.2e}", e.relative))
-        });
-        let ms = r.ms.map_or("-".into(), |m| format!("{m:.3}"));
-        let mem = r.pool_growth_mib.map_or("-".into(), |m| format!("{m:.1}"));
-        let mut verdict = match r.verdict {
-            Verdict::Ok => "ok".to_string(),
-            Verdict::Wrong => "WRONG".to_string(),
-            Verdict::Error => "ERROR".to_string(),
-            Verdict::Skipped => "skipped".to_string(),
-        };
-        if let Some(e) = r.errors {
-            if e.non_finite > 0 {
-                verdict += &format!(" ({} non-finite)", e.non_finite);
-            }
-            if e.padding_rows_max != 0.0 {
-                verdict += &format!(" (all-padding rows not zero: {:.2e})", e.padding_rows_max);
-            }
+}
+
+fn print_row(r: &Row) {
+    let shape = format!(
+        "{}x{}x{}x{}",
+        r.shape[0], r.shape[1], r.shape[2], r.shape[3]
+    );
+    let (abs, rel) = r.errors.map_or(("-".into(), "-".into()), |e| {
+        (format!("{:.2e}", e.max_abs), format!("{:.2e}", e.relative))
+    });
+    let ms = r.ms.map_or("-".into(), |m| format!("{m:.3}"));
+    let mem = r.pool_growth_mib.map_or("-".into(), |m| format!("{m:.1}"));
+    let mut verdict = match r.verdict {
+        Verdict::Ok => "ok".to_string(),
+        Verdict::Wrong => "WRONG".to_string(),
+        Verdict::Error => "ERROR".to_string(),
+        Verdict::Skipped => "skipped".to_string(),
+    };
+    if let Some(e) = r.errors {
+        if e.non_finite > 0 {
+            verdict += &format!(" ({} non-finite)", e.non_finite);
         }
-        if let Some(note) = &r.note {
-            verdict += &format!(" ({note})");
+        if e.padding_rows_max != 0.0 {
+            verdict += &format!(" (all-padding rows not zero: {:.2e})", e.padding_rows_max);
         }
-        println!(
-            "{:<10} {:<16} {:<6} {:<5} {:<20} {:<8} {:>10} {:>10} {:>8.0e} {:>9} {:>9}  {}",
-            r.case,
-            shape,
-            if r.masked { "yes" } else { "no" },
-            format!("{:?}", r.dtype).to_lowercase(),
-            r.path,
-            r.check,
-            abs,
-            rel,
-            r.tolerance,
-            ms,
-            mem,
-            verdict
-        );
+    }
+    if let Some(note) = &r.note {
+        verdict += &format!(" ({note})");
     }
     println!(
+        "{:<10} {:<16} {:<6} {:<5} {:<20} {:<8} {:>10} {:>10} {:>8.0e} {:>9} {:>9}  {}",
+        r.case,
+        shape,
+        if r.masked { "yes" } else { "no" },
+        format!("{:?}", r.dtype).to_lowercase(),
+        r.path,
+        r.check,
+        abs,
+        rel,
+        r.tolerance,
+        ms,
+        mem,
+        verdict
+    );
+    // Piped into a log on a cluster: each row as soon as it is measured.
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+}
+
+fn print_verdict(correct: bool) {
+    println!(
         "verdict: {}",
-        if report.correct {
+        if correct {
             "every path computes attention correctly on this backend"
         } else {
             "WRONG: at least one path does not compute attention correctly (see above)"
