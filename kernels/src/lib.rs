@@ -174,6 +174,7 @@ impl AttentionBackend for burn::backend::NdArray<f32> {}
 impl AttentionBackend for burn::backend::NdArray<f64> {}
 
 #[cfg(feature = "candle")]
+#[allow(deprecated)] // burn-candle: deprecated upstream after 0.21, kept while it works
 impl<F, I> AttentionBackend for burn::backend::Candle<F, I>
 where
     burn::backend::Candle<F, I>: Backend,

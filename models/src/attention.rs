@@ -47,9 +47,10 @@ impl AttnImplementation {
     /// `training` is whether gradients are being recorded.
     ///
     /// `Auto` takes the fused kernel for inference only, for now: its backward
-    /// passes the parity suite on wgpu (lavapipe) but not yet on CUDA for every
-    /// shape (see the kernels issue), so training under `Auto` keeps the math
-    /// path until it does. `Fused` opts in everywhere.
+    /// agrees with a float64 oracle on wgpu and CUDA (`aam-rs diagnose
+    /// attention`), but no full training run on CUDA has used it yet, so
+    /// training under `Auto` keeps the math path until one has. `Fused` opts in
+    /// everywhere.
     pub fn uses_fused<B: AttentionBackend>(self, training: bool) -> bool {
         match self {
             AttnImplementation::Auto => B::has_fused_attention() && !training,

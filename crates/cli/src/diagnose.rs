@@ -619,12 +619,7 @@ fn tensors<B: AttentionBackend>(
     device: &B::Device,
     precision: Precision,
     fault: Option<Fault>,
-) -> (
-    Tensor<B, 4>,
-    Tensor<B, 4>,
-    Tensor<B, 4>,
-    Option<Tensor<B, 2, Bool>>,
-) {
+) -> AttentionInputs<B> {
     let shape = [case.n, case.h, case.t, case.dh];
     let make = |v: &[f32]| {
         let t = Tensor::<B, 4>::from_data(TensorData::new(v.to_vec(), shape), device);
@@ -663,7 +658,52 @@ fn pool_growth<B: AttentionBackend>(device: &B::Device, before: Option<u64>) -> 
     Some(after.saturating_sub(before?) as f64 / (1u64 << 20) as f64)
 }
 
-/// Forward through the model's attention boundary: (output, median ms, pool growth).
+/// The model's attention boundary, as the encoders call it (no dropout, no weights).
+fn attend<B: AttentionBackend>(
+    (q, k, v, mask): &AttentionInputs<B>,
+    implementation: AttnImplementation,
+) -> Tensor<B, 4> {
+    let dropout = DropoutConfig::new(0.0).init();
+    let mask = mask.clone();
+    attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        mask,
+        &dropout,
+        implementation,
+        false,
+    )
+    .0
+}
+
+type AttentionInputs<B> = (
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Option<Tensor<B, 2, Bool>>,
+);
+
+/// Runs `call` once for its result, measuring the memory pool's growth, then
+/// times it: (result, median ms, pool growth in MiB).
+fn measure<B: AttentionBackend, T>(
+    device: &B::Device,
+    reps: usize,
+    call: impl Fn() -> T,
+) -> (T, f64, Option<f64>) {
+    B::memory_cleanup(device);
+    let before = B::memory_reserved(device);
+    let result = call();
+    let _ = B::sync(device);
+    let growth = pool_growth::<B>(device, before);
+    let ms = median_ms(reps, || {
+        let _ = call();
+        let _ = B::sync(device);
+    });
+    (result, ms, growth)
+}
+
+/// Forward: (output, median ms, pool growth).
 fn forward<B: AttentionBackend>(
     case: &Case,
     x: &Inputs,
@@ -672,31 +712,9 @@ fn forward<B: AttentionBackend>(
     precision: Precision,
     args: &AttentionArgs,
 ) -> (Vec<f32>, f64, Option<f64>) {
-    let dropout = DropoutConfig::new(0.0).init();
-    let (q, k, v, mask) = tensors::<B>(case, x, device, precision, fault_for(implementation, args));
-    let call = || {
-        attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            mask.clone(),
-            &dropout,
-            implementation,
-            false,
-        )
-        .0
-    };
-    B::memory_cleanup(device);
-    let before = B::memory_reserved(device);
-    let out = call();
-    let _ = B::sync(device);
-    let growth = pool_growth::<B>(device, before);
-    let got = host(out);
-    let ms = median_ms(args.reps, || {
-        let _ = call();
-        let _ = B::sync(device);
-    });
-    (got, ms, growth)
+    let inputs = tensors::<B>(case, x, device, precision, fault_for(implementation, args));
+    let (out, ms, growth) = measure::<B, _>(device, args.reps, || attend(&inputs, implementation));
+    (host(out), ms, growth)
 }
 
 /// Gradients of sum(out ⊙ dout) with respect to q, k and v, in f32.
@@ -707,7 +725,6 @@ fn backward<B: AttentionBackend + burn::tensor::backend::AutodiffBackend>(
     implementation: AttnImplementation,
     args: &AttentionArgs,
 ) -> ([Vec<f32>; 3], f64, Option<f64>) {
-    let dropout = DropoutConfig::new(0.0).init();
     let (q, k, v, mask) = tensors::<B>(
         case,
         x,
@@ -719,36 +736,20 @@ fn backward<B: AttentionBackend + burn::tensor::backend::AutodiffBackend>(
         TensorData::new(x.dout.clone(), [case.n, case.h, case.t, case.dh]),
         device,
     );
-    let call = || {
-        let (q, k, v) = (
+    let (grads, ms, growth) = measure::<B, _>(device, args.reps, || {
+        let inputs = (
             q.clone().require_grad(),
             k.clone().require_grad(),
             v.clone().require_grad(),
-        );
-        let out = attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
             mask.clone(),
-            &dropout,
-            implementation,
-            false,
-        )
-        .0;
-        let grads = (out * dout.clone()).sum().backward();
-        [q, k, v].map(|t| t.grad(&grads).expect("q, k and v require gradients"))
-    };
-    B::memory_cleanup(device);
-    let before = B::memory_reserved(device);
-    let grads = call();
-    let _ = B::sync(device);
-    let growth = pool_growth::<B>(device, before);
-    let got = grads.map(host);
-    let ms = median_ms(args.reps, || {
-        let _ = call();
-        let _ = B::sync(device);
+        );
+        let grads = (attend(&inputs, implementation) * dout.clone())
+            .sum()
+            .backward();
+        [inputs.0, inputs.1, inputs.2]
+            .map(|t| t.grad(&grads).expect("q, k and v require gradients"))
     });
-    (got, ms, growth)
+    (grads.map(host), ms, growth)
 }
 
 fn median_ms(reps: usize, mut f: impl FnMut()) -> f64 {
