@@ -30,9 +30,9 @@ med = {k: {p: statistics.median(r[p] for r in v) for p in phases} for k, v in by
 checks = {k: (v[0]["samples"], v[0]["asvs"], v[0]["batches"], v[0]["count_sum"]) for k, v in by.items()}
 assert len(set(checks.values())) == 1, f"implementations disagree on the data: {checks}"
 print("\nmedian seconds (samples, ASVs, batches, total counts = %s)" % (checks["aam-rs"],))
-print("%-18s" % "phase" + "".join("%14s" % k for k in med))
+print("%-18s" % "phase" + "".join("%18s" % k for k in med))
 for p in phases:
-    print("%-18s" % p + "".join("%14.4f" % med[k][p] for k in med))
+    print("%-18s" % p + "".join("%18.4f" % med[k][p] for k in med))
 for k in med:
     if k != "aam-rs":
         print(f"ratio aam-rs / {k}: {med['aam-rs']['total_s'] / med[k]['total_s']:.3f} (total), "

@@ -14,70 +14,39 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Parser;
+
 use aam_data::{
     BatchConfig, BatchLoader, BiomTable, Dataset, DistanceMatrix, MatrixIds, MissingPolicy,
     Transforms,
 };
 
+/// Times the data pipeline of a `pretrain` run on one study.
+#[derive(Parser)]
 struct Args {
+    /// BIOM table.
     table: PathBuf,
+    /// UniFrac matrix (`ssu` .h5 or any format aam-data reads).
     matrix: PathBuf,
+    #[arg(long, default_value_t = 1000)]
     depth: u64,
+    #[arg(long, default_value_t = 8)]
     batch: usize,
+    #[arg(long, default_value_t = 1024)]
     token_limit: usize,
+    #[arg(long, default_value_t = 150)]
     max_bp: usize,
+    /// Batch worker threads (1 compares with one Python process).
+    #[arg(long, default_value_t = 1)]
     workers: usize,
+    #[arg(long, default_value_t = 5)]
     reps: usize,
+    #[arg(long, default_value_t = 42)]
     seed: u64,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut positional = Vec::new();
-    let mut args = Args {
-        table: PathBuf::new(),
-        matrix: PathBuf::new(),
-        depth: 1000,
-        batch: 8,
-        token_limit: 1024,
-        max_bp: 150,
-        workers: 1,
-        reps: 5,
-        seed: 42,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        let mut value = |flag: &str| -> Result<u64, String> {
-            let v = it.next().ok_or(format!("{flag} needs a value"))?;
-            v.parse().map_err(|e| format!("{flag} {v}: {e}"))
-        };
-        match a.as_str() {
-            "--depth" => args.depth = value("--depth")?,
-            "--batch" => args.batch = value("--batch")? as usize,
-            "--token-limit" => args.token_limit = value("--token-limit")? as usize,
-            "--max-bp" => args.max_bp = value("--max-bp")? as usize,
-            "--workers" => args.workers = value("--workers")? as usize,
-            "--reps" => args.reps = value("--reps")? as usize,
-            "--seed" => args.seed = value("--seed")?,
-            flag if flag.starts_with("--") => return Err(format!("unknown flag {flag}")),
-            _ => positional.push(PathBuf::from(a)),
-        }
-    }
-    let [table, matrix]: [PathBuf; 2] = positional
-        .try_into()
-        .map_err(|_| "usage: data-bench <table.biom> <unifrac.h5> [flags]".to_string())?;
-    args.table = table;
-    args.matrix = matrix;
-    Ok(args)
-}
-
 fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("data-bench: {e}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     for rep in 0..args.reps {
         if let Err(e) = run(&args, rep) {
             eprintln!("data-bench: {e}");

@@ -348,19 +348,23 @@ fn errors(got: &[f32], want: &[f64], case: &Case, x: &Inputs) -> Errors {
         non_finite: 0,
         padding_rows_max: 0.0,
     };
-    let (t, dh) = (case.t, case.dh);
+    let t = case.t;
+    // Sequences whose keys are all padding: every value of theirs must be 0.
+    let all_padding: Vec<bool> = (0..case.n)
+        .map(|seq| {
+            x.mask
+                .as_ref()
+                .is_some_and(|m| m[seq * t..(seq + 1) * t].iter().all(|&p| p))
+        })
+        .collect();
+    let per_sequence = case.h * t * case.dh;
     for (idx, (&g, &w)) in got.iter().zip(want).enumerate() {
         if !g.is_finite() {
             e.non_finite += 1;
             continue;
         }
         e.max_abs = e.max_abs.max((g as f64 - w).abs());
-        let seq = idx / (case.h * t * dh);
-        let all_padding = x
-            .mask
-            .as_ref()
-            .is_some_and(|m| m[seq * t..(seq + 1) * t].iter().all(|&p| p));
-        if all_padding {
+        if all_padding[idx / per_sequence] {
             e.padding_rows_max = e.padding_rows_max.max((g as f64).abs());
         }
     }
