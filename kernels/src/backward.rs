@@ -64,6 +64,10 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         B::memory_reserved(device)
     }
 
+    fn memory_in_use(device: &Self::Device) -> Option<u64> {
+        B::memory_in_use(device)
+    }
+
     fn fused_masked_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

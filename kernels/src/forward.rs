@@ -133,6 +133,13 @@ where
             .map(|usage| usage.bytes_reserved)
     }
 
+    fn memory_in_use(device: &Self::Device) -> Option<u64> {
+        R::client(device)
+            .memory_usage()
+            .ok()
+            .map(|usage| usage.bytes_in_use)
+    }
+
     fn fused_masked_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -10,7 +10,7 @@
 use aam_kernels::AttentionBackend;
 use burn::nn::Embedding;
 use burn::prelude::*;
-use burn::tensor::{Distribution, IndexingUpdateOp};
+use burn::tensor::Distribution;
 use serde::{Deserialize, Serialize};
 
 use crate::attention::AttnImplementation;
@@ -158,23 +158,30 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         };
         // 3. valid = token > 0 (START and MASK count)
         let valid = rows.clone().greater_elem(0);
-        // 4-5. encode the non-empty rows; empty rows stay exactly zero
-        let hidden = self.encode_non_empty(rows, valid.clone());
-        let d = hidden.dims()[2];
-        // 6. nucleotide logits at every position (empty rows give the bias)
-        let nuc_logits = match (&self.nucleotide_head, return_nucleotides) {
-            (Some(head), true) => {
-                let logits = head.forward(hidden.clone());
-                let vocab = logits.dims()[2];
-                Some(logits.reshape([batch, slots, length, vocab]))
-            }
-            _ => None,
-        };
-        // 7. pool each ASV
-        let asv_embeddings = self
-            .attention_pooling
-            .forward(hidden, Some(valid))
-            .reshape([batch, slots, d]);
+        // 4-7. encode, predict nucleotides and pool the non-empty rows only
+        let n_rows = batch * slots;
+        let packed = self.encode_non_empty(rows, valid, return_nucleotides);
+        let d = packed.pooled.dims()[1];
+        // Empty slots: a zero hidden state pools to the norm's β and gives the
+        // head's bias at every position, exactly what running them would give;
+        // their gradients still reach β and the bias.
+        let asv_embeddings = unpack_rows(
+            packed.pooled,
+            self.attention_pooling.norm.bias.val().reshape([1, d]),
+            &packed.non_empty,
+            n_rows,
+        )
+        .reshape([batch, slots, d]);
+        let nuc_logits = packed.nuc_logits.map(|logits| {
+            let head = self.nucleotide_head.as_ref().expect("nucleotide head");
+            let vocab = logits.dims()[2];
+            let bias = match &head.bias {
+                Some(bias) => bias.val().reshape([1, 1, vocab]),
+                None => Tensor::zeros([1, 1, vocab], &device),
+            };
+            unpack_rows(logits, bias.expand([1, length, vocab]), &packed.non_empty, n_rows)
+                .reshape([batch, slots, length, vocab])
+        });
         AsvEncoderOutput {
             asv_embeddings,
             nuc_logits,
@@ -182,40 +189,89 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         }
     }
 
-    /// Runs the transformer on the rows that hold a token, in chunks, and
-    /// scatters the results into a zero tensor of all rows.
-    fn encode_non_empty(&self, rows: Tensor<B, 2, Int>, valid: Tensor<B, 2, Bool>) -> Tensor<B, 3> {
-        let [n, length] = rows.dims();
+    /// Runs the transformer, the nucleotide head and the pooling on the rows
+    /// that hold a token, in chunks of `asv_chunk_size`. Padding slots are
+    /// most of a batch (samples have ~50-700 real ASVs out of `token_limit`
+    /// slots), so no per-position tensor is ever made for them.
+    fn encode_non_empty(
+        &self,
+        rows: Tensor<B, 2, Int>,
+        valid: Tensor<B, 2, Bool>,
+        return_nucleotides: bool,
+    ) -> PackedRows<B> {
+        let n = rows.dims()[0];
         let device = rows.device();
-        let d = self.token_embedding.weight.dims()[1];
         let non_empty: Vec<i64> = bool_vec(valid.clone().any_dim(1))
             .into_iter()
             .enumerate()
             .filter_map(|(i, keep)| keep.then_some(i as i64))
             .collect();
-        if non_empty.len() == n && self.asv_chunk_size.is_none() {
-            return self.encode(rows, valid);
-        }
-        let mut hidden = Tensor::<B, 3>::zeros([n, length, d], &device);
-        let chunk = self.asv_chunk_size.unwrap_or(n.max(1));
+        let head = self.nucleotide_head.as_ref().filter(|_| return_nucleotides);
+        let all_rows = non_empty.len() == n;
+        let chunk = self.asv_chunk_size.unwrap_or(n).max(1);
+        let mut pooled = Vec::new();
+        let mut logits = Vec::new();
         for ids in non_empty.chunks(chunk) {
-            let idx =
-                Tensor::<B, 1, Int>::from_data(TensorData::new(ids.to_vec(), [ids.len()]), &device);
-            let encoded = self.encode(
-                rows.clone().select(0, idx.clone()),
-                valid.clone().select(0, idx.clone()),
-            );
-            hidden = hidden.select_assign(0, idx, encoded, IndexingUpdateOp::Add);
+            let (rows, valid) = if all_rows && ids.len() == n {
+                (rows.clone(), valid.clone())
+            } else {
+                let idx = Tensor::<B, 1, Int>::from_data(
+                    TensorData::new(ids.to_vec(), [ids.len()]),
+                    &device,
+                );
+                (
+                    rows.clone().select(0, idx.clone()),
+                    valid.clone().select(0, idx),
+                )
+            };
+            let hidden = self.encode(rows, valid.clone());
+            if let Some(head) = head {
+                logits.push(head.forward(hidden.clone()));
+            }
+            pooled.push(self.attention_pooling.forward(hidden, Some(valid)));
         }
-        hidden
+        let d = self.token_embedding.weight.dims()[1];
+        PackedRows {
+            pooled: cat_or_empty(pooled, [0, d], &device),
+            nuc_logits: head.map(|head| {
+                let vocab = head.weight.dims()[0];
+                let length = rows.dims()[1];
+                cat_or_empty(logits, [0, length, vocab], &device)
+            }),
+            non_empty,
+        }
     }
 
     /// token + position embedding, then the transformer with the padding mask.
     fn encode(&self, rows: Tensor<B, 2, Int>, valid: Tensor<B, 2, Bool>) -> Tensor<B, 3> {
-        let x = self
-            .position_embedding
-            .forward(self.token_embedding.forward(rows));
+        let x = self.position_embedding.forward(self.embed_tokens(rows));
         self.transformer.forward(x, Some(valid.bool_not()))
+    }
+
+    /// The token lookup, as a one-hot matrix times the table. Same values as
+    /// `Embedding::forward`, but its gradient is a matmul: Burn's embedding
+    /// backward is a `select_add` whose CubeCL kernel runs one thread per
+    /// column of the table (128) over all N·L tokens in series, which cost
+    /// more than the rest of a training step on a GPU.
+    ///
+    /// # Shapes
+    /// - rows: `[N, L]` → `[N, L, D]`
+    fn embed_tokens(&self, rows: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [n, length] = rows.dims();
+        let table = self.token_embedding.weight.val();
+        let [vocab, d] = table.dims();
+        let classes = Tensor::<B, 1, Int>::arange(0..vocab as i64, &rows.device())
+            .reshape([1, 1, vocab])
+            .expand([n, length, vocab]);
+        let one_hot = rows
+            .reshape([n, length, 1])
+            .expand([n, length, vocab])
+            .equal(classes)
+            .float();
+        one_hot
+            .reshape([n * length, vocab])
+            .matmul(table)
+            .reshape([n, length, d])
     }
 
     /// Picks the positions to overwrite with MASK: only A/C/G/T (1..4).
@@ -245,6 +301,91 @@ impl<B: AttentionBackend> AsvEncoder<B> {
                 Tensor::from_data(TensorData::new(chosen, [n, length]), &device)
             }
         }
+    }
+}
+
+/// The non-empty rows' results, packed, and where each slot reads its row.
+struct PackedRows<B: Backend> {
+    /// `[M, D]` for the M non-empty slots.
+    pooled: Tensor<B, 2>,
+    /// `[M, L, V]`, when the head ran.
+    nuc_logits: Option<Tensor<B, 3>>,
+    /// The slot of each packed row, ascending.
+    non_empty: Vec<i64>,
+}
+
+/// Unpacks per-slot results: slot `non_empty[r]` takes row r of `packed`,
+/// every other slot of `0..n` takes `fill`.
+///
+/// Built from slices and one concatenation per run of consecutive slots,
+/// not from `select`: CubeCL's select/scatter kernels (and so `select`'s
+/// backward) loop serially over the indexed axis, thousands of rows here, while
+/// slices and `cat` are plain parallel copies both ways. A batch's ASVs fill the
+/// first slots of each sample, so there are about two runs per sample. Inputs
+/// with many gaps (over [`MAX_RUNS`] runs) take `select` instead.
+///
+/// # Shapes
+/// - packed: `[M, ...]`, fill: `[1, ...]` → `[n, ...]`
+fn unpack_rows<B: Backend, const D: usize>(
+    packed: Tensor<B, D>,
+    fill: Tensor<B, D>,
+    non_empty: &[i64],
+    n: usize,
+) -> Tensor<B, D> {
+    let device = packed.device();
+    let runs = slot_runs(non_empty, n);
+    if runs.len() > MAX_RUNS {
+        let mut slot_of_row = vec![non_empty.len() as i64; n];
+        for (row, &slot) in non_empty.iter().enumerate() {
+            slot_of_row[slot as usize] = row as i64;
+        }
+        let index = Tensor::<B, 1, Int>::from_data(TensorData::new(slot_of_row, [n]), &device);
+        return Tensor::cat(vec![packed, fill], 0).select(0, index);
+    }
+    let mut parts = Vec::with_capacity(runs.len());
+    let mut row = 0;
+    for (filled, len) in runs {
+        if filled {
+            parts.push(packed.clone().narrow(0, row, len));
+            row += len;
+        } else {
+            let mut shape = fill.dims();
+            shape[0] = len;
+            parts.push(fill.clone().expand(shape));
+        }
+    }
+    Tensor::cat(parts, 0)
+}
+
+/// Above this many runs of filled/empty slots, [`unpack_rows`] gathers.
+const MAX_RUNS: usize = 256;
+
+/// Runs of consecutive slots in `0..n`: (filled, length), in order.
+fn slot_runs(non_empty: &[i64], n: usize) -> Vec<(bool, usize)> {
+    let mut filled = vec![false; n];
+    for &slot in non_empty {
+        filled[slot as usize] = true;
+    }
+    let mut runs: Vec<(bool, usize)> = Vec::new();
+    for f in filled {
+        match runs.last_mut() {
+            Some((kind, len)) if *kind == f => *len += 1,
+            _ => runs.push((f, 1)),
+        }
+    }
+    runs
+}
+
+/// `Tensor::cat` that accepts no parts (a batch of only empty slots).
+fn cat_or_empty<B: Backend, const D: usize>(
+    parts: Vec<Tensor<B, D>>,
+    empty: [usize; D],
+    device: &B::Device,
+) -> Tensor<B, D> {
+    if parts.is_empty() {
+        Tensor::zeros(empty, device)
+    } else {
+        Tensor::cat(parts, 0)
     }
 }
 
@@ -351,6 +492,54 @@ mod tests {
         }
         let ratio = mask.iter().filter(|&&m| m).count() as f64 / eligible as f64;
         assert!((ratio - 0.3).abs() < 0.05, "mask ratio {ratio}");
+    }
+
+    /// `unpack_rows` by runs and by its `select` fallback: values and gradients.
+    #[test]
+    fn unpack_rows_places_packed_rows_and_fill_with_gradients() {
+        let device = Default::default();
+        for (n, non_empty) in [
+            (6usize, vec![1i64, 2, 4]),
+            // alternating slots: 600 runs, more than MAX_RUNS
+            (600, (0..300).map(|i| 2 * i + 1).collect()),
+        ] {
+            let m = non_empty.len();
+            let packed_values: Vec<f32> = (0..m * 2).map(|i| i as f32 + 1.0).collect();
+            let packed = Tensor::<Train, 2>::from_data(
+                TensorData::new(packed_values.clone(), [m, 2]),
+                &device,
+            )
+            .require_grad();
+            let fill = Tensor::<Train, 2>::from_data([[-1.0f32, -2.0]], &device).require_grad();
+            let weights: Vec<f32> = (0..n * 2).map(|i| (i % 7) as f32 - 3.0).collect();
+            let out = unpack_rows(packed.clone(), fill.clone(), &non_empty, n);
+            let grads = (out.clone()
+                * Tensor::<Train, 2>::from_data(TensorData::new(weights.clone(), [n, 2]), &device))
+            .sum()
+            .backward();
+            let out = out.into_data().to_vec::<f32>().unwrap();
+            let mut want = Vec::new();
+            let mut want_dpacked = Vec::new();
+            let mut want_dfill = [0.0f32; 2];
+            let mut row = 0;
+            for slot in 0..n {
+                let w = &weights[slot * 2..slot * 2 + 2];
+                if non_empty.contains(&(slot as i64)) {
+                    want.extend_from_slice(&packed_values[row * 2..row * 2 + 2]);
+                    want_dpacked.extend_from_slice(w);
+                    row += 1;
+                } else {
+                    want.extend_from_slice(&[-1.0, -2.0]);
+                    want_dfill[0] += w[0];
+                    want_dfill[1] += w[1];
+                }
+            }
+            assert_eq!(out, want, "n = {n}");
+            let dpacked = packed.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
+            assert_eq!(dpacked, want_dpacked, "n = {n}");
+            let dfill = fill.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
+            assert_eq!(dfill, want_dfill.to_vec(), "n = {n}");
+        }
     }
 
     #[test]

@@ -32,8 +32,8 @@ use crate::nn::{xavier_uniform, Linear, LinearConfig};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum AttnImplementation {
-    /// The fused kernel where the backend has one (CubeCL: wgpu, CUDA, ROCm)
-    /// for inference, the math path elsewhere and (for now) in training.
+    /// The fused kernel where the backend has one (CubeCL: wgpu, CUDA, ROCm),
+    /// the math path elsewhere.
     #[default]
     Auto,
     /// Plain masked softmax attention from tensor ops; runs on every backend.
@@ -43,17 +43,15 @@ pub enum AttnImplementation {
 }
 
 impl AttnImplementation {
-    /// Whether backend `B` runs this choice through the fused kernel;
-    /// `training` is whether gradients are being recorded.
+    /// Whether backend `B` runs this choice through the fused kernel.
     ///
-    /// `Auto` takes the fused kernel for inference only, for now: its backward
-    /// agrees with a float64 oracle on wgpu and CUDA (`aam-rs diagnose
-    /// attention`), but no full training run on CUDA has used it yet, so
-    /// training under `Auto` keeps the math path until one has. `Fused` opts in
-    /// everywhere.
-    pub fn uses_fused<B: AttentionBackend>(self, training: bool) -> bool {
+    /// `Auto` trains with the fused kernel too: its backward agrees with a
+    /// float64 oracle on wgpu and CUDA (`aam-rs diagnose attention`), and a
+    /// CUDA pretraining run with it follows the math path's loss curve
+    /// (`benches/RESULTS.md`).
+    pub fn uses_fused<B: AttentionBackend>(self) -> bool {
         match self {
-            AttnImplementation::Auto => B::has_fused_attention() && !training,
+            AttnImplementation::Auto => B::has_fused_attention(),
             AttnImplementation::Math => false,
             AttnImplementation::Fused => {
                 assert!(
@@ -104,7 +102,7 @@ pub fn attention<B: AttentionBackend>(
     // The kernel never materialises the weights; callers that need them
     // (the fusion modules) take the math path.
     let training = B::ad_enabled(&q.device());
-    if need_weights || !implementation.uses_fused::<B>(training) {
+    if need_weights || !implementation.uses_fused::<B>() {
         return math_attention(q, k, v, key_padding_mask, dropout, need_weights);
     }
     let attn_dropout = if training && dropout.prob > 0.0 {

@@ -35,6 +35,8 @@ pub mod sequence_predictor;
 pub mod transformer;
 
 pub use aam_kernels::AttentionBackend;
+#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+pub use aam_kernels::persist_compiled_kernels;
 pub use attention::{set_attention_dropout_seed, AttnImplementation};
 pub use nn::Activation;
 

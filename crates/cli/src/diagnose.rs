@@ -1,4 +1,5 @@
 //! `aam-rs diagnose attention`: is masked attention computed correctly here?
+//! (`aam-rs diagnose step`, the training-speed check, lives in `step.rs`.)
 //!
 //! What `python -m aam.tools.rocm_attention_diagnostic` was for the reference,
 //! on any backend this binary has. Every attention path the chosen backend can
@@ -48,6 +49,8 @@ pub struct DiagnoseArgs {
 enum Diagnosis {
     /// Check every attention path of a backend against a float64 oracle.
     Attention(AttentionArgs),
+    /// Time pretrain's optimiser step on the reference benchmark's batch.
+    Step(crate::step::StepArgs),
 }
 
 /// `aam-rs diagnose attention`.
@@ -421,6 +424,7 @@ struct Report {
 pub fn run(args: DiagnoseArgs) -> Result<()> {
     match args.what {
         Diagnosis::Attention(a) => run_attention(a),
+        Diagnosis::Step(a) => crate::step::run(a),
     }
 }
 

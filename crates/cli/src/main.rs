@@ -16,6 +16,7 @@ mod inspect;
 mod plot;
 mod predict;
 mod progress;
+mod step;
 mod train;
 
 use std::process::ExitCode;
@@ -61,6 +62,8 @@ fn main() -> ExitCode {
         .without_time()
         .init();
     let cli = Cli::parse();
+    #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+    aam_models::persist_compiled_kernels();
     let result = match cli.command {
         Command::Pretrain(args) => train::pretrain(args),
         Command::Train(args) => train::train(args),

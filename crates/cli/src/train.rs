@@ -25,6 +25,7 @@ use aam_train::run::{fit, BestMetric, RunConfig, Task, TrainData};
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
 use aam_train::TrainError;
 use anyhow::{bail, ensure, Context, Result};
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
 use clap::Args;
 use serde::de::DeserializeOwned;
@@ -174,6 +175,26 @@ pub struct RunArgs {
     /// Compute backend (`aam-rs backends` lists those compiled in).
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     pub backend: BackendKind,
+    #[command(flatten)]
+    pub checkpointing: CheckpointingArgs,
+    /// Log device memory per phase of the training step (data, upload,
+    /// forward, loss, backward, optimizer) each epoch and write
+    /// memory_profile.csv (CubeCL backends; slows the run a little).
+    #[arg(long)]
+    pub memory_profile: bool,
+}
+
+/// `--gradient-checkpointing` / `--no-gradient-checkpointing`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct CheckpointingArgs {
+    /// Gradient checkpointing: recompute memory-bound operations (activations,
+    /// norms, dropout) in the backward pass instead of keeping their outputs.
+    /// Less memory, more time; works with every attention path. Default: off.
+    #[arg(long, overrides_with = "no_gradient_checkpointing")]
+    pub gradient_checkpointing: bool,
+    /// Keep every intermediate for the backward pass (the default).
+    #[arg(long, overrides_with = "gradient_checkpointing")]
+    pub no_gradient_checkpointing: bool,
 }
 
 /// `aam-rs pretrain`: self-supervised pre-training of the base model on
@@ -297,9 +318,10 @@ pub struct TrainArgs {
     best_metric: BestMetric,
 }
 
-fn base_config(
+pub fn base_config(
     m: &ModelArgs,
-    d: &DataArgs,
+    max_bp: usize,
+    token_limit: usize,
     encoder_type: EncoderType,
 ) -> Result<SequenceEncoderConfig> {
     ensure!(
@@ -320,7 +342,7 @@ fn base_config(
     );
     let asv = AsvEncoderConfig::new()
         .with_embedding_dim(m.embedding_dim)
-        .with_max_bp(d.max_bp)
+        .with_max_bp(max_bp)
         .with_num_layers(m.attention_layers)
         .with_num_heads(m.attention_heads)
         .with_dropout(m.dropout)
@@ -330,7 +352,7 @@ fn base_config(
         .with_mask_ratio(m.nuc_mask_ratio)
         .with_mask_strategy(m.nuc_mask_strategy);
     let sample = SampleSequenceEncoderConfig::new(asv)
-        .with_token_limit(d.token_limit)
+        .with_token_limit(token_limit)
         .with_sample_num_layers(m.attention_layers)
         .with_sample_num_heads(m.attention_heads)
         .with_sample_dropout(m.dropout)
@@ -382,6 +404,7 @@ fn run_config(
         token_limit: d.token_limit,
         asv_sampling: d.asv_sampling,
         workers: o.num_workers.max(1),
+        memory_profile: false,
     }
 }
 
@@ -633,7 +656,7 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
     let (model_config, run) = match &resume {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
         None => {
-            let base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
+            let base = base_config(&args.model, args.data.max_bp, args.data.token_limit, EncoderType::Unifrac)?;
             let loss = LossConfig {
                 penalty: args.penalty,
                 nuc_penalty: args.nuc_penalty,
@@ -739,7 +762,7 @@ fn train_setup(
     p: &Prepared,
     pretrained: Option<&Checkpoint>,
 ) -> Result<(ModelConfig, RunConfig, DataInfo)> {
-    let mut base = base_config(&args.model, &args.data, EncoderType::Unifrac)?;
+    let mut base = base_config(&args.model, args.data.max_bp, args.data.token_limit, EncoderType::Unifrac)?;
     if let Some(ckpt) = pretrained {
         let path = &ckpt.path;
         let ModelConfig::SequenceEncoder(encoder) = &ckpt.meta.model else {
@@ -894,13 +917,15 @@ fn train_setup(
 fn start(
     r: RunArgs,
     model_config: ModelConfig,
-    run: RunConfig,
+    mut run: RunConfig,
     prepared: Prepared,
     info: DataInfo,
     resume: Option<Checkpoint>,
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
     check_run(&run)?;
+    // An observation of this invocation, resumed or not.
+    run.memory_profile = r.memory_profile;
     std::fs::create_dir_all(&r.output_dir)
         .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
     let (train_file, val_file) = match run.task {
@@ -985,13 +1010,43 @@ fn fit_on<B: AttentionBackend>(
     resume: Option<Checkpoint>,
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
-    type AB<B> = Autodiff<B>;
-    let model: AamModel<AB<B>> = match &resume {
-        Some(c) => c.model::<AB<B>>(device)?,
+    if r.checkpointing.gradient_checkpointing {
+        tracing::info!("gradient checkpointing: memory-bound operations are recomputed in the backward pass");
+        fit_with::<Autodiff<B, BalancedCheckpointing>>(
+            device,
+            r,
+            model_config,
+            run,
+            data,
+            resume,
+            pretrained,
+        )
+    } else {
+        fit_with::<Autodiff<B>>(device, r, model_config, run, data, resume, pretrained)
+    }
+}
+
+/// Trains with autodiff backend `AB` (its checkpointing strategy decides
+/// what the backward pass recomputes).
+fn fit_with<AB>(
+    device: &AB::Device,
+    r: &RunArgs,
+    model_config: ModelConfig,
+    run: RunConfig,
+    data: TrainData,
+    resume: Option<Checkpoint>,
+    pretrained: Option<Checkpoint>,
+) -> Result<()>
+where
+    AB: burn::tensor::backend::AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    let model: AamModel<AB> = match &resume {
+        Some(c) => c.model::<AB>(device)?,
         None => {
             // Initial weights from --seed too, so that a run repeats exactly.
-            <AB<B> as burn::tensor::backend::Backend>::seed(device, run.seed);
-            let mut model = model_config.init::<AB<B>>(device)?;
+            <AB as burn::tensor::backend::Backend>::seed(device, run.seed);
+            let mut model = model_config.init::<AB>(device)?;
             if let Some(p) = &pretrained {
                 load_encoder(&mut model, &model_config, p)?;
             }
@@ -1007,7 +1062,7 @@ fn fit_on<B: AttentionBackend>(
         .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
     let mut progress = Progress::new(run.epochs);
-    let summary = fit::<AB<B>>(
+    let summary = fit::<AB>(
         device,
         model_config,
         model,

@@ -119,6 +119,10 @@ pub struct RunConfig {
     pub asv_sampling: AsvSampling,
     /// Batch-building threads.
     pub workers: usize,
+    /// Record device memory per phase of the training step (`--memory-profile`);
+    /// synchronises the device after each phase, so the run is slower.
+    #[serde(default)]
+    pub memory_profile: bool,
 }
 
 impl RunConfig {
@@ -231,6 +235,8 @@ pub mod files {
     pub const METRICS: &str = "metrics.csv";
     /// Validation predictions of the best epoch.
     pub const VAL_PREDICTIONS: &str = "val_predictions.tsv";
+    /// Device memory per phase of the training step (`--memory-profile`).
+    pub const MEMORY_PROFILE: &str = "memory_profile.csv";
 }
 
 /// A model run on a batch: the forward pass in training or eval mode
@@ -375,38 +381,69 @@ fn record_batch<B: Backend>(
     host[0]
 }
 
-/// `AAM_PROFILE=1`: synchronises the device after each phase of a training
-/// step and logs the mean time per phase after the first step and every 10 (slows the run; for
-/// finding where the time goes).
-struct PhaseTimer {
-    enabled: bool,
+/// Where a training step spends its time and device memory.
+///
+/// - `AAM_PROFILE=1`: the mean time of each phase, logged after the first step
+///   and every 10 (for finding where the time goes).
+/// - `--memory-profile`: after each phase, the bytes of live tensors on the
+///   device; per epoch the largest value of each phase and the memory pool's
+///   size are logged and appended to `memory_profile.csv`.
+///
+/// Either synchronises the device after each phase, which slows the run.
+struct StepProfiler {
+    time: bool,
+    memory: bool,
     last: Instant,
     totals: BTreeMap<&'static str, f64>,
     steps: u64,
+    /// Per phase, the most bytes in use after it, this epoch.
+    in_use: BTreeMap<&'static str, u64>,
+    /// The memory pool's largest size this epoch.
+    reserved: u64,
 }
 
-impl PhaseTimer {
-    fn from_env() -> Self {
-        let enabled = std::env::var("AAM_PROFILE").is_ok_and(|v| v == "1");
+impl StepProfiler {
+    fn new(memory: bool) -> Self {
         Self {
-            enabled,
+            time: std::env::var("AAM_PROFILE").is_ok_and(|v| v == "1"),
+            memory,
             last: Instant::now(),
             totals: BTreeMap::new(),
             steps: 0,
+            in_use: BTreeMap::new(),
+            reserved: 0,
         }
     }
 
-    fn mark<B: Backend>(&mut self, device: &B::Device, phase: &'static str) {
-        if self.enabled {
-            let _ = B::sync(device);
+    fn mark<B: AttentionBackend>(&mut self, device: &B::Device, phase: &'static str) {
+        if !(self.time || self.memory) {
+            return;
+        }
+        let _ = B::sync(device);
+        if self.time {
             let now = Instant::now();
             *self.totals.entry(phase).or_default() += (now - self.last).as_secs_f64();
             self.last = now;
         }
+        if self.memory {
+            match (B::memory_in_use(device), B::memory_reserved(device)) {
+                (Some(in_use), Some(reserved)) => {
+                    let max = self.in_use.entry(phase).or_default();
+                    *max = (*max).max(in_use);
+                    self.reserved = self.reserved.max(reserved);
+                }
+                _ => {
+                    tracing::warn!(
+                        "--memory-profile: this backend does not report device memory; no profile"
+                    );
+                    self.memory = false;
+                }
+            }
+        }
     }
 
     fn step(&mut self) {
-        if !self.enabled {
+        if !self.time {
             return;
         }
         self.steps += 1;
@@ -425,6 +462,44 @@ impl PhaseTimer {
                 parts.join(", ")
             );
         }
+    }
+
+    /// Logs the epoch's memory profile, appends it to `path` and starts anew.
+    fn epoch_end(&mut self, epoch: usize, path: &Path) -> Result<()> {
+        if !self.memory || self.in_use.is_empty() {
+            return Ok(());
+        }
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let peak = self.in_use.values().copied().max().unwrap_or(0);
+        let phases: Vec<String> = self
+            .in_use
+            .iter()
+            .map(|(phase, b)| format!("{phase} {:.0}", mib(*b)))
+            .collect();
+        tracing::info!(
+            "memory, epoch {}: peak in use {:.0} MiB, pool {:.0} MiB; in use after each phase (MiB): {}",
+            epoch + 1,
+            mib(peak),
+            mib(self.reserved),
+            phases.join(", ")
+        );
+        let mut text = if path.exists() {
+            std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?
+        } else {
+            "epoch,phase,in_use_mib,pool_reserved_mib\n".to_string()
+        };
+        for (phase, b) in &self.in_use {
+            text.push_str(&format!(
+                "{},{phase},{:.1},{:.1}\n",
+                epoch + 1,
+                mib(*b),
+                mib(self.reserved)
+            ));
+        }
+        write_atomic(path, text.as_bytes())?;
+        self.in_use.clear();
+        self.reserved = 0;
+        Ok(())
     }
 }
 
@@ -518,7 +593,7 @@ where
         let mut pending = 0usize;
         let mut seen = 0usize;
         let mut last_lr = scheduler.lr();
-        let mut timer = PhaseTimer::from_env();
+        let mut timer = StepProfiler::new(run.memory_profile);
         for (k, batch) in train_loader.epoch(epoch as u64).enumerate() {
             let batch = batch?;
             let stream = mix(run.seed, progress.micro_step);
@@ -595,6 +670,7 @@ where
         }
         let train_seconds = started.elapsed().as_secs_f64();
         let train_means = means.finish();
+        timer.epoch_end(epoch, &out(files::MEMORY_PROFILE))?;
 
         // Validation (eval mode: the inner backend has no autodiff).
         let (validation, val_rows) = match &val_loader {

@@ -100,6 +100,7 @@ fn run_config() -> RunConfig {
         token_limit: 16,
         asv_sampling: aam_data::AsvSampling::Random,
         workers: 2,
+        memory_profile: false,
     }
 }
 

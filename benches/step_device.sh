@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Training step on the device machine, aam-rs beside the PyTorch reference, on identical
+# tensors: `aam-rs diagnose step` times pretrain's optimiser step (default model, AdamW) on the
+# batch of shared/bench/pt_reference_bench.py (8 samples, 120-500 ASVs of 150 nt in 1024
+# slots), once per attention path; then the reference script measures its own step (with and
+# without gradient checkpointing, per SDPA backend) in the same call.
+#
+# Run from the repository root on the device (README, "GPU runs"), with carry [".carry"]:
+#   .carry/gpu/aam-rs.gz       CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
+#                              --features cuda,wgpu; gzip
+#   .carry/gpu/cache.tgz       optional: CubeCL's compiled kernels and autotune results from an
+#                              earlier call ($OUT/cache.tgz), so the first step skips the JIT
+#   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
+# Env: VARIANTS (default "auto auto:ckpt math": attention path, ":ckpt" adds
+#      --gradient-checkpointing), BACKEND (cuda), PT (1: also run the reference),
+#      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
+#      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT).
+# Writes to $OUT: step_<variant>.{json,log}, gpu_mem_<variant>.csv, pt.log, pt_anchor.json,
+# cache.tgz.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
+BACKEND=${BACKEND:-cuda}
+gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs && chmod +x /tmp/bin/aam-rs
+[ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
+trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+status=0
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== profiled step (CUBECL_DEBUG_OPTION=profile)"
+  CUBECL_DEBUG_LOG="$OUT/cubecl_profile.log" CUBECL_DEBUG_OPTION=profile \
+    timeout "${STEP_TIMEOUT:-240}" /tmp/bin/aam-rs diagnose step --backend "$BACKEND" \
+    --warmup 2 --steps 2 ${STEP_ARGS:-} 2>&1 | tail -2
+  gzip -f "$OUT/cubecl_profile.log"
+fi
+for variant in ${VARIANTS:-auto auto:ckpt math}; do
+  attn=${variant%%:*}; name=${variant/:/_}; flags=""
+  [ "$variant" != "$attn" ] && flags="--gradient-checkpointing"
+  echo "== aam-rs diagnose step --attn-implementation $attn $flags"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
+  smi=$!
+  timeout "${STEP_TIMEOUT:-240}" /tmp/bin/aam-rs diagnose step --backend "$BACKEND" \
+    --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" ${STEP_ARGS:-} 2>&1 \
+    | tee "$OUT/step_$name.log" | tail -2
+  rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1
+  kill $smi
+  echo "rc=$rc peak nvidia-smi MiB: $(sort -n "$OUT/gpu_mem_$name.csv" | tail -1)"
+done
+if [ "${PT:-1}" = 1 ]; then
+  echo "== reference (pt_reference_bench.py)"
+  AAM_SRC=.ref OUT=$OUT PYTHONUNBUFFERED=1 timeout 300 python3 .carry/pt_reference_bench.py \
+    > "$OUT/pt.log" 2>&1 || status=1
+  grep -A12 '== pretrain step' "$OUT/pt.log"
+fi
+exit $status

@@ -1,0 +1,268 @@
+//! `aam-rs diagnose step`: how fast does this machine train?
+//!
+//! Times the optimiser step of `aam-rs pretrain` (forward, losses, backward,
+//! AdamW) on one fixed synthetic batch, the way `pretrain` runs it, and reports
+//! the median step time, samples/s and the backend memory pool's size. The
+//! batch is the PyTorch reference benchmark's (`shared/bench/
+//! pt_reference_bench.py`): 8 samples with 120, 250, 80, 400, 300, 150, 500 and
+//! 200 ASVs of 150 random nucleotides in 1024 slots. So the figure can be put
+//! beside the reference's step on identical tensors, which real data (whose
+//! samples hold fewer ASVs after rarefaction) cannot give.
+//!
+//! Model flags are `pretrain`'s, with its defaults, so `--attn-implementation
+//! math` or `--asv-chunk-size 0` show what a flag costs.
+
+use std::time::Instant;
+
+use aam_data::Batch;
+use aam_models::import::{AamModel, ModelConfig};
+use aam_models::sequence_encoder::EncoderType;
+use aam_models::{set_attention_dropout_seed, AttentionBackend};
+use aam_train::loss::LossConfig;
+use aam_train::optim::{GradientBuffer, Optimizer, OptimizerConfig};
+use aam_train::loss::Predictions;
+use aam_train::run::batch_tensors;
+use anyhow::{ensure, Context, Result};
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::Autodiff;
+use burn::tensor::backend::AutodiffBackend;
+use burn::prelude::*;
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::backend::BackendKind;
+use crate::train::{base_config, CheckpointingArgs, ModelArgs};
+
+/// `aam-rs diagnose step`.
+#[derive(Args, Debug)]
+pub struct StepArgs {
+    /// Backend to time (one compiled into this binary; `aam-rs backends`).
+    #[arg(long, value_enum, default_value_t = BackendKind::default())]
+    backend: BackendKind,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    checkpointing: CheckpointingArgs,
+    /// ASVs in each sample of the batch (the batch size is their number).
+    #[arg(long, value_delimiter = ',', default_values_t = [120, 250, 80, 400, 300, 150, 500, 200])]
+    asvs_per_sample: Vec<usize>,
+    /// ASV slots per sample (S).
+    #[arg(long, default_value_t = 1024)]
+    token_limit: usize,
+    /// Nucleotides per ASV (L = max_bp + 1 tokens).
+    #[arg(long, default_value_t = 150)]
+    max_bp: usize,
+    /// Learning rate of the AdamW steps.
+    #[arg(long, default_value_t = 1e-4)]
+    lr: f64,
+    /// Timed steps (the median is reported).
+    #[arg(long, default_value_t = 12)]
+    steps: usize,
+    /// Untimed steps first (kernel compilation, autotuning, pool growth).
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Seed of the weights and the batch.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write the result as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json_out: Option<std::path::PathBuf>,
+}
+
+/// What `diagnose step` measured.
+#[derive(Debug, Serialize)]
+struct StepReport {
+    backend: String,
+    attn_implementation: String,
+    gradient_checkpointing: bool,
+    batch_size: usize,
+    asvs_per_sample: Vec<usize>,
+    parameters: usize,
+    /// Median ms per optimiser step.
+    step_ms: f64,
+    samples_per_sec: f64,
+    /// Every timed step, ms.
+    step_times_ms: Vec<f64>,
+    /// Largest size of the backend's memory pool after a step (None where the
+    /// backend does not report it).
+    peak_reserved_mib: Option<f64>,
+    first_step_s: f64,
+    losses: Vec<f64>,
+}
+
+pub fn run(args: StepArgs) -> Result<()> {
+    ensure!(
+        args.asvs_per_sample.len() >= 2,
+        "--asvs-per-sample needs at least 2 samples (the UniFrac loss compares pairs)"
+    );
+    ensure!(
+        args.asvs_per_sample
+            .iter()
+            .all(|&n| n >= 1 && n <= args.token_limit),
+        "--asvs-per-sample: each count must lie in 1..={} (--token-limit)",
+        args.token_limit
+    );
+    ensure!(args.steps >= 1, "--steps must be at least 1");
+    let config = ModelConfig::SequenceEncoder(base_config(
+        &args.model,
+        args.max_bp,
+        args.token_limit,
+        EncoderType::Unifrac,
+    )?);
+    let batch = synthetic_batch(&args);
+    let report = crate::with_backend!(args.backend, |B, device| {
+        if args.checkpointing.gradient_checkpointing {
+            time_steps::<Autodiff<B, BalancedCheckpointing>>(&args, &config, &batch, &device)
+        } else {
+            time_steps::<Autodiff<B>>(&args, &config, &batch, &device)
+        }
+    })?;
+    println!(
+        "aam-rs diagnose step: backend {}, attention {}, gradient checkpointing {}, batch {} ({} ASVs), {} parameters",
+        report.backend,
+        report.attn_implementation,
+        if report.gradient_checkpointing { "on" } else { "off" },
+        report.batch_size,
+        report.asvs_per_sample.iter().sum::<usize>(),
+        report.parameters
+    );
+    println!(
+        "first step {:.1} s; median of {} steps: {:.1} ms/step, {:.1} samples/s, memory pool {}",
+        report.first_step_s,
+        report.step_times_ms.len(),
+        report.step_ms,
+        report.samples_per_sec,
+        report
+            .peak_reserved_mib
+            .map_or("not reported".to_string(), |m| format!("{m:.0} MiB"))
+    );
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing --json-out {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The reference benchmark's batch: START then random A/C/G/T in the first
+/// `n` slots of each sample, counts 1..200, a random symmetric hollow UniFrac
+/// block.
+fn synthetic_batch(args: &StepArgs) -> Batch {
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let (b, s, l) = (args.asvs_per_sample.len(), args.token_limit, args.max_bp + 1);
+    let mut tokens = vec![0u8; b * s * l];
+    let mut counts = vec![0f32; b * s];
+    for (sample, &n) in args.asvs_per_sample.iter().enumerate() {
+        for slot in 0..n {
+            let row = &mut tokens[(sample * s + slot) * l..][..l];
+            row[0] = 5;
+            row[1..].iter_mut().for_each(|t| *t = rng.random_range(1..=4));
+            counts[sample * s + slot] = rng.random_range(1..200) as f32;
+        }
+    }
+    let mut unifrac = vec![0f32; b * b];
+    for i in 0..b {
+        for j in i + 1..b {
+            let d: f32 = rng.random();
+            unifrac[i * b + j] = d;
+            unifrac[j * b + i] = d;
+        }
+    }
+    Batch {
+        sample_ids: (0..b).map(|i| format!("synthetic{i}")).collect(),
+        positions: (0..b).collect(),
+        token_limit: s,
+        seq_len: l,
+        tokens,
+        counts,
+        unifrac: Some(unifrac),
+        targets: None,
+        categorical_ids: Vec::new(),
+    }
+}
+
+/// `pretrain`'s step (see `aam_train::run::fit`) on autodiff backend `AB`, repeated.
+fn time_steps<AB>(
+    args: &StepArgs,
+    config: &ModelConfig,
+    batch: &Batch,
+    device: &AB::Device,
+) -> Result<StepReport>
+where
+    AB: AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    AB::seed(device, args.seed);
+    let model: AamModel<AB> = config.init::<AB>(device)?;
+    let parameters = model
+        .state_dict_shapes(config)
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let AamModel::SequenceEncoder(mut encoder) = model else {
+        unreachable!("diagnose step builds a SequenceEncoder")
+    };
+    let loss = LossConfig {
+        penalty: 1.0,
+        nuc_penalty: 1.0,
+        count_penalty: 0.0,
+        ..Default::default()
+    };
+    // AdamW, weight decay 0.01: `pretrain`'s defaults.
+    let mut optimizer = Optimizer::<AB::InnerBackend>::new(OptimizerConfig::default());
+    let name = |path: &str| config.torch_key(path);
+    let lr = |_: &str| args.lr;
+    let mut times = Vec::new();
+    let mut losses = Vec::new();
+    let mut peak: Option<u64> = None;
+    let mut first_step_s = 0.0;
+    for step in 0..args.warmup + args.steps {
+        let started = Instant::now();
+        <AB as Backend>::seed(device, args.seed + step as u64);
+        set_attention_dropout_seed(args.seed + step as u64);
+        let (input, targets) = batch_tensors::<AB>(batch, device, false);
+        let predictions: Predictions<AB> = encoder
+            .forward(input.tokens, input.counts, true)
+            .into();
+        let parts = loss.forward(&predictions, &targets)?;
+        // `fit` reads the loss back every step (to stop on a non-finite one).
+        let total: f64 = parts.total.clone().into_scalar().elem();
+        ensure!(total.is_finite(), "step {step}: the loss is {total}");
+        let grads = parts.total.backward();
+        encoder = {
+            let buffer = GradientBuffer::collect(&encoder, &grads, &name, 1.0);
+            optimizer.step::<AB, _>(encoder, buffer, &name, &lr, None)
+        };
+        <AB::InnerBackend as Backend>::sync(device).map_err(|e| anyhow::anyhow!("synchronising the device: {e:?}"))?;
+        let seconds = started.elapsed().as_secs_f64();
+        if step == 0 {
+            first_step_s = seconds;
+            tracing::info!("first step (kernel compilation and autotuning): {seconds:.1} s");
+        }
+        if step >= args.warmup {
+            times.push(seconds * 1e3);
+            losses.push(total);
+        }
+        if let Some(bytes) = <AB::InnerBackend as AttentionBackend>::memory_reserved(device) {
+            peak = Some(peak.map_or(bytes, |p| p.max(bytes)));
+        }
+    }
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let step_ms = sorted[sorted.len() / 2];
+    Ok(StepReport {
+        backend: args.backend.name(),
+        attn_implementation: format!("{:?}", args.model.attn_implementation).to_lowercase(),
+        gradient_checkpointing: args.checkpointing.gradient_checkpointing,
+        batch_size: batch.batch_size(),
+        asvs_per_sample: args.asvs_per_sample.clone(),
+        parameters,
+        step_ms,
+        samples_per_sec: batch.batch_size() as f64 / (step_ms / 1e3),
+        step_times_ms: times,
+        peak_reserved_mib: peak.map(|b| b as f64 / (1u64 << 20) as f64),
+        first_step_s,
+        losses,
+    })
+}
