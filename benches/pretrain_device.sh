@@ -6,14 +6,23 @@
 # model measured in the same call (shared/bench/pt_reference_bench.py).
 #
 # Run from the repository root on the device (see README "GPU runs"), with carried:
-#   .carry/aam-rs.gz          cargo build --profile device -p aam-cli --features cuda; gzip
+#   .carry/gpu/aam-rs.{gz,xz}     CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
+#                             --features cuda,wgpu; gzip
+#   .carry/gpu/cache.tgz      optional: CubeCL's compiled kernels and autotune results from an
+#                             earlier call ($OUT/cache.tgz), so the first epoch skips the JIT
 #   .carry/oral2550/          oral_2550.biom, unifrac.unweighted.h5 (from ../shared/data)
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
-# Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference).
-# Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json.
+# Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference),
+#      TRAIN_TIMEOUT (s, default 480), TRAIN_ARGS (extra flags).
+# Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.tgz.
 set -uo pipefail
 EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}; ATTN=${ATTN:-auto}; PT=${PT:-1}
-mkdir -p /tmp/bin && gunzip -c .carry/aam-rs.gz > /tmp/bin/aam-rs && chmod +x /tmp/bin/aam-rs
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
+if [ -f .carry/gpu/aam-rs.xz ]; then xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs  # smaller carry
+else gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
+[ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
+trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
+export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ "$PT" = 1 ]; then
   AAM_SRC=.ref OUT=$OUT PYTHONUNBUFFERED=1 python3 .carry/pt_reference_bench.py > "$OUT/pt.log" 2>&1
@@ -23,10 +32,10 @@ fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/gpu_mem.csv" &
 SMI=$!
 start=$(date +%s)
-AAM_LOG=info /tmp/bin/aam-rs pretrain --backend "$BACKEND" --attn-implementation "$ATTN" \
+AAM_LOG=info timeout "${TRAIN_TIMEOUT:-480}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" --attn-implementation "$ATTN" \
   --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
   --rarefy-depth 1000 --epochs "$EPOCHS" --warmup-steps 100 --num-workers 8 \
-  --output-dir /tmp/run > "$OUT/aam.log" 2>&1
+  --output-dir /tmp/run ${TRAIN_ARGS:-} > "$OUT/aam.log" 2>&1
 rc=$?
 kill $SMI
 echo "aam-rs rc=$rc wall=$(( $(date +%s) - start ))s peak_gpu_mem_mib=$(sort -n "$OUT/gpu_mem.csv" | tail -1)"

@@ -6,7 +6,7 @@
 # without gradient checkpointing, per SDPA backend) in the same call.
 #
 # Run from the repository root on the device (README, "GPU runs"), with carry [".carry"]:
-#   .carry/gpu/aam-rs.gz       CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
+#   .carry/gpu/aam-rs.{gz,xz}      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
 #                              --features cuda,wgpu; gzip
 #   .carry/gpu/cache.tgz       optional: CubeCL's compiled kernels and autotune results from an
 #                              earlier call ($OUT/cache.tgz), so the first step skips the JIT
@@ -20,7 +20,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
 BACKEND=${BACKEND:-cuda}
-gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs && chmod +x /tmp/bin/aam-rs
+if [ -f .carry/gpu/aam-rs.xz ]; then xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs  # smaller carry
+else gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
 [ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
 trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

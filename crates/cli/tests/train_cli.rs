@@ -746,3 +746,100 @@ fn resume_continues_the_run() {
             == std::fs::read(&best).unwrap()
     );
 }
+
+/// Gradient checkpointing recomputes instead of storing; the run it trains is
+/// the same run (losses and weights), and `--no-gradient-checkpointing` after
+/// it turns it off again.
+#[test]
+fn gradient_checkpointing_trains_the_same_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plain = tmp.path().join("plain");
+    let ckpt = tmp.path().join("ckpt");
+    let off_again = tmp.path().join("off");
+    run_ok(&tiny("pretrain", &plain, 2));
+    let mut a = tiny("pretrain", &ckpt, 2);
+    a.push("--gradient-checkpointing".into());
+    let log = run_ok(&a);
+    assert!(log.contains("gradient checkpointing"), "{log}");
+    let mut a = tiny("pretrain", &off_again, 1);
+    a.extend(args(&["--gradient-checkpointing", "--no-gradient-checkpointing"]));
+    assert!(!run_ok(&a).contains("gradient checkpointing"));
+
+    let (_, want) = metrics(&plain);
+    let (_, got) = metrics(&ckpt);
+    for (w, g) in want.iter().zip(&got) {
+        for key in ["train_total_loss", "val_total_loss", "val_nuc_accuracy"] {
+            let (w, g) = (w[key], g[key]);
+            assert!(
+                (w - g).abs() <= 1e-6 * w.abs().max(1.0),
+                "{key}: {w} without, {g} with checkpointing"
+            );
+        }
+    }
+    let weights = |dir: &Path| std::fs::read(dir.join("checkpoints/last.safetensors")).unwrap();
+    let (w, g) = (weights(&plain), weights(&ckpt));
+    let tensors = |bytes: &[u8]| {
+        safetensors::SafeTensors::deserialize(bytes)
+            .unwrap()
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| name.starts_with("model."))
+            .map(|(name, view)| (name, view.data().to_vec()))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let (w, g) = (tensors(&w), tensors(&g));
+    assert!(w.len() > 10, "{} tensors", w.len());
+    for (name, bytes) in &w {
+        let other = &g[name];
+        let max_diff = bytes
+            .chunks(4)
+            .zip(other.chunks(4))
+            .map(|(a, b)| {
+                let a = f32::from_le_bytes(a.try_into().unwrap());
+                let b = f32::from_le_bytes(b.try_into().unwrap());
+                (a - b).abs()
+            })
+            .fold(0f32, f32::max);
+        assert!(max_diff <= 1e-6, "{name}: differs by {max_diff}");
+    }
+}
+
+/// `--memory-profile` on a backend that reports device memory (wgpu, on
+/// lavapipe in CI) writes the in-use bytes after each phase of the step; on
+/// one that does not (ndarray) it says so and the run goes on.
+#[test]
+fn memory_profile_reports_phases_or_says_why_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = tmp.path().join("cpu");
+    let mut a = tiny("pretrain", &cpu, 1);
+    a.push("--memory-profile".into());
+    let log = run_ok(&a);
+    assert!(log.contains("does not report device memory"), "{log}");
+    assert!(!cpu.join("memory_profile.csv").exists());
+
+    #[cfg(feature = "wgpu")]
+    {
+        let gpu = tmp.path().join("wgpu");
+        let mut a = tiny("pretrain", &gpu, 1);
+        a.extend(args(&["--memory-profile", "--backend", "wgpu"]));
+        let log = run_ok(&a);
+        assert!(log.contains("memory, epoch 1: peak in use"), "{log}");
+        let text = std::fs::read_to_string(gpu.join("memory_profile.csv")).unwrap();
+        let mut lines = text.lines();
+        assert_eq!(
+            lines.next(),
+            Some("epoch,phase,in_use_mib,pool_reserved_mib")
+        );
+        let rows: BTreeMap<String, (f64, f64)> = lines
+            .map(|l| {
+                let c: Vec<&str> = l.split(',').collect();
+                assert_eq!(c[0], "1", "{l}");
+                (c[1].to_string(), (c[2].parse().unwrap(), c[3].parse().unwrap()))
+            })
+            .collect();
+        for phase in ["upload", "forward", "loss", "backward", "optimizer"] {
+            let (in_use, reserved) = rows[phase];
+            assert!(in_use > 0.0 && in_use <= reserved, "{phase}: {in_use} of {reserved}");
+        }
+    }
+}

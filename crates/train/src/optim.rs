@@ -215,10 +215,17 @@ impl<B: Backend> Optimizer<B> {
     /// One update of every parameter that has a gradient in `grads`.
     /// `lr` gives the learning rate of a parameter by torch key (parameter
     /// groups); `beta1` overrides Adam's β1 (one-cycle momentum).
+    ///
+    /// Multi-tensor, as PyTorch's `foreach` optimisers: the parameters that
+    /// share a learning rate and a step count are concatenated into one flat
+    /// tensor and updated by a dozen element-wise kernels, then split back.
+    /// Per parameter that would be ~14 kernel launches each, ~2,000 a step
+    /// for the default model, and on a GPU each launch costs more than its
+    /// arithmetic. The arithmetic per element is unchanged (bit for bit).
     pub fn step<AB, M>(
         &mut self,
         module: M,
-        grads: GradientBuffer<B>,
+        mut grads: GradientBuffer<B>,
         name: &dyn Fn(&str) -> String,
         lr: &dyn Fn(&str) -> f64,
         beta1: Option<f64>,
@@ -227,15 +234,68 @@ impl<B: Backend> Optimizer<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: Module<AB>,
     {
-        struct Stepper<'a, AB: AutodiffBackend> {
-            optim: &'a mut Optimizer<AB::InnerBackend>,
-            grads: BTreeMap<String, Tensor<AB::InnerBackend, 1>>,
+        // 1. The parameters with a gradient, flattened, in module order.
+        struct Lister<'a, AB: AutodiffBackend> {
             name: &'a dyn Fn(&str) -> String,
-            lr: &'a dyn Fn(&str) -> f64,
-            beta1: Option<f64>,
+            has_grad: &'a BTreeMap<String, Tensor<AB::InnerBackend, 1>>,
+            path: PathTracker,
+            out: Vec<(String, Tensor<AB::InnerBackend, 1>)>,
+        }
+        impl<AB: AutodiffBackend> ModuleVisitor<AB> for Lister<'_, AB> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.enter(name);
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.exit();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+                let key = (self.name)(&self.path.current());
+                if self.has_grad.contains_key(&key) {
+                    let p = param.val().inner();
+                    let n = p.shape().num_elements();
+                    self.out.push((key, p.reshape([n])));
+                }
+            }
+        }
+        let mut lister = Lister::<AB> {
+            name,
+            has_grad: &grads.grads,
+            path: PathTracker { path: Vec::new() },
+            out: Vec::new(),
+        };
+        module.visit(&mut lister);
+
+        // 2. Groups of one learning rate and step count, each updated flat.
+        let mut groups: BTreeMap<(u64, u64), Vec<(String, Tensor<B, 1>)>> = BTreeMap::new();
+        for (key, p) in lister.out {
+            let step = self.state.get(&key).map_or(0, |s| s.step);
+            groups
+                .entry((lr(&key).to_bits(), step))
+                .or_default()
+                .push((key, p));
+        }
+        let mut updated: BTreeMap<String, Tensor<B, 1>> = BTreeMap::new();
+        for ((lr_bits, step), members) in groups {
+            let group_grads = members
+                .iter()
+                .map(|(key, _)| grads.grads.remove(key).expect("listed with a gradient"))
+                .collect();
+            updated.extend(self.update_group(
+                members,
+                group_grads,
+                step,
+                f64::from_bits(lr_bits),
+                beta1,
+            ));
+        }
+
+        // 3. The module with the updated values.
+        struct Writer<'a, AB: AutodiffBackend> {
+            name: &'a dyn Fn(&str) -> String,
+            updated: BTreeMap<String, Tensor<AB::InnerBackend, 1>>,
             path: PathTracker,
         }
-        impl<AB: AutodiffBackend> ModuleMapper<AB> for Stepper<'_, AB> {
+        impl<AB: AutodiffBackend> ModuleMapper<AB> for Writer<'_, AB> {
             fn enter_module(&mut self, name: &str, _: &str) {
                 self.path.enter(name);
             }
@@ -247,87 +307,78 @@ impl<B: Backend> Optimizer<B> {
                 param: Param<Tensor<AB, D>>,
             ) -> Param<Tensor<AB, D>> {
                 let key = (self.name)(&self.path.current());
-                let Some(grad) = self.grads.remove(&key) else {
+                let Some(value) = self.updated.remove(&key) else {
                     return param;
                 };
                 let (id, tensor, mapper) = param.consume();
-                let dims = tensor.dims();
                 let require_grad = tensor.is_require_grad();
-                let n = tensor.shape().num_elements();
-                let p = tensor.inner().reshape([n]);
-                let lr = (self.lr)(&key);
-                let updated = self.optim.update(&key, p, grad, lr, self.beta1);
-                let mut t = Tensor::<AB, D>::from_inner(updated.reshape(dims));
+                let mut t = Tensor::<AB, D>::from_inner(value.reshape(tensor.dims()));
                 if require_grad {
                     t = t.require_grad();
                 }
                 Param::from_mapped_value(id, t, mapper)
             }
         }
-        let mut stepper = Stepper::<AB> {
-            optim: self,
-            grads: grads.grads,
+        module.map(&mut Writer::<AB> {
             name,
-            lr,
-            beta1,
+            updated,
             path: PathTracker { path: Vec::new() },
-        };
-        module.map(&mut stepper)
+        })
     }
 
-    /// The PyTorch update of one flattened parameter.
-    fn update(
+    /// Updates parameters that share a learning rate and a step count as one
+    /// flat tensor; returns each parameter's new (flat) value. Their states
+    /// become slices of the group's new moments.
+    fn update_group(
         &mut self,
-        key: &str,
-        p: Tensor<B, 1>,
-        g: Tensor<B, 1>,
+        members: Vec<(String, Tensor<B, 1>)>,
+        grads: Vec<Tensor<B, 1>>,
+        step: u64,
         lr: f64,
         beta1: Option<f64>,
-    ) -> Tensor<B, 1> {
-        let c = &self.config;
-        let wd = c.weight_decay;
-        let state = self
-            .state
-            .entry(key.to_string())
-            .or_insert_with(|| ParamState {
-                step: 0,
+    ) -> Vec<(String, Tensor<B, 1>)> {
+        let sizes: Vec<usize> = members.iter().map(|(_, p)| p.dims()[0]).collect();
+        let (keys, params): (Vec<String>, Vec<Tensor<B, 1>>) = members.into_iter().unzip();
+        let p = flat(params);
+        let g = flat(grads);
+        let adam = self.config.kind != OptimizerKind::Sgd;
+        let mut state = if step == 0 {
+            ParamState {
+                step,
                 first: p.zeros_like(),
-                second: (c.kind != OptimizerKind::Sgd).then(|| p.zeros_like()),
-            });
-        state.step += 1;
-        match c.kind {
-            OptimizerKind::Adamw | OptimizerKind::Adam => {
-                let (p, g) = if c.kind == OptimizerKind::Adamw {
-                    (if wd != 0.0 { p * (1.0 - lr * wd) } else { p }, g)
-                } else {
-                    let g = if wd != 0.0 { g + p.clone() * wd } else { g };
-                    (p, g)
-                };
-                let b1 = beta1.unwrap_or(c.beta1);
-                let b2 = c.beta2;
-                let m = state.first.clone() * b1 + g.clone() * (1.0 - b1);
-                let v =
-                    state.second.take().expect("adam state") * b2 + g.powi_scalar(2) * (1.0 - b2);
-                let t = state.step as i32;
-                let bias1 = 1.0 - b1.powi(t);
-                let bias2 = 1.0 - b2.powi(t);
-                let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
-                let p = p - m.clone() / denom * (lr / bias1);
-                state.first = m;
-                state.second = Some(v);
-                p
+                second: adam.then(|| p.zeros_like()),
             }
-            OptimizerKind::Sgd => {
-                let g = if wd != 0.0 { g + p.clone() * wd } else { g };
-                let buf = if state.step == 1 {
-                    g
-                } else {
-                    state.first.clone() * c.momentum + g
-                };
-                state.first = buf.clone();
-                p - buf * lr
+        } else {
+            let mut firsts = Vec::with_capacity(keys.len());
+            let mut seconds = Vec::with_capacity(keys.len());
+            for key in &keys {
+                let s = self.state.remove(key).expect("a step > 0 has state");
+                firsts.push(s.first);
+                seconds.extend(s.second);
             }
+            ParamState {
+                step,
+                first: flat(firsts),
+                second: adam.then(|| flat(seconds)),
+            }
+        };
+        let p = self.config.update(&mut state, p, g, lr, beta1);
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(keys.len());
+        for (key, size) in keys.into_iter().zip(sizes) {
+            let piece = |t: &Tensor<B, 1>| t.clone().narrow(0, offset, size);
+            self.state.insert(
+                key.clone(),
+                ParamState {
+                    step: state.step,
+                    first: piece(&state.first),
+                    second: state.second.as_ref().map(piece),
+                },
+            );
+            out.push((key, piece(&p)));
+            offset += size;
         }
+        out
     }
 
     /// The state as named tensors (`optim.<key>.exp_avg`, `.exp_avg_sq`,
@@ -391,6 +442,65 @@ impl<B: Backend> Optimizer<B> {
             );
         }
         Ok(())
+    }
+}
+
+/// One flat tensor of `parts`, in order.
+fn flat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
+    if parts.len() == 1 {
+        parts.into_iter().next().expect("one part")
+    } else {
+        Tensor::cat(parts, 0)
+    }
+}
+
+impl OptimizerConfig {
+    /// The PyTorch update of flattened parameters `p` with gradients `g`;
+    /// advances `state` (its step and moments) and returns the new values.
+    fn update<B: Backend>(
+        &self,
+        state: &mut ParamState<B>,
+        p: Tensor<B, 1>,
+        g: Tensor<B, 1>,
+        lr: f64,
+        beta1: Option<f64>,
+    ) -> Tensor<B, 1> {
+        let c = self;
+        let wd = c.weight_decay;
+        state.step += 1;
+        match c.kind {
+            OptimizerKind::Adamw | OptimizerKind::Adam => {
+                let (p, g) = if c.kind == OptimizerKind::Adamw {
+                    (if wd != 0.0 { p * (1.0 - lr * wd) } else { p }, g)
+                } else {
+                    let g = if wd != 0.0 { g + p.clone() * wd } else { g };
+                    (p, g)
+                };
+                let b1 = beta1.unwrap_or(c.beta1);
+                let b2 = c.beta2;
+                let m = state.first.clone() * b1 + g.clone() * (1.0 - b1);
+                let v =
+                    state.second.take().expect("adam state") * b2 + g.powi_scalar(2) * (1.0 - b2);
+                let t = state.step as i32;
+                let bias1 = 1.0 - b1.powi(t);
+                let bias2 = 1.0 - b2.powi(t);
+                let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
+                let p = p - m.clone() / denom * (lr / bias1);
+                state.first = m;
+                state.second = Some(v);
+                p
+            }
+            OptimizerKind::Sgd => {
+                let g = if wd != 0.0 { g + p.clone() * wd } else { g };
+                let buf = if state.step == 1 {
+                    g
+                } else {
+                    state.first.clone() * c.momentum + g
+                };
+                state.first = buf.clone();
+                p - buf * lr
+            }
+        }
     }
 }
 
