@@ -179,8 +179,13 @@ impl<B: AttentionBackend> AsvEncoder<B> {
                 Some(bias) => bias.val().reshape([1, 1, vocab]),
                 None => Tensor::zeros([1, 1, vocab], &device),
             };
-            unpack_rows(logits, bias.expand([1, length, vocab]), &packed.non_empty, n_rows)
-                .reshape([batch, slots, length, vocab])
+            unpack_rows(
+                logits,
+                bias.expand([1, length, vocab]),
+                &packed.non_empty,
+                n_rows,
+            )
+            .reshape([batch, slots, length, vocab])
         });
         AsvEncoderOutput {
             asv_embeddings,
@@ -251,8 +256,9 @@ impl<B: AttentionBackend> AsvEncoder<B> {
     /// The token lookup, as a one-hot matrix times the table. Same values as
     /// `Embedding::forward`, but its gradient is a matmul: Burn's embedding
     /// backward is a `select_add` whose CubeCL kernel runs one thread per
-    /// column of the table (128) over all N·L tokens in series, which cost
-    /// more than the rest of a training step on a GPU.
+    /// column of the table (128) over all N·L tokens (~300k a batch) in
+    /// series. With the row packing above, it took the H100's step on the
+    /// reference batch from 380 to 283 ms (`benches/RESULTS.md`).
     ///
     /// # Shapes
     /// - rows: `[N, L]` → `[N, L, D]`
@@ -535,9 +541,19 @@ mod tests {
                 }
             }
             assert_eq!(out, want, "n = {n}");
-            let dpacked = packed.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
+            let dpacked = packed
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap();
             assert_eq!(dpacked, want_dpacked, "n = {n}");
-            let dfill = fill.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap();
+            let dfill = fill
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap();
             assert_eq!(dfill, want_dfill.to_vec(), "n = {n}");
         }
     }

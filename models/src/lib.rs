@@ -34,9 +34,9 @@ pub mod sequence_encoder;
 pub mod sequence_predictor;
 pub mod transformer;
 
-pub use aam_kernels::AttentionBackend;
 #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
 pub use aam_kernels::persist_compiled_kernels;
+pub use aam_kernels::AttentionBackend;
 pub use attention::{set_attention_dropout_seed, AttnImplementation};
 pub use nn::Activation;
 

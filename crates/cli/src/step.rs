@@ -19,14 +19,14 @@ use aam_models::import::{AamModel, ModelConfig};
 use aam_models::sequence_encoder::EncoderType;
 use aam_models::{set_attention_dropout_seed, AttentionBackend};
 use aam_train::loss::LossConfig;
-use aam_train::optim::{GradientBuffer, Optimizer, OptimizerConfig};
 use aam_train::loss::Predictions;
+use aam_train::optim::{GradientBuffer, Optimizer, OptimizerConfig};
 use aam_train::run::batch_tensors;
 use anyhow::{ensure, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
-use burn::tensor::backend::AutodiffBackend;
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
 use clap::Args;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -150,14 +150,20 @@ pub fn run(args: StepArgs) -> Result<()> {
 /// block.
 fn synthetic_batch(args: &StepArgs) -> Batch {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let (b, s, l) = (args.asvs_per_sample.len(), args.token_limit, args.max_bp + 1);
+    let (b, s, l) = (
+        args.asvs_per_sample.len(),
+        args.token_limit,
+        args.max_bp + 1,
+    );
     let mut tokens = vec![0u8; b * s * l];
     let mut counts = vec![0f32; b * s];
     for (sample, &n) in args.asvs_per_sample.iter().enumerate() {
         for slot in 0..n {
             let row = &mut tokens[(sample * s + slot) * l..][..l];
             row[0] = 5;
-            row[1..].iter_mut().for_each(|t| *t = rng.random_range(1..=4));
+            row[1..]
+                .iter_mut()
+                .for_each(|t| *t = rng.random_range(1..=4));
             counts[sample * s + slot] = rng.random_range(1..200) as f32;
         }
     }
@@ -222,9 +228,7 @@ where
         <AB as Backend>::seed(device, args.seed + step as u64);
         set_attention_dropout_seed(args.seed + step as u64);
         let (input, targets) = batch_tensors::<AB>(batch, device, false);
-        let predictions: Predictions<AB> = encoder
-            .forward(input.tokens, input.counts, true)
-            .into();
+        let predictions: Predictions<AB> = encoder.forward(input.tokens, input.counts, true).into();
         let parts = loss.forward(&predictions, &targets)?;
         // `fit` reads the loss back every step (to stop on a non-finite one).
         let total: f64 = parts.total.clone().into_scalar().elem();
@@ -234,7 +238,8 @@ where
             let buffer = GradientBuffer::collect(&encoder, &grads, &name, 1.0);
             optimizer.step::<AB, _>(encoder, buffer, &name, &lr, None)
         };
-        <AB::InnerBackend as Backend>::sync(device).map_err(|e| anyhow::anyhow!("synchronising the device: {e:?}"))?;
+        <AB::InnerBackend as Backend>::sync(device)
+            .map_err(|e| anyhow::anyhow!("synchronising the device: {e:?}"))?;
         let seconds = started.elapsed().as_secs_f64();
         if step == 0 {
             first_step_s = seconds;

@@ -656,7 +656,12 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
     let (model_config, run) = match &resume {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
         None => {
-            let base = base_config(&args.model, args.data.max_bp, args.data.token_limit, EncoderType::Unifrac)?;
+            let base = base_config(
+                &args.model,
+                args.data.max_bp,
+                args.data.token_limit,
+                EncoderType::Unifrac,
+            )?;
             let loss = LossConfig {
                 penalty: args.penalty,
                 nuc_penalty: args.nuc_penalty,
@@ -762,7 +767,12 @@ fn train_setup(
     p: &Prepared,
     pretrained: Option<&Checkpoint>,
 ) -> Result<(ModelConfig, RunConfig, DataInfo)> {
-    let mut base = base_config(&args.model, args.data.max_bp, args.data.token_limit, EncoderType::Unifrac)?;
+    let mut base = base_config(
+        &args.model,
+        args.data.max_bp,
+        args.data.token_limit,
+        EncoderType::Unifrac,
+    )?;
     if let Some(ckpt) = pretrained {
         let path = &ckpt.path;
         let ModelConfig::SequenceEncoder(encoder) = &ckpt.meta.model else {
@@ -1011,7 +1021,9 @@ fn fit_on<B: AttentionBackend>(
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
     if r.checkpointing.gradient_checkpointing {
-        tracing::info!("gradient checkpointing: memory-bound operations are recomputed in the backward pass");
+        tracing::info!(
+            "gradient checkpointing: memory-bound operations are recomputed in the backward pass"
+        );
         fit_with::<Autodiff<B, BalancedCheckpointing>>(
             device,
             r,

@@ -762,7 +762,10 @@ fn gradient_checkpointing_trains_the_same_model() {
     let log = run_ok(&a);
     assert!(log.contains("gradient checkpointing"), "{log}");
     let mut a = tiny("pretrain", &off_again, 1);
-    a.extend(args(&["--gradient-checkpointing", "--no-gradient-checkpointing"]));
+    a.extend(args(&[
+        "--gradient-checkpointing",
+        "--no-gradient-checkpointing",
+    ]));
     assert!(!run_ok(&a).contains("gradient checkpointing"));
 
     let (_, want) = metrics(&plain);
@@ -834,12 +837,18 @@ fn memory_profile_reports_phases_or_says_why_not() {
             .map(|l| {
                 let c: Vec<&str> = l.split(',').collect();
                 assert_eq!(c[0], "1", "{l}");
-                (c[1].to_string(), (c[2].parse().unwrap(), c[3].parse().unwrap()))
+                (
+                    c[1].to_string(),
+                    (c[2].parse().unwrap(), c[3].parse().unwrap()),
+                )
             })
             .collect();
         for phase in ["upload", "forward", "loss", "backward", "optimizer"] {
             let (in_use, reserved) = rows[phase];
-            assert!(in_use > 0.0 && in_use <= reserved, "{phase}: {in_use} of {reserved}");
+            assert!(
+                in_use > 0.0 && in_use <= reserved,
+                "{phase}: {in_use} of {reserved}"
+            );
         }
     }
 }
