@@ -88,6 +88,10 @@ struct StepReport {
     /// Largest size of the backend's memory pool after a step (None where the
     /// backend does not report it).
     peak_reserved_mib: Option<f64>,
+    /// Live tensors after the loss, the step's high-water mark (every
+    /// activation the backward pass needs is held then); the largest over
+    /// the steps. Comparable to PyTorch's `max_memory_allocated`.
+    peak_in_use_mib: Option<f64>,
     first_step_s: f64,
     losses: Vec<f64>,
 }
@@ -128,15 +132,15 @@ pub fn run(args: StepArgs) -> Result<()> {
         report.asvs_per_sample.iter().sum::<usize>(),
         report.parameters
     );
+    let mib = |m: Option<f64>| m.map_or("not reported".to_string(), |m| format!("{m:.0} MiB"));
     println!(
-        "first step {:.1} s; median of {} steps: {:.1} ms/step, {:.1} samples/s, memory pool {}",
+        "first step {:.1} s; median of {} steps: {:.1} ms/step, {:.1} samples/s, memory pool {}, live peak {}",
         report.first_step_s,
         report.step_times_ms.len(),
         report.step_ms,
         report.samples_per_sec,
-        report
-            .peak_reserved_mib
-            .map_or("not reported".to_string(), |m| format!("{m:.0} MiB"))
+        mib(report.peak_reserved_mib),
+        mib(report.peak_in_use_mib),
     );
     if let Some(path) = &args.json_out {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
@@ -222,6 +226,7 @@ where
     let mut times = Vec::new();
     let mut losses = Vec::new();
     let mut peak: Option<u64> = None;
+    let mut peak_in_use: Option<u64> = None;
     let mut first_step_s = 0.0;
     for step in 0..args.warmup + args.steps {
         let started = Instant::now();
@@ -233,6 +238,9 @@ where
         // `fit` reads the loss back every step (to stop on a non-finite one).
         let total: f64 = parts.total.clone().into_scalar().elem();
         ensure!(total.is_finite(), "step {step}: the loss is {total}");
+        if let Some(bytes) = <AB::InnerBackend as AttentionBackend>::memory_in_use(device) {
+            peak_in_use = Some(peak_in_use.map_or(bytes, |p| p.max(bytes)));
+        }
         let grads = parts.total.backward();
         encoder = {
             let buffer = GradientBuffer::collect(&encoder, &grads, &name, 1.0);
@@ -267,6 +275,7 @@ where
         samples_per_sec: batch.batch_size() as f64 / (step_ms / 1e3),
         step_times_ms: times,
         peak_reserved_mib: peak.map(|b| b as f64 / (1u64 << 20) as f64),
+        peak_in_use_mib: peak_in_use.map(|b| b as f64 / (1u64 << 20) as f64),
         first_step_s,
         losses,
     })

@@ -1,6 +1,7 @@
-//! `aam-rs diagnose attention` through the binary: it passes a correct
+//! `aam-rs diagnose` through the binary. `attention` passes a correct
 //! backend, fails (exit 1, naming the path) when a wrong attention is injected,
 //! and on wgpu (lavapipe in CI) checks the fused kernel beside the math path.
+//! `step` times training steps of a tiny model on a fixed batch.
 
 use std::process::{Command, Output};
 
@@ -122,4 +123,70 @@ fn wgpu_fused_and_math_paths_agree_with_the_f64_oracle() {
         );
         assert!(of_path.iter().all(|row| row["verdict"] == "ok"), "{path}");
     }
+}
+
+/// `aam-rs diagnose step` on a tiny model: it trains (the loss of the fixed
+/// batch falls), reports every timed step and says what it cannot measure.
+#[test]
+fn step_times_training_steps_on_a_fixed_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("step.json");
+    let tiny = [
+        "diagnose",
+        "step",
+        "--asvs-per-sample",
+        "5,9,3,7",
+        "--token-limit",
+        "16",
+        "--max-bp",
+        "30",
+        "--embedding-dim",
+        "16",
+        "--attention-heads",
+        "2",
+        "--attention-layers",
+        "1",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "1",
+        "--steps",
+        "6",
+    ];
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(tiny)
+        .arg("--json-out")
+        .arg(&json)
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("samples/s"), "{stdout}");
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(r["batch_size"], 4);
+    assert_eq!(r["step_times_ms"].as_array().unwrap().len(), 6);
+    assert!(r["step_ms"].as_f64().unwrap() > 0.0);
+    assert!(r["peak_reserved_mib"].is_null() && r["peak_in_use_mib"].is_null());
+    let losses: Vec<f64> = r["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert!(losses.iter().all(|l| l.is_finite()));
+    assert!(
+        losses[5] < losses[0],
+        "the fixed batch's loss should fall: {losses:?}"
+    );
+
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(["diagnose", "step", "--asvs-per-sample", "5"])
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--asvs-per-sample"));
 }
