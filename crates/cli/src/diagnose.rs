@@ -87,8 +87,8 @@ pub struct AttentionArgs {
     /// Only these paths (default: every path the backend has).
     #[arg(long, value_enum, value_delimiter = ',')]
     paths: Vec<PathKind>,
-    /// Only these cases: asv, sample, edge-dh16, edge-dh64 (default: all).
-    #[arg(long, value_delimiter = ',')]
+    /// Only these cases (default: all).
+    #[arg(long, value_delimiter = ',', value_parser = ["asv", "sample", "edge-dh16", "edge-dh64"])]
     cases: Vec<String>,
 }
 
@@ -448,6 +448,14 @@ fn run_attention(args: AttentionArgs) -> Result<()> {
         &device,
         &mut on_row
     )))?;
+    // A diagnostic that checked nothing must not pass.
+    if rows.is_empty() {
+        bail!(
+            "nothing was checked: --paths {:?} selects no attention path that backend {} has",
+            args.paths,
+            args.backend.name()
+        );
+    }
     let correct = !rows.iter().any(|r| r.verdict.failed());
     let report = Report {
         backend: args.backend.name(),

@@ -101,6 +101,13 @@ fn bad_arguments_name_the_flag() {
     let out = diagnose(&["--dtypes", "f8"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--dtypes"));
+    let out = diagnose(&["--cases", "asv,sampel"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--cases"));
+    // Selecting no path this backend has checks nothing, which must not pass.
+    let out = diagnose(&["--backend", "ndarray", "--paths", "fused"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing was checked"));
 }
 
 #[cfg(feature = "wgpu")]
