@@ -15,10 +15,11 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
-# CubeCL's autotune results (target/autotune under the repository root) go back in
-# $OUT/autotune.tgz; carried in .carry/gpu/autotune.tgz, a later call skips the tuning.
-trap 'tar czf "$OUT/autotune.tgz" target/autotune 2>/dev/null' EXIT
-[ -f .carry/gpu/autotune.tgz ] && tar xzf .carry/gpu/autotune.tgz
+# CubeCL's autotune results and compiled kernels (target/ under the repository root) go back
+# in $OUT/cache.tgz; carried in .carry/gpu/cache.tgz, a later call skips the tuning and the
+# JIT (the same convention as benches/step_device.sh and benches/pretrain_device.sh).
+trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
+[ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
 mkdir -p /tmp/gpu
 bins=aam-rs; [ "${PARITY:-1}" = 1 ] && bins="aam-rs backend_parity"
 for b in $bins; do gunzip -c ".carry/gpu/$b.gz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"; done
