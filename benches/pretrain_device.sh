@@ -8,20 +8,20 @@
 # Run from the repository root on the device (see README "GPU runs"), with carried:
 #   .carry/gpu/aam-rs.{gz,xz}     CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
 #                             --features cuda,wgpu; gzip
-#   .carry/gpu/cache.tgz      optional: CubeCL's compiled kernels and autotune results from an
-#                             earlier call ($OUT/cache.tgz), so the first epoch skips the JIT
+#   .carry/gpu/cache/         optional: CubeCL's compiled kernels and autotune results from an
+#                             earlier call ($OUT/cache.txz.*; benches/kernel_cache.sh), so the
+#                             first epoch skips the JIT
 #   .carry/oral2550/          oral_2550.biom, unifrac.unweighted.h5 (from ../shared/data)
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference),
 #      TRAIN_TIMEOUT (s, default 480), TRAIN_ARGS (extra flags).
-# Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.tgz.
+# Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.txz.*.
 set -uo pipefail
 EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}; ATTN=${ATTN:-auto}; PT=${PT:-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
 if [ -f .carry/gpu/aam-rs.xz ]; then xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs  # smaller carry
 else gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
-[ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
-trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
+source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ "$PT" = 1 ]; then

@@ -8,44 +8,59 @@
 # Run from the repository root on the device (README, "GPU runs"), with carry [".carry"]:
 #   .carry/gpu/aam-rs.{gz,xz}      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
 #                              --features cuda,wgpu; gzip
-#   .carry/gpu/cache.tgz       optional: CubeCL's compiled kernels and autotune results from an
-#                              earlier call ($OUT/cache.tgz), so the first step skips the JIT
+#   .carry/gpu/cache/          optional: CubeCL's compiled kernels and autotune results from an
+#                              earlier call ($OUT/cache.txz.*; benches/kernel_cache.sh), so the
+#                              first step skips the JIT
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
-# Env: VARIANTS (default "auto auto:ckpt math": attention path, ":ckpt" adds
-#      --gradient-checkpointing), BACKEND (cuda), PT (1: also run the reference),
+# Env: VARIANTS (default "auto auto:ckpt math": the attention path, then options, each after
+#      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision),
+#      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
+#      in this order), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
 #      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT).
-# Writes to $OUT: step_<variant>.{json,log}, gpu_mem_<variant>.csv, pt.log, pt_anchor.json,
-# cache.tgz.
+# Writes to $OUT: step_[<bin>_]<variant>.{json,log}, gpu_mem_*.csv, pt.log, pt_anchor.json,
+# cache.txz.*.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
 BACKEND=${BACKEND:-cuda}
-if [ -f .carry/gpu/aam-rs.xz ]; then xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs  # smaller carry
-else gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
-[ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
-trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
+BINS=${BINS:-aam-rs}
+for bin in $BINS; do
+  if [ -f ".carry/gpu/$bin.xz" ]; then xz -dc ".carry/gpu/$bin.xz" > "/tmp/bin/$bin"  # smaller carry
+  else gunzip -c ".carry/gpu/$bin.gz" > "/tmp/bin/$bin"; fi; chmod +x "/tmp/bin/$bin"
+done
+first_bin=${BINS%% *}
+source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 status=0
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== profiled step (CUBECL_DEBUG_OPTION=profile)"
   CUBECL_DEBUG_LOG="$OUT/cubecl_profile.log" CUBECL_DEBUG_OPTION=profile \
-    timeout "${STEP_TIMEOUT:-240}" /tmp/bin/aam-rs diagnose step --backend "$BACKEND" \
+    timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$first_bin" diagnose step --backend "$BACKEND" \
     --warmup 2 --steps 2 ${STEP_ARGS:-} 2>&1 | tail -2
   gzip -f "$OUT/cubecl_profile.log"
 fi
+for bin in $BINS; do
 for variant in ${VARIANTS:-auto auto:ckpt math}; do
-  attn=${variant%%:*}; name=${variant/:/_}; flags=""
-  [ "$variant" != "$attn" ] && flags="--gradient-checkpointing"
-  echo "== aam-rs diagnose step --attn-implementation $attn $flags"
+  attn=${variant%%:*}; flags=""
+  for opt in $(echo "${variant#"$attn"}" | tr ':' ' '); do
+    case $opt in
+      ckpt) flags="$flags --gradient-checkpointing" ;;
+      bf16|fp16) flags="$flags --mixed-precision $opt" ;;
+      *) echo "unknown variant option $opt" >&2; exit 2 ;;
+    esac
+  done
+  name=${variant//:/_}; [ "$bin" != aam-rs ] && name="${bin#aam-rs-}_$name"
+  echo "== $bin diagnose step --attn-implementation $attn$flags"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
   smi=$!
-  timeout "${STEP_TIMEOUT:-240}" /tmp/bin/aam-rs diagnose step --backend "$BACKEND" \
+  timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" diagnose step --backend "$BACKEND" \
     --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" ${STEP_ARGS:-} 2>&1 \
     | tee "$OUT/step_$name.log" | tail -2
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1
   kill $smi
   echo "rc=$rc peak nvidia-smi MiB: $(sort -n "$OUT/gpu_mem_$name.csv" | tail -1)"
+done
 done
 if [ "${PT:-1}" = 1 ]; then
   echo "== reference (pt_reference_bench.py)"

@@ -16,10 +16,9 @@ if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.jso
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
 # CubeCL's autotune results and compiled kernels (target/ under the repository root) go back
-# in $OUT/cache.tgz; carried in .carry/gpu/cache.tgz, a later call skips the tuning and the
+# in $OUT/cache.txz.* (benches/kernel_cache.sh); carried in .carry/gpu/cache/, a later call skips the tuning and the
 # JIT (the same convention as benches/step_device.sh and benches/pretrain_device.sh).
-trap 'tar czf "$OUT/cache.tgz" target 2>/dev/null' EXIT
-[ -f .carry/gpu/cache.tgz ] && tar xzf .carry/gpu/cache.tgz
+source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
 mkdir -p /tmp/gpu
 bins=aam-rs; [ "${PARITY:-1}" = 1 ] && bins="aam-rs backend_parity"
 for b in $bins; do gunzip -c ".carry/gpu/$b.gz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"; done

@@ -1,14 +1,15 @@
 //! [`AttentionBackend`] for `Autodiff<B>`: the fused forward saves its inputs
 //! and row statistics, and the backward runs the dQ and dK/dV kernels, so a
-//! training step never materialises the `[T, T]` attention matrix.
+//! training step never materialises the `[T, T]` attention matrix. Exact GELU
+//! is one node that keeps only its input.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
-use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::ops::{BoolTensor, FloatTensor, FloatTensorOps};
 
 use crate::{AttentionBackend, AttentionDropout};
 
@@ -55,9 +56,52 @@ impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
     }
 }
 
+/// Exact GELU's backward: `dx = dy · (Φ(x) + x·φ(x))` from the saved `x`.
+#[derive(Debug)]
+struct GeluExactBackward;
+
+impl<B: AttentionBackend> Backward<B, 1> for GeluExactBackward {
+    type State = NodeId;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state);
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            // φ(x) = exp(−x²/2)/√(2π)
+            let pdf = B::float_mul_scalar(
+                B::float_exp(B::float_mul_scalar(
+                    B::float_powi_scalar(x.clone(), 2.into()),
+                    (-0.5).into(),
+                )),
+                (1.0 / (2.0 * std::f64::consts::PI).sqrt()).into(),
+            );
+            let derivative = B::float_add(crate::normal_cdf::<B>(x.clone()), B::float_mul(x, pdf));
+            B::float_mul(grad, derivative)
+        });
+    }
+}
+
 impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     fn has_fused_attention() -> bool {
         B::has_fused_attention()
+    }
+
+    fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match GeluExactBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = prep.checkpoint(&x);
+                prep.finish(state, B::gelu_exact(x.primitive))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gelu_exact(x.primitive)),
+        }
     }
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {

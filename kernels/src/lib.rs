@@ -22,18 +22,22 @@
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV).
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
+//! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
+//!   kernels as custom operations of the lazy fusion stream.
 //!
 //! Backends without a kernel (ndarray, candle, libtorch) implement the trait
 //! with `has_fused_attention() == false`; callers then run their math path.
 
 use burn::prelude::*;
 use burn::tensor::activation;
-use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::ops::{BoolTensor, FloatTensor, FloatTensorOps};
 use burn::tensor::TensorPrimitive;
 
 mod backward;
 #[cfg(feature = "cubecl")]
 mod forward;
+#[cfg(feature = "fusion")]
+mod fusion;
 #[cfg(feature = "cubecl")]
 mod kernel;
 
@@ -79,7 +83,8 @@ impl AttentionDropout {
     pub const NONE: AttentionDropout = AttentionDropout { prob: 0.0, seed: 0 };
 }
 
-/// A Burn backend that may run masked attention as one fused kernel.
+/// The backend extensions of aam-rs: masked attention as one fused kernel
+/// (where the backend has it), and exact GELU with a lean backward.
 pub trait AttentionBackend: Backend {
     /// Whether [`AttentionBackend::fused_masked_attention`] runs a kernel here.
     fn has_fused_attention() -> bool {
@@ -99,6 +104,20 @@ pub trait AttentionBackend: Backend {
     fn memory_in_use(device: &Self::Device) -> Option<u64> {
         let _ = device;
         None
+    }
+
+    /// Exact (erf) GELU, `x·Φ(x) = ½·x·(1 + erf(x/√2))`.
+    ///
+    /// A backend extension for its gradient, not its value: built from
+    /// tensor ops, autodiff would keep `x/√2` and `Φ(x)` besides `x` for the
+    /// backward pass, two more copies of the feed-forward activation (the
+    /// largest of a step) per layer. `Autodiff<B>` overrides it with one node
+    /// that keeps only `x` and computes the exact derivative
+    /// `Φ(x) + x·φ(x)` in the backward pass. (Burn's own `gelu` keeps only
+    /// `x` too, but differentiates the tanh approximation.)
+    fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let cdf = normal_cdf::<Self>(x.clone());
+        Self::float_mul(x, cdf)
     }
 
     /// Fused masked attention.
@@ -153,6 +172,15 @@ pub trait AttentionBackend: Backend {
         let _ = (q, k, v, key_padding_mask, out, lse, dout, scale, dropout);
         panic!("this backend has no fused attention kernel; use the math path")
     }
+}
+
+/// `Φ(x) = ½·(1 + erf(x/√2))`, the standard normal CDF.
+pub(crate) fn normal_cdf<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let erf = B::float_erf(B::float_mul_scalar(
+        x,
+        std::f64::consts::FRAC_1_SQRT_2.into(),
+    ));
+    B::float_mul_scalar(B::float_add_scalar(erf, 1.0.into()), 0.5.into())
 }
 
 /// Runs the fused kernel on tensors.

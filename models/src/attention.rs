@@ -23,6 +23,8 @@ use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 
 use crate::nn::{xavier_uniform, Linear, LinearConfig};
+use crate::precision::cast_to;
+use burn::tensor::DType;
 
 /// Which implementation computes masked attention.
 ///
@@ -132,7 +134,11 @@ pub fn math_attention<B: Backend>(
     let [n, _h, _tq, head_dim] = q.dims();
     let tk = k.dims()[2];
     let scale = (head_dim as f64).sqrt().recip();
-    let scores = (q * scale).matmul(k.swap_dims(2, 3));
+    // Scores are taken in the inputs' type; the softmax runs in f32 whatever
+    // it is (as under torch.autocast), and the probabilities return to the
+    // inputs' type for the product with v.
+    let compute_dtype = v.dtype();
+    let scores = cast_to((q * scale).matmul(k.swap_dims(2, 3)), DType::F32);
     let probs = match key_padding_mask {
         Some(mask) => {
             let mask = mask.reshape([n, 1, 1, tk]);
@@ -147,7 +153,7 @@ pub fn math_attention<B: Backend>(
         }
         None => activation::softmax(scores, 3),
     };
-    let probs = dropout.forward(probs);
+    let probs = dropout.forward(cast_to(probs, compute_dtype));
     let context = probs.clone().matmul(v);
     (context, need_weights.then_some(probs))
 }
@@ -218,10 +224,12 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         key_padding_mask: Option<Tensor<B, 2, Bool>>,
     ) -> Tensor<B, 3> {
         let [n, t, d] = x.dims();
+        // In the input's float type (mixed precision, see `precision.rs`).
+        let dtype = x.dtype();
         let qkv = burn::tensor::module::linear(
             x,
-            self.in_proj_weight.val().transpose(),
-            Some(self.in_proj_bias.val()),
+            cast_to(self.in_proj_weight.val(), dtype).transpose(),
+            Some(cast_to(self.in_proj_bias.val(), dtype)),
         );
         let q = self.split_heads(qkv.clone().narrow(2, 0, d));
         let k = self.split_heads(qkv.clone().narrow(2, d, d));
@@ -251,8 +259,9 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         value: Tensor<B, 3>,
     ) -> (Tensor<B, 3>, Tensor<B, 4>) {
         let [n, tq, d] = query.dims();
-        let w = self.in_proj_weight.val();
-        let b = self.in_proj_bias.val();
+        let dtype = query.dtype();
+        let w = cast_to(self.in_proj_weight.val(), dtype);
+        let b = cast_to(self.in_proj_bias.val(), dtype);
         let project = |x: Tensor<B, 3>, i: usize| {
             burn::tensor::module::linear(
                 x,

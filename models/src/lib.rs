@@ -29,6 +29,7 @@ pub mod import;
 pub mod nn;
 pub mod output;
 pub mod pooling;
+pub mod precision;
 pub mod sample_encoder;
 pub mod sequence_encoder;
 pub mod sequence_predictor;
@@ -39,6 +40,7 @@ pub use aam_kernels::persist_compiled_kernels;
 pub use aam_kernels::AttentionBackend;
 pub use attention::{set_attention_dropout_seed, AttnImplementation};
 pub use nn::Activation;
+pub use precision::{autocast, MixedPrecision};
 
 /// Errors of this crate: invalid configurations and weight files.
 #[derive(Debug, thiserror::Error)]

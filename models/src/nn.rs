@@ -12,6 +12,9 @@ use burn::prelude::*;
 use burn::tensor::{activation, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
+use crate::precision::cast_to;
+use aam_kernels::AttentionBackend;
+
 /// How a [`Linear`] is initialised (only matters for training from scratch).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LinearInit {
@@ -69,14 +72,18 @@ impl LinearConfig {
 }
 
 impl<B: Backend> Linear<B> {
+    /// Computes in the input's float type: f32 weights are cast to it at use
+    /// (mixed precision, see `precision.rs`).
+    ///
     /// # Shapes
     /// - input: `[..., d_input]`
     /// - output: `[..., d_output]`
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = input.dtype();
         burn::tensor::module::linear(
             input,
-            self.weight.val().transpose(),
-            self.bias.as_ref().map(|b| b.val()),
+            cast_to(self.weight.val(), dtype).transpose(),
+            self.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
         )
     }
 }
@@ -140,7 +147,7 @@ pub enum Activation {
 
 impl Activation {
     /// Applies the activation element-wise.
-    pub fn forward<B: Backend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    pub fn forward<B: AttentionBackend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         match self {
             Activation::Gelu => gelu(x),
             Activation::Relu => activation::relu(x),
@@ -148,18 +155,20 @@ impl Activation {
     }
 }
 
-/// Exact GELU, `x·Φ(x) = ½·x·(1 + erf(x/√2))`, built from `erf` so that its
-/// gradient is exact too.
+/// Exact GELU, `x·Φ(x) = ½·x·(1 + erf(x/√2))`, as `nn.GELU()`, value and
+/// gradient.
 ///
 /// Burn 0.21's fused `gelu` computes the erf form forward but differentiates
 /// the tanh approximation (`gelu_backward`), off by up to ~9e-4 per element;
 /// training would then follow a slightly different gradient than the
-/// reference's `nn.GELU()`.
-pub fn gelu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let cdf = (x.clone() * std::f64::consts::FRAC_1_SQRT_2)
-        .erf()
-        .add_scalar(1.0);
-    x * cdf * 0.5
+/// reference's. Built from `erf` instead, autodiff would keep two extra
+/// copies of the feed-forward activation per layer. The backend op
+/// ([`AttentionBackend::gelu_exact`]) keeps only `x` and differentiates
+/// exactly.
+pub fn gelu<B: AttentionBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact(
+        x.into_primitive().tensor(),
+    )))
 }
 
 /// `torch.nn.functional.softplus(x, beta=1, threshold=20)`: `ln(1 + eˣ)`, and `x`

@@ -12,6 +12,7 @@ use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
 use crate::nn::{Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use crate::precision::{cast_to, compute_dtype};
 
 /// Configuration of one [`TransformerEncoderLayer`].
 #[derive(Config, Debug)]
@@ -83,17 +84,23 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
         x: Tensor<B, 3>,
         key_padding_mask: Option<Tensor<B, 2, Bool>>,
     ) -> Tensor<B, 3> {
+        // Mixed precision: the residual stream and the norms stay in x's type
+        // (f32); attention and the feed-forward run in the scope's low type.
+        let residual_dtype = x.dtype();
+        let compute_dtype = compute_dtype().unwrap_or(residual_dtype);
+        let low = |t: Tensor<B, 3>| cast_to(t, compute_dtype);
+        let back = |t: Tensor<B, 3>| cast_to(t, residual_dtype);
         // 1-3. x = x + dropout(MHA(LN1(x)))
         let attn = self
             .self_attn
-            .self_attention(self.norm1.forward(x.clone()), key_padding_mask);
-        let x = x + self.dropout1.forward(attn);
+            .self_attention(low(self.norm1.forward(x.clone())), key_padding_mask);
+        let x = x + back(self.dropout1.forward(attn));
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
         let h = self
             .activation
-            .forward(self.linear1.forward(self.norm2.forward(x.clone())));
+            .forward(self.linear1.forward(low(self.norm2.forward(x.clone()))));
         let ff = self.linear2.forward(self.dropout.forward(h));
-        x + self.dropout2.forward(ff)
+        x + back(self.dropout2.forward(ff))
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::Instant;
 use aam_data::Batch;
 use aam_models::import::{AamModel, ModelConfig};
 use aam_models::sequence_encoder::EncoderType;
-use aam_models::{set_attention_dropout_seed, AttentionBackend};
+use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPrecision};
 use aam_train::loss::LossConfig;
 use aam_train::loss::Predictions;
 use aam_train::optim::{GradientBuffer, Optimizer, OptimizerConfig};
@@ -33,7 +33,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
 use crate::backend::BackendKind;
-use crate::train::{base_config, CheckpointingArgs, ModelArgs};
+use crate::train::{base_config, CheckpointingArgs, ModelArgs, PrecisionArgs};
 
 /// `aam-rs diagnose step`.
 #[derive(Args, Debug)]
@@ -45,6 +45,8 @@ pub struct StepArgs {
     model: ModelArgs,
     #[command(flatten)]
     checkpointing: CheckpointingArgs,
+    #[command(flatten)]
+    precision: PrecisionArgs,
     /// ASVs in each sample of the batch (the batch size is their number).
     #[arg(long, value_delimiter = ',', default_values_t = [120, 250, 80, 400, 300, 150, 500, 200])]
     asvs_per_sample: Vec<usize>,
@@ -77,6 +79,7 @@ struct StepReport {
     backend: String,
     attn_implementation: String,
     gradient_checkpointing: bool,
+    mixed_precision: MixedPrecision,
     batch_size: usize,
     asvs_per_sample: Vec<usize>,
     parameters: usize,
@@ -117,6 +120,7 @@ pub fn run(args: StepArgs) -> Result<()> {
     )?);
     let batch = synthetic_batch(&args);
     let report = crate::with_backend!(args.backend, |B, device| {
+        args.precision.check::<B>(&device, &args.backend.name())?;
         if args.checkpointing.gradient_checkpointing {
             time_steps::<Autodiff<B, BalancedCheckpointing>>(&args, &config, &batch, &device)
         } else {
@@ -124,10 +128,11 @@ pub fn run(args: StepArgs) -> Result<()> {
         }
     })?;
     println!(
-        "aam-rs diagnose step: backend {}, attention {}, gradient checkpointing {}, batch {} ({} ASVs), {} parameters",
+        "aam-rs diagnose step: backend {}, attention {}, gradient checkpointing {}, mixed precision {:?}, batch {} ({} ASVs), {} parameters",
         report.backend,
         report.attn_implementation,
         if report.gradient_checkpointing { "on" } else { "off" },
+        report.mixed_precision,
         report.batch_size,
         report.asvs_per_sample.iter().sum::<usize>(),
         report.parameters
@@ -233,7 +238,10 @@ where
         <AB as Backend>::seed(device, args.seed + step as u64);
         set_attention_dropout_seed(args.seed + step as u64);
         let (input, targets) = batch_tensors::<AB>(batch, device, false);
-        let predictions: Predictions<AB> = encoder.forward(input.tokens, input.counts, true).into();
+        let predictions: Predictions<AB> = {
+            let _autocast = autocast(args.precision.mixed_precision);
+            encoder.forward(input.tokens, input.counts, true).into()
+        };
         let parts = loss.forward(&predictions, &targets)?;
         // `fit` reads the loss back every step (to stop on a non-finite one).
         let total: f64 = parts.total.clone().into_scalar().elem();
@@ -268,6 +276,7 @@ where
         backend: args.backend.name(),
         attn_implementation: format!("{:?}", args.model.attn_implementation).to_lowercase(),
         gradient_checkpointing: args.checkpointing.gradient_checkpointing,
+        mixed_precision: args.precision.mixed_precision,
         batch_size: batch.batch_size(),
         asvs_per_sample: args.asvs_per_sample.clone(),
         parameters,

@@ -17,7 +17,7 @@ use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
 use aam_models::sequence_predictor::{
     CategoricalFusion, OutputActivation, SequencePredictorConfig,
 };
-use aam_models::{AttentionBackend, AttnImplementation};
+use aam_models::{AttentionBackend, AttnImplementation, MixedPrecision};
 use aam_train::checkpoint::{read_checkpoint, Checkpoint, DataInfo};
 use aam_train::loss::{BaseLoss, LossConfig, TargetLossKind};
 use aam_train::optim::{OptimizerConfig, OptimizerKind};
@@ -27,6 +27,7 @@ use aam_train::TrainError;
 use anyhow::{bail, ensure, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
+use burn::prelude::Backend;
 use clap::Args;
 use serde::de::DeserializeOwned;
 
@@ -177,11 +178,39 @@ pub struct RunArgs {
     pub backend: BackendKind,
     #[command(flatten)]
     pub checkpointing: CheckpointingArgs,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     /// Log device memory per phase of the training step (data, upload,
     /// forward, loss, backward, optimizer) each epoch and write
     /// memory_profile.csv (CubeCL backends; slows the run a little).
     #[arg(long)]
     pub memory_profile: bool,
+}
+
+/// `--mixed-precision`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct PrecisionArgs {
+    /// Mixed precision: run the transformer layers' matmuls, attention and
+    /// feed-forward in bf16 or fp16 (fp16 with dynamic loss scaling), keeping
+    /// weights, norms and losses in f32. GPU backends only. Default: none.
+    #[arg(long, default_value = "none", value_parser = serde_value::<MixedPrecision>)]
+    pub mixed_precision: MixedPrecision,
+}
+
+impl PrecisionArgs {
+    /// Fails, naming the flag, when backend `B` cannot compute in the type.
+    pub fn check<B: Backend>(&self, device: &B::Device, backend: &str) -> Result<()> {
+        if let Some(dtype) = self.mixed_precision.dtype() {
+            anyhow::ensure!(
+                B::supports_dtype(device, dtype),
+                "--mixed-precision {}: the {backend} backend has no {dtype:?} arithmetic on this device (use none, or a GPU backend)",
+                serde_json::to_value(self.mixed_precision)?
+                    .as_str()
+                    .unwrap_or_default()
+            );
+        }
+        Ok(())
+    }
 }
 
 /// `--gradient-checkpointing` / `--no-gradient-checkpointing`.
@@ -405,6 +434,7 @@ fn run_config(
         asv_sampling: d.asv_sampling,
         workers: o.num_workers.max(1),
         memory_profile: false,
+        mixed_precision: Default::default(),
     }
 }
 
@@ -936,6 +966,7 @@ fn start(
     check_run(&run)?;
     // An observation of this invocation, resumed or not.
     run.memory_profile = r.memory_profile;
+    run.mixed_precision = r.precision.mixed_precision;
     std::fs::create_dir_all(&r.output_dir)
         .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
     let (train_file, val_file) = match run.task {
@@ -1020,6 +1051,7 @@ fn fit_on<B: AttentionBackend>(
     resume: Option<Checkpoint>,
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
+    r.precision.check::<B>(device, &r.backend.name())?;
     if r.checkpointing.gradient_checkpointing {
         tracing::info!(
             "gradient checkpointing: memory-bound operations are recomputed in the backward pass"

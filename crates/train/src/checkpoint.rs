@@ -21,6 +21,7 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
+use crate::optim::LossScaler;
 use crate::run::RunConfig;
 use crate::schedule::Scheduler;
 
@@ -96,6 +97,9 @@ pub struct Progress {
     pub bad_epochs: usize,
     /// Every completed epoch.
     pub history: Vec<EpochRecord>,
+    /// fp16 mixed precision's loss scale (absent otherwise).
+    #[serde(default)]
+    pub loss_scaler: Option<LossScaler>,
 }
 
 /// Everything in a checkpoint besides tensors.

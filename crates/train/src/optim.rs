@@ -171,6 +171,11 @@ impl<B: Backend> GradientBuffer<B> {
         self.grads.is_empty()
     }
 
+    /// Drops every gradient (a skipped step).
+    pub fn clear(&mut self) {
+        self.grads.clear();
+    }
+
     /// The global L2 norm over every gradient (one host read).
     pub fn global_norm(&self) -> f64 {
         let mut total: Option<Tensor<B, 1>> = None;
@@ -505,6 +510,49 @@ impl OptimizerConfig {
     }
 }
 
+
+/// Dynamic loss scaling for fp16 mixed precision (torch's `GradScaler`
+/// defaults): the loss is multiplied by `scale` before the backward pass so
+/// that small gradients survive f16's range, and the gradients divided by it
+/// again; a step whose gradients overflowed is skipped and the scale halved;
+/// after 2,000 finite steps in a row it doubles.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    /// The current factor.
+    pub scale: f64,
+    /// Finite steps since the last change.
+    pub finite_steps: u32,
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        Self {
+            scale: 65_536.0,
+            finite_steps: 0,
+        }
+    }
+}
+
+impl LossScaler {
+    /// Finite steps after which the scale doubles.
+    pub const GROWTH_INTERVAL: u32 = 2_000;
+
+    /// Records a step's gradient check; returns whether to take the step.
+    pub fn update(&mut self, gradients_finite: bool) -> bool {
+        if gradients_finite {
+            self.finite_steps += 1;
+            if self.finite_steps == Self::GROWTH_INTERVAL {
+                self.scale *= 2.0;
+                self.finite_steps = 0;
+            }
+        } else {
+            self.scale = (self.scale * 0.5).max(1.0);
+            self.finite_steps = 0;
+        }
+        gradients_finite
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -564,6 +612,25 @@ mod tests {
         let before = g.clip_global_norm(5.0);
         assert!((before - 10.0).abs() < 1e-5);
         assert!((g.global_norm() - 5.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn loss_scale_halves_on_overflow_and_doubles_after_a_finite_run() {
+        let mut scaler = LossScaler::default();
+        assert!(!scaler.update(false));
+        assert_eq!(scaler.scale, 32_768.0);
+        for _ in 0..LossScaler::GROWTH_INTERVAL - 1 {
+            assert!(scaler.update(true));
+        }
+        assert_eq!(scaler.scale, 32_768.0);
+        assert!(scaler.update(true));
+        assert_eq!((scaler.scale, scaler.finite_steps), (65_536.0, 0));
+        let mut floor = LossScaler {
+            scale: 1.0,
+            finite_steps: 7,
+        };
+        floor.update(false);
+        assert_eq!((floor.scale, floor.finite_steps), (1.0, 0));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use aam_data::{AsvSampling, Batch, BatchConfig, BatchLoader, Dataset};
 use aam_models::import::{write_atomic, AamModel, ModelConfig};
 use aam_models::output::ModelInput;
 use aam_models::sequence_predictor::TargetPrediction;
-use aam_models::{set_attention_dropout_seed, AttentionBackend};
+use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPrecision};
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -39,7 +39,7 @@ use crate::loss::{
     Target,
 };
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
-use crate::optim::{GradientBuffer, Optimizer, OptimizerConfig};
+use crate::optim::{GradientBuffer, LossScaler, Optimizer, OptimizerConfig};
 use crate::schedule::{Scheduler, SchedulerConfig};
 
 /// Self-supervised pre-training or supervised training.
@@ -123,6 +123,10 @@ pub struct RunConfig {
     /// synchronises the device after each phase, so the run is slower.
     #[serde(default)]
     pub memory_profile: bool,
+    /// Mixed precision of the transformer stacks (`--mixed-precision`); fp16
+    /// adds dynamic loss scaling.
+    #[serde(default)]
+    pub mixed_precision: MixedPrecision,
 }
 
 impl RunConfig {
@@ -579,10 +583,18 @@ where
                 best: None,
                 bad_epochs: 0,
                 history: Vec::new(),
+                loss_scaler: None,
             },
         ),
     };
     let return_nucleotides = run.loss.nuc_penalty > 0.0;
+    // fp16 needs loss scaling; a resumed run keeps its scale.
+    match run.mixed_precision {
+        MixedPrecision::Fp16 => {
+            progress.loss_scaler.get_or_insert_with(LossScaler::default);
+        }
+        _ => progress.loss_scaler = None,
+    }
     let out = |rel: &str| out_dir.join(rel);
     let mut stopped_early = false;
 
@@ -603,7 +615,10 @@ where
             timer.mark::<AB>(device, "data");
             let (input, targets) = batch_tensors::<AB>(&batch, device, classifier);
             timer.mark::<AB>(device, "upload");
-            let predictions = predict_batch(&model, input, return_nucleotides);
+            let predictions = {
+                let _autocast = autocast(run.mixed_precision);
+                predict_batch(&model, input, return_nucleotides)
+            };
             timer.mark::<AB>(device, "forward");
             let parts = run.loss.forward(&predictions, &targets)?;
             let accuracy = predictions.nuc_logits.as_ref().map(|logits| {
@@ -623,20 +638,38 @@ where
                     step: progress.global_step,
                 });
             }
-            let grads = parts.total.backward();
+            let loss_scale = progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
+            let grads = if loss_scale == 1.0 {
+                parts.total.backward()
+            } else {
+                (parts.total * loss_scale).backward()
+            };
             timer.mark::<AB>(device, "backward");
             buffer.accumulate(GradientBuffer::collect_model(
                 &model,
                 &grads,
                 &name,
-                1.0 / accum as f64,
+                1.0 / (accum as f64 * loss_scale),
             ));
             timer.mark::<AB>(device, "collect");
             pending += 1;
             seen += batch.batch_size();
             if pending == accum || k + 1 == batches {
+                // fp16: a step whose scaled gradients overflowed is skipped
+                // (its gradients dropped) and the scale lowered.
+                if let Some(scaler) = progress.loss_scaler.as_mut() {
+                    if !scaler.update(buffer.global_norm().is_finite()) {
+                        tracing::debug!(
+                            "fp16 gradients overflowed: step skipped, loss scale now {}",
+                            scaler.scale
+                        );
+                        buffer.clear();
+                    }
+                }
                 if let Some(max_norm) = run.max_grad_norm {
-                    means.add("grad_norm", buffer.clip_global_norm(max_norm));
+                    if !buffer.is_empty() {
+                        means.add("grad_norm", buffer.clip_global_norm(max_norm));
+                    }
                 }
                 last_lr = scheduler.lr();
                 let factor = last_lr / base_lr;
@@ -831,7 +864,10 @@ fn validate<B: AttentionBackend>(
     for batch in loader.epoch(0) {
         let batch = batch?;
         let (input, targets) = batch_tensors::<B>(&batch, device, classifier);
-        let predictions = predict_batch(model, input, return_nucleotides);
+        let predictions = {
+            let _autocast = autocast(run.mixed_precision);
+            predict_batch(model, input, return_nucleotides)
+        };
         let parts = run.loss.forward(&predictions, &targets)?;
         record_batch(&parts, None, &mut means);
         if let Some(logits) = &predictions.nuc_logits {

@@ -101,6 +101,7 @@ fn run_config() -> RunConfig {
         asv_sampling: aam_data::AsvSampling::Random,
         workers: 2,
         memory_profile: false,
+        mixed_precision: Default::default(),
     }
 }
 

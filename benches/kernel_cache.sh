@@ -1,0 +1,15 @@
+# Sourced by the device scripts: CubeCL's on-disk caches (compiled kernels and autotune
+# results, under target/) carried between device calls. A call's compiled kernels can pass
+# 16 MiB, the most one returned file may hold, so the cache travels xz-compressed in 15 MiB
+# parts: $OUT/cache.txz.00, .01, ... Put them in .carry/gpu/cache/ and carry that folder.
+restore_kernel_cache() {
+  if compgen -G ".carry/gpu/cache/cache.txz.*" >/dev/null; then
+    cat .carry/gpu/cache/cache.txz.* | xz -dc | tar xf -
+  elif [ -f .carry/gpu/cache.tgz ]; then
+    tar xzf .carry/gpu/cache.tgz
+  fi
+}
+save_kernel_cache() {
+  [ -d target ] || return 0
+  tar cf - target | xz -T0 -6 | split -d -b 15M - "$OUT/cache.txz."
+}

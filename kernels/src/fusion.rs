@@ -1,0 +1,175 @@
+//! [`AttentionBackend`] for Burn's fusion backend (`Fusion<B>`, what
+//! `burn::backend::{Cuda, Rocm, Wgpu}` are when Burn's `fusion` feature is on).
+//!
+//! Fusion records operations lazily and compiles runs of element-wise ops
+//! (and their reductions) into single kernels. The attention kernels cannot be
+//! fused into anything; they are registered as custom operations, which end
+//! the fused run before them and execute on the inner backend `B` with the
+//! real tensors. The forward and the backward are one custom op each.
+
+use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::{DType, Shape};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
+
+use crate::{AttentionBackend, AttentionDropout};
+
+type Handles<B> = HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+
+/// The forward kernel: inputs `q, k, v[, mask]`, outputs `out, lse`.
+#[derive(Debug)]
+struct ForwardOp<B> {
+    desc: CustomOpIr,
+    scale: f64,
+    dropout: AttentionDropout,
+    _backend: core::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for ForwardOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let inputs = &self.desc.inputs;
+        let [out_ir, lse_ir] = self.desc.outputs.as_slice() else {
+            unreachable!("the attention forward has two outputs")
+        };
+        let q = handles.get_float_tensor::<B>(&inputs[0]);
+        let k = handles.get_float_tensor::<B>(&inputs[1]);
+        let v = handles.get_float_tensor::<B>(&inputs[2]);
+        let mask = inputs.get(3).map(|m| handles.get_bool_tensor::<B>(m));
+        let (out, lse) = B::fused_attention_forward(q, k, v, mask, self.scale, self.dropout);
+        handles.register_float_tensor::<B>(&out_ir.id, out);
+        handles.register_float_tensor::<B>(&lse_ir.id, lse);
+    }
+}
+
+/// The backward kernels: inputs `q, k, v, out, lse, dout[, mask]`, outputs
+/// `dq, dk, dv`.
+#[derive(Debug)]
+struct BackwardOp<B> {
+    desc: CustomOpIr,
+    scale: f64,
+    dropout: AttentionDropout,
+    _backend: core::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for BackwardOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let inputs = &self.desc.inputs;
+        let [dq_ir, dk_ir, dv_ir] = self.desc.outputs.as_slice() else {
+            unreachable!("the attention backward has three outputs")
+        };
+        let mut float = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+        let (q, k, v, out, lse, dout) = (float(0), float(1), float(2), float(3), float(4), float(5));
+        let mask = inputs.get(6).map(|m| handles.get_bool_tensor::<B>(m));
+        let (dq, dk, dv) =
+            B::fused_attention_backward(q, k, v, mask, out, lse, dout, self.scale, self.dropout);
+        handles.register_float_tensor::<B>(&dq_ir.id, dq);
+        handles.register_float_tensor::<B>(&dk_ir.id, dk);
+        handles.register_float_tensor::<B>(&dv_ir.id, dv);
+    }
+}
+
+/// An output of a custom op: a fresh tensor id with its shape and type.
+fn output<B: FusionBackend>(like: &FloatTensor<Fusion<B>>, shape: Shape, dtype: DType) -> TensorIr {
+    TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
+}
+
+impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
+    fn has_fused_attention() -> bool {
+        B::has_fused_attention()
+    }
+
+    fn memory_reserved(device: &Self::Device) -> Option<u64> {
+        B::memory_reserved(device)
+    }
+
+    fn memory_in_use(device: &Self::Device) -> Option<u64> {
+        B::memory_in_use(device)
+    }
+
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout).0
+    }
+
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let client = q.client.clone();
+        let dims = q.shape.clone();
+        let out = output::<B>(&q, dims.clone(), q.dtype);
+        let lse = output::<B>(&q, Shape::new([dims[0], dims[1], dims[2]]), DType::F32);
+        let mut streams = OperationStreams::with_inputs([&q, &k, &v]);
+        if let Some(mask) = &key_padding_mask {
+            streams.tensor(mask);
+        }
+        let mut inputs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
+        inputs.extend(key_padding_mask.map(|m| m.into_ir()));
+        let desc = CustomOpIr::new("aam_fused_attention_forward", &inputs, &[out, lse]);
+        let op = ForwardOp::<B> {
+            desc: desc.clone(),
+            scale,
+            dropout,
+            _backend: core::marker::PhantomData,
+        };
+        let mut outputs = client
+            .register(streams, OperationIr::Custom(desc), op)
+            .into_iter();
+        let out = outputs.next().expect("attention output");
+        let lse = outputs.next().expect("attention row statistics");
+        (out, lse)
+    }
+
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let client = q.client.clone();
+        let dq = output::<B>(&q, q.shape.clone(), q.dtype);
+        let dk = output::<B>(&q, k.shape.clone(), q.dtype);
+        let dv = output::<B>(&q, v.shape.clone(), q.dtype);
+        let mut streams = OperationStreams::with_inputs([&q, &k, &v, &out, &lse, &dout]);
+        if let Some(mask) = &key_padding_mask {
+            streams.tensor(mask);
+        }
+        let mut inputs = vec![
+            q.into_ir(),
+            k.into_ir(),
+            v.into_ir(),
+            out.into_ir(),
+            lse.into_ir(),
+            dout.into_ir(),
+        ];
+        inputs.extend(key_padding_mask.map(|m| m.into_ir()));
+        let desc = CustomOpIr::new("aam_fused_attention_backward", &inputs, &[dq, dk, dv]);
+        let op = BackwardOp::<B> {
+            desc: desc.clone(),
+            scale,
+            dropout,
+            _backend: core::marker::PhantomData,
+        };
+        let mut grads = client
+            .register(streams, OperationIr::Custom(desc), op)
+            .into_iter();
+        let mut next = || grads.next().expect("attention gradient");
+        (next(), next(), next())
+    }
+}
