@@ -14,13 +14,15 @@
 #   .carry/oral2550/          oral_2550.biom, unifrac.unweighted.h5 (from ../shared/data)
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference),
-#      TRAIN_TIMEOUT (s, default 480), TRAIN_ARGS (extra flags).
+#      TRAIN_TIMEOUT (s, default 480), TRAIN_ARGS (extra flags), BIN (default aam-rs: the
+#      binary .carry/gpu/$BIN.xz, e.g. a fusion build).
 # Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.txz.*.
 set -uo pipefail
 EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}; ATTN=${ATTN:-auto}; PT=${PT:-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
-if [ -f .carry/gpu/aam-rs.xz ]; then xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs  # smaller carry
-else gunzip -c .carry/gpu/aam-rs.gz > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
+BIN=${BIN:-aam-rs}
+if [ -f ".carry/gpu/$BIN.xz" ]; then xz -dc ".carry/gpu/$BIN.xz" > /tmp/bin/aam-rs  # smaller carry
+else gunzip -c ".carry/gpu/$BIN.gz" > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
 source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -9,7 +9,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
-use burn::tensor::ops::{BoolTensor, FloatTensor, FloatTensorOps};
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 
 use crate::{AttentionBackend, AttentionDropout};
 

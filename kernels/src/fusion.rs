@@ -15,7 +15,8 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use crate::{AttentionBackend, AttentionDropout};
 
-type Handles<B> = HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+type Handles<B> =
+    HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
 
 /// The forward kernel: inputs `q, k, v[, mask]`, outputs `out, lse`.
 #[derive(Debug)]
@@ -59,7 +60,8 @@ impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for Backwa
             unreachable!("the attention backward has three outputs")
         };
         let mut float = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
-        let (q, k, v, out, lse, dout) = (float(0), float(1), float(2), float(3), float(4), float(5));
+        let (q, k, v, out, lse, dout) =
+            (float(0), float(1), float(2), float(3), float(4), float(5));
         let mask = inputs.get(6).map(|m| handles.get_bool_tensor::<B>(m));
         let (dq, dk, dv) =
             B::fused_attention_backward(q, k, v, mask, out, lse, dout, self.scale, self.dropout);

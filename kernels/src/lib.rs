@@ -30,7 +30,7 @@
 
 use burn::prelude::*;
 use burn::tensor::activation;
-use burn::tensor::ops::{BoolTensor, FloatTensor, FloatTensorOps};
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
 mod backward;

@@ -852,3 +852,38 @@ fn memory_profile_reports_phases_or_says_why_not() {
         }
     }
 }
+
+/// `--mixed-precision`: a backend without the type (ndarray) is refused,
+/// naming the flag; on wgpu (lavapipe in CI) fp16 pretrains with loss scaling,
+/// and the loss falls as in f32.
+#[test]
+fn mixed_precision_trains_or_names_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = tiny("pretrain", &tmp.path().join("cpu"), 1);
+    a.extend(args(&["--mixed-precision", "bf16"]));
+    let err = run_err(&a);
+    assert!(
+        err.contains("--mixed-precision bf16") && err.contains("ndarray"),
+        "{err}"
+    );
+
+    #[cfg(feature = "wgpu")]
+    {
+        let out = tmp.path().join("fp16");
+        let mut a = tiny("pretrain", &out, 3);
+        a.extend(args(&["--backend", "wgpu", "--mixed-precision", "fp16"]));
+        run_ok(&a);
+        let (_, rows) = metrics(&out);
+        for row in &rows {
+            for (k, v) in row {
+                assert!(v.is_finite(), "{k} = {v}");
+            }
+        }
+        let (first, last) = (rows[0]["train_total_loss"], rows[2]["train_total_loss"]);
+        assert!(last < first, "fp16: train_total_loss {first} -> {last}");
+        let (_, meta) = checkpoint_header(&out.join("checkpoints/last.safetensors"));
+        assert_eq!(meta["run"]["mixed_precision"], "fp16");
+        let scale = meta["progress"]["loss_scaler"]["scale"].as_f64().unwrap();
+        assert!(scale >= 1.0 && scale <= 65_536.0, "loss scale {scale}");
+    }
+}

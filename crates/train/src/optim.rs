@@ -75,7 +75,13 @@ struct ParamState<B: Backend> {
 #[derive(Clone, Debug)]
 pub struct Optimizer<B: Backend> {
     config: OptimizerConfig,
+    /// Per parameter; after a step, the moments are views into the group's
+    /// flat moments below.
     state: BTreeMap<String, ParamState<B>>,
+    /// The flat moments of each group after its last update, keyed by the
+    /// group's parameters in order, so that the next step of the same group
+    /// need not concatenate ~150 views again.
+    flat_moments: BTreeMap<Vec<String>, ParamState<B>>,
 }
 
 /// Gradients by torch name, flattened, on the inner (non-autodiff) backend.
@@ -209,6 +215,7 @@ impl<B: Backend> Optimizer<B> {
         Self {
             config,
             state: BTreeMap::new(),
+            flat_moments: BTreeMap::new(),
         }
     }
 
@@ -225,9 +232,10 @@ impl<B: Backend> Optimizer<B> {
     /// share a learning rate and a step count are concatenated into one flat
     /// tensor and updated by a dozen element-wise kernels, then split back,
     /// instead of ~14 kernels per parameter (~2,000 a step for the default
-    /// model). The arithmetic per element is unchanged (bit for bit). On the
-    /// H100 the step time did not change measurably (`benches/RESULTS.md`):
-    /// the element-wise passes over the activations dominate, not launches.
+    /// model). The arithmetic per element is unchanged (bit for bit). A group
+    /// that updates again reuses its flat moments instead of concatenating
+    /// the per-parameter views (on the H100 that took the optimiser phase of a
+    /// real-data step from 19.8 to 14.6 ms, `benches/RESULTS.md`).
     pub fn step<AB, M>(
         &mut self,
         module: M,
@@ -281,12 +289,15 @@ impl<B: Backend> Optimizer<B> {
                 .push((key, p));
         }
         let mut updated: BTreeMap<String, Tensor<B, 1>> = BTreeMap::new();
+        // Groups that take no part in this step drop their flat moments.
+        let mut previous = std::mem::take(&mut self.flat_moments);
         for ((lr_bits, step), members) in groups {
             let group_grads = members
                 .iter()
                 .map(|(key, _)| grads.grads.remove(key).expect("listed with a gradient"))
                 .collect();
             updated.extend(self.update_group(
+                &mut previous,
                 members,
                 group_grads,
                 step,
@@ -337,6 +348,7 @@ impl<B: Backend> Optimizer<B> {
     /// become slices of the group's new moments.
     fn update_group(
         &mut self,
+        previous: &mut BTreeMap<Vec<String>, ParamState<B>>,
         members: Vec<(String, Tensor<B, 1>)>,
         grads: Vec<Tensor<B, 1>>,
         step: u64,
@@ -362,10 +374,15 @@ impl<B: Backend> Optimizer<B> {
                 firsts.push(s.first);
                 seconds.extend(s.second);
             }
-            ParamState {
-                step,
-                first: flat(firsts),
-                second: adam.then(|| flat(seconds)),
+            // The same group at the same step as last time: its flat moments
+            // are the concatenation of exactly these views.
+            match previous.remove(&keys) {
+                Some(cached) if cached.step == step => cached,
+                _ => ParamState {
+                    step,
+                    first: flat(firsts),
+                    second: adam.then(|| flat(seconds)),
+                },
             }
         };
         let p = self.config.update(&mut state, p, g, lr, beta1);
@@ -384,6 +401,8 @@ impl<B: Backend> Optimizer<B> {
             out.push((key, piece(&p)));
             offset += size;
         }
+        let keys = out.iter().map(|(key, _)| key.clone()).collect();
+        self.flat_moments.insert(keys, state);
         out
     }
 
@@ -431,6 +450,7 @@ impl<B: Backend> Optimizer<B> {
                 })
         };
         self.state.clear();
+        self.flat_moments.clear();
         for (k, &step) in steps {
             let first = take(format!("optim.{k}.{first}"))?;
             let second = if self.config.kind == OptimizerKind::Sgd {
@@ -509,7 +529,6 @@ impl OptimizerConfig {
         }
     }
 }
-
 
 /// Dynamic loss scaling for fp16 mixed precision (torch's `GradScaler`
 /// defaults): the loss is multiplied by `scale` before the backward pass so
