@@ -89,17 +89,6 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         B::memory_in_use(device)
     }
 
-    fn fused_masked_attention(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        key_padding_mask: Option<BoolTensor<Self>>,
-        scale: f64,
-        dropout: AttentionDropout,
-    ) -> FloatTensor<Self> {
-        Self::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout).0
-    }
-
     fn fused_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -127,6 +127,9 @@ pub trait AttentionBackend: Backend {
     /// - key_padding_mask: `[N, Tk]`, `true` = ignore this key
     /// - output: `[N, H, Tq, Dh]`; rows whose keys are all masked are 0
     ///
+    /// The output of [`AttentionBackend::fused_attention_forward`]; `Autodiff`
+    /// overrides it to record the backward pass.
+    ///
     /// # Panics
     /// When [`AttentionBackend::has_fused_attention`] is false.
     fn fused_masked_attention(
@@ -137,8 +140,7 @@ pub trait AttentionBackend: Backend {
         scale: f64,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        let _ = (q, k, v, key_padding_mask, scale, dropout);
-        panic!("this backend has no fused attention kernel; use the math path")
+        Self::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout).0
     }
 
     /// The forward kernel with its saved statistics: `(output, lse)`, where

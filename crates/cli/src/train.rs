@@ -1048,9 +1048,13 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
 /// while their forward agrees to 5e-4 and the plain encoder's gradients to
 /// 1e-3 (`benches/RESULTS.md`). A silently wrong gradient is what aam-rs
 /// exists to avoid, so those models need a build without `fusion`.
-fn check_fusion_support(backend: BackendKind, config: &ModelConfig) -> Result<()> {
-    let fused_backend = matches!(backend.name().as_str(), "wgpu" | "cuda" | "rocm");
-    if !cfg!(feature = "fusion") || !fused_backend {
+fn check_fusion_support<B: AttentionBackend>(
+    backend: BackendKind,
+    config: &ModelConfig,
+) -> Result<()> {
+    // With `fusion`, the CubeCL backends (those with the fused kernel) are
+    // Burn's `Fusion<CubeBackend>`.
+    if !cfg!(feature = "fusion") || !B::has_fused_attention() {
         return Ok(());
     }
     let why = match config {
@@ -1077,7 +1081,7 @@ fn fit_on<B: AttentionBackend>(
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
     r.precision.check::<B>(device, &r.backend.name())?;
-    check_fusion_support(r.backend, &model_config)?;
+    check_fusion_support::<B>(r.backend, &model_config)?;
     if r.checkpointing.gradient_checkpointing {
         tracing::info!(
             "gradient checkpointing: memory-bound operations are recomputed in the backward pass"

@@ -199,13 +199,18 @@ impl<B: Backend> GradientBuffer<B> {
     /// when the global norm exceeds `max_norm`; returns the norm before.
     pub fn clip_global_norm(&mut self, max_norm: f64) -> f64 {
         let norm = self.global_norm();
+        self.clip_to_norm(max_norm, norm);
+        norm
+    }
+
+    /// [`Self::clip_global_norm`] with the global norm already computed.
+    pub fn clip_to_norm(&mut self, max_norm: f64, norm: f64) {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
             for g in self.grads.values_mut() {
                 *g = g.clone() * coef;
             }
         }
-        norm
     }
 }
 

@@ -655,10 +655,13 @@ where
             pending += 1;
             seen += batch.batch_size();
             if pending == accum || k + 1 == batches {
+                // One norm (one host read) serves the fp16 check and clipping.
+                let norm = (progress.loss_scaler.is_some() || run.max_grad_norm.is_some())
+                    .then(|| buffer.global_norm());
                 // fp16: a step whose scaled gradients overflowed is skipped
                 // (its gradients dropped) and the scale lowered.
-                if let Some(scaler) = progress.loss_scaler.as_mut() {
-                    if !scaler.update(buffer.global_norm().is_finite()) {
+                if let (Some(scaler), Some(norm)) = (progress.loss_scaler.as_mut(), norm) {
+                    if !scaler.update(norm.is_finite()) {
                         tracing::debug!(
                             "fp16 gradients overflowed: step skipped, loss scale now {}",
                             scaler.scale
@@ -666,9 +669,10 @@ where
                         buffer.clear();
                     }
                 }
-                if let Some(max_norm) = run.max_grad_norm {
+                if let (Some(max_norm), Some(norm)) = (run.max_grad_norm, norm) {
                     if !buffer.is_empty() {
-                        means.add("grad_norm", buffer.clip_global_norm(max_norm));
+                        buffer.clip_to_norm(max_norm, norm);
+                        means.add("grad_norm", norm);
                     }
                 }
                 last_lr = scheduler.lr();
