@@ -18,7 +18,9 @@
 //! Layout (after Burn's custom-kernel example):
 //! - `lib.rs`: the [`AttentionBackend`] extension trait and the public
 //!   [`fused_attention`] / [`reference_attention`] pair (the plain-tensor
-//!   reference is the test oracle).
+//!   reference is the test oracle), and [`matmul`]: Burn's matmul with the
+//!   unit-dimension products Burn 0.21's fusion backend gets wrong computed
+//!   as a multiply and a sum (the model uses it for every such product).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV).
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
@@ -207,6 +209,54 @@ pub fn fused_attention<B: AttentionBackend>(
     )))
 }
 
+/// `a·b` over the last two axes (batch axes broadcast as `Tensor::matmul`),
+/// except that a product with a unit dimension (`m`, `k` or `n` = 1:
+/// matrix-vector, vector-matrix, outer product) is a broadcast multiply and a
+/// sum instead of a matmul.
+///
+/// Why: Burn 0.21's fusion backend autotunes such products, and their
+/// backward (which has the unit dimension in another place), over
+/// vector-matrix kernels that assume `m = 1` and a row-major right-hand side
+/// without checking (tracel-ai/burn#5122, tracel-ai/cubek#262), and can keep
+/// a wrong result as the fastest: the gradients of a one-output head or of
+/// attention over one key came out 10-100% off on an H100. A multiply and a
+/// sum is an element-wise op and a reduction for every backend, as fast for
+/// these thin shapes, and its backward is again element-wise.
+///
+/// # Shapes
+/// - a: `[..., m, k]`, b: `[..., k, n]` (batch axes equal or 1)
+/// - output: `[..., m, n]`
+pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+    let [m, k] = [a.dims()[D - 2], a.dims()[D - 1]];
+    let n = b.dims()[D - 1];
+    if (m > 1 && k > 1 && n > 1) || D > 4 {
+        return a.matmul(b);
+    }
+    // In rank 5, padded with leading unit axes: `[.., m, k, 1] · [.., 1, k, n]`
+    // summed over k (axis 3) is `[.., m, 1, n]`. Written through rank 5
+    // because Burn's ranks are const generics.
+    let (a_dims, b_dims) = (a.dims(), b.dims());
+    let a = a.reshape(rank5(&a_dims, [m, k, 1]));
+    let b = b.reshape(rank5(&b_dims, [1, k, n]));
+    let mut out = [0; D];
+    for i in 0..D - 2 {
+        out[i] = a_dims[i].max(b_dims[i]);
+    }
+    out[D - 2] = m;
+    out[D - 1] = n;
+    (a * b).sum_dim(3).reshape(out)
+}
+
+/// The batch axes of `dims` followed by `last`, padded with leading unit
+/// axes to rank 5 (for [`matmul`]).
+fn rank5<const D: usize>(dims: &[usize; D], last: [usize; 3]) -> [usize; 5] {
+    let mut out = [1; 5];
+    let batch = &dims[..D - 2];
+    out[2 - batch.len()..2].copy_from_slice(batch);
+    out[2..].copy_from_slice(&last);
+    out
+}
+
 /// The plain-tensor reference (no dropout): masked keys get zero weight and an
 /// all-masked row gets zero output. The oracle of the parity tests.
 pub fn reference_attention<B: Backend>(
@@ -217,7 +267,7 @@ pub fn reference_attention<B: Backend>(
 ) -> Tensor<B, 4> {
     let [n, _h, _tq, head_dim] = q.dims();
     let tk = k.dims()[2];
-    let scores = q.matmul(k.swap_dims(2, 3)) * (head_dim as f64).sqrt().recip();
+    let scores = matmul(q, k.swap_dims(2, 3)) * (head_dim as f64).sqrt().recip();
     let probs = match key_padding_mask {
         Some(mask) => {
             let mask = mask.reshape([n, 1, 1, tk]);
@@ -230,7 +280,7 @@ pub fn reference_attention<B: Backend>(
         }
         None => activation::softmax(scores, 3),
     };
-    probs.matmul(v)
+    matmul(probs, v)
 }
 
 #[cfg(feature = "ndarray")]
@@ -250,3 +300,56 @@ where
 
 #[cfg(feature = "tch")]
 impl<E> AttentionBackend for burn::backend::LibTorch<E> where burn::backend::LibTorch<E>: Backend {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::{Distribution, Tolerance};
+
+    type Ad = Autodiff<NdArray<f32>>;
+
+    /// `matmul` against `Tensor::matmul`, value and both gradients, for every
+    /// unit-dimension shape (and a general one), ranks 2-4, broadcast batches.
+    #[test]
+    fn matmul_with_unit_dimensions_equals_matmul() {
+        let device = Default::default();
+        fn check<const D: usize>(
+            a: [usize; D],
+            b: [usize; D],
+            device: &burn::backend::ndarray::NdArrayDevice,
+        ) {
+            let a = Tensor::<Ad, D>::random(a, Distribution::Normal(0.0, 1.0), device);
+            let b = Tensor::<Ad, D>::random(b, Distribution::Normal(0.0, 1.0), device);
+            let run = |thin: bool| {
+                let (a, b) = (a.clone().require_grad(), b.clone().require_grad());
+                let out = if thin {
+                    matmul(a.clone(), b.clone())
+                } else {
+                    a.clone().matmul(b.clone())
+                };
+                // A non-uniform output gradient.
+                let w = Tensor::<Ad, D>::ones(out.dims(), device).cumsum(D - 1);
+                let grads = (out.clone() * w).sum().backward();
+                let ga = a.grad(&grads).unwrap().into_data();
+                let gb = b.grad(&grads).unwrap().into_data();
+                (out.into_data(), ga, gb)
+            };
+            let (want, got) = (run(false), run(true));
+            let tol = Tolerance::<f32>::rel_abs(1e-5, 1e-5);
+            want.0.assert_approx_eq::<f32>(&got.0, tol);
+            want.1.assert_approx_eq::<f32>(&got.1, tol);
+            want.2.assert_approx_eq::<f32>(&got.2, tol);
+        }
+        check([5, 3], [3, 1], &device); // matrix-vector
+        check([1, 3], [3, 4], &device); // vector-matrix
+        check([5, 1], [1, 4], &device); // outer product
+        check([1, 3], [3, 1], &device); // inner product
+        check([2, 5, 3], [1, 3, 1], &device); // broadcast batch
+        check([2, 1, 7], [2, 7, 4], &device);
+        check([2, 3, 6, 4], [2, 3, 4, 1], &device); // attention over one key
+        check([2, 3, 1, 4], [2, 3, 4, 6], &device); // one query
+        check([2, 3, 6, 1], [2, 3, 1, 4], &device);
+        check([2, 3, 6, 4], [2, 3, 4, 5], &device); // general: Tensor::matmul
+    }
+}

@@ -16,13 +16,13 @@ use burn::module::Param;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use aam_kernels::AttentionBackend;
-use aam_kernels::{fused_attention, AttentionDropout};
+use aam_kernels::{fused_attention, matmul, AttentionDropout};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 
-use crate::nn::{xavier_uniform, Linear, LinearConfig};
+use crate::nn::{linear, xavier_uniform, Linear, LinearConfig};
 use crate::precision::cast_to;
 use burn::tensor::DType;
 
@@ -138,7 +138,7 @@ pub fn math_attention<B: Backend>(
     // it is (as under torch.autocast), and the probabilities return to the
     // inputs' type for the product with v.
     let compute_dtype = v.dtype();
-    let scores = cast_to((q * scale).matmul(k.swap_dims(2, 3)), DType::F32);
+    let scores = cast_to(matmul(q * scale, k.swap_dims(2, 3)), DType::F32);
     let probs = match key_padding_mask {
         Some(mask) => {
             let mask = mask.reshape([n, 1, 1, tk]);
@@ -154,7 +154,7 @@ pub fn math_attention<B: Backend>(
         None => activation::softmax(scores, 3),
     };
     let probs = dropout.forward(cast_to(probs, compute_dtype));
-    let context = probs.clone().matmul(v);
+    let context = matmul(probs.clone(), v);
     (context, need_weights.then_some(probs))
 }
 
@@ -226,9 +226,9 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         let [n, t, d] = x.dims();
         // In the input's float type (mixed precision, see `precision.rs`).
         let dtype = x.dtype();
-        let qkv = burn::tensor::module::linear(
+        let qkv = linear(
             x,
-            cast_to(self.in_proj_weight.val(), dtype).transpose(),
+            cast_to(self.in_proj_weight.val(), dtype),
             Some(cast_to(self.in_proj_bias.val(), dtype)),
         );
         let q = self.split_heads(qkv.clone().narrow(2, 0, d));
@@ -263,9 +263,9 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         let w = cast_to(self.in_proj_weight.val(), dtype);
         let b = cast_to(self.in_proj_bias.val(), dtype);
         let project = |x: Tensor<B, 3>, i: usize| {
-            burn::tensor::module::linear(
+            linear(
                 x,
-                w.clone().narrow(0, i * d, d).transpose(),
+                w.clone().narrow(0, i * d, d),
                 Some(b.clone().narrow(0, i * d, d)),
             )
         };

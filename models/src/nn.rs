@@ -80,12 +80,50 @@ impl<B: Backend> Linear<B> {
     /// - output: `[..., d_output]`
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
         let dtype = input.dtype();
-        burn::tensor::module::linear(
+        linear(
             input,
-            cast_to(self.weight.val(), dtype).transpose(),
+            cast_to(self.weight.val(), dtype),
             self.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
         )
     }
+}
+
+/// `y = x·Wᵀ + b` over the last axis, with `weight` in torch layout.
+///
+/// A product with a unit dimension (one input or output feature, or one row
+/// per batch entry) is flattened to rows and goes through
+/// [`aam_kernels::matmul`] (why: its doc). Everything else is Burn's `linear`
+/// on the input's own rank.
+///
+/// Flattening every input to one `[rows, d_input]` matmul was tried and
+/// dropped (2026-11-23): on CUDA the matmul autotune key holds the row
+/// count's bucket, which for packed ASVs changes from batch to batch, and a
+/// cold run spent over 400 s autotuning 70 shapes before its first epoch
+/// ended on the H100.
+///
+/// # Shapes
+/// - x: `[..., d_input]`, weight: `[d_output, d_input]`, bias: `[d_output]`
+/// - output: `[..., d_output]`
+pub fn linear<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let dims = x.dims();
+    let [d_output, d_input] = weight.dims();
+    let rows_per_entry = if D >= 2 { dims[D - 2] } else { 1 };
+    if rows_per_entry > 1 && d_input > 1 && d_output > 1 {
+        return burn::tensor::module::linear(x, weight.transpose(), bias);
+    }
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let y = aam_kernels::matmul(x.reshape([rows, d_input]), weight.transpose());
+    let y = match bias {
+        Some(bias) => y + bias.unsqueeze(),
+        None => y,
+    };
+    let mut out = dims;
+    out[D - 1] = d_output;
+    y.reshape(out)
 }
 
 /// Configuration of a torch-named [`LayerNorm`].

@@ -69,7 +69,7 @@ impl<B: Backend> AttentionPooling<B> {
             None => activation::softmax(scores, 1),
         };
         // 6. Σ_t w·x, then LayerNorm.
-        let pooled = weights.reshape([n, 1, t]).matmul(x).reshape([n, d]);
+        let pooled = aam_kernels::matmul(weights.reshape([n, 1, t]), x).reshape([n, d]);
         self.norm.forward(pooled)
     }
 }

@@ -1042,35 +1042,6 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses what Burn's fusion backend (the `fusion` build feature) trains
-/// wrongly. On CUDA, the parity suite's gradients under fusion are off by
-/// 0.1-1 (relative) for the count-embedding encoder and for every predictor,
-/// while their forward agrees to 5e-4 and the plain encoder's gradients to
-/// 1e-3 (`benches/RESULTS.md`). A silently wrong gradient is what aam-rs
-/// exists to avoid, so those models need a build without `fusion`.
-fn check_fusion_support<B: AttentionBackend>(
-    backend: BackendKind,
-    config: &ModelConfig,
-) -> Result<()> {
-    // With `fusion`, the CubeCL backends (those with the fused kernel) are
-    // Burn's `Fusion<CubeBackend>`.
-    if !cfg!(feature = "fusion") || !B::has_fused_attention() {
-        return Ok(());
-    }
-    let why = match config {
-        ModelConfig::SequencePredictor(_) => Some("`train` (a SequencePredictor)"),
-        ModelConfig::SequenceEncoder(c) if c.sample.count_embedding => Some("--count-embedding"),
-        ModelConfig::SequenceEncoder(_) => None,
-    };
-    match why {
-        Some(what) => bail!(
-            "--backend {}: this binary is built with Burn's fusion backend, whose gradients are wrong for {what} (parity suite on CUDA); build aam-rs without the `fusion` feature for this run",
-            backend.name()
-        ),
-        None => Ok(()),
-    }
-}
-
 fn fit_on<B: AttentionBackend>(
     device: &B::Device,
     r: &RunArgs,
@@ -1081,7 +1052,6 @@ fn fit_on<B: AttentionBackend>(
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
     r.precision.check::<B>(device, &r.backend.name())?;
-    check_fusion_support::<B>(r.backend, &model_config)?;
     if r.checkpointing.gradient_checkpointing {
         tracing::info!(
             "gradient checkpointing: memory-bound operations are recomputed in the backward pass"

@@ -342,11 +342,12 @@ pub fn is_categorical_param(key: &str) -> bool {
     .any(|m| key.starts_with(&format!("{m}.")) || key.contains(&format!(".{m}.")))
 }
 
-/// Reads a batch's losses (and nucleotide accuracy counts) in one device
-/// read, adds them to `means`, and returns the total.
+/// Reads a batch's losses (and nucleotide accuracy counts, and the gradient
+/// norm) in one device read, adds them to `means`, and returns the total.
 fn record_batch<B: Backend>(
     parts: &LossParts<B>,
     accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+    grad_norm: Option<Tensor<B, 1>>,
     means: &mut Means,
 ) -> f64 {
     let mut names = vec!["total_loss"];
@@ -356,6 +357,7 @@ fn record_batch<B: Backend>(
         ("nuc_loss", &parts.nuc),
         ("count_loss", &parts.count),
         ("target_loss", &parts.target),
+        ("grad_norm", &grad_norm),
     ] {
         if let Some(p) = part {
             names.push(name);
@@ -628,21 +630,12 @@ where
                     predictions.mask_indices.clone(),
                 )
             });
-            let total = record_batch(&parts, accuracy, &mut means);
             timer.mark::<AB>(device, "loss");
-            if !total.is_finite() {
-                return Err(TrainError::NonFinite {
-                    what: "training loss".into(),
-                    value: total,
-                    epoch,
-                    step: progress.global_step,
-                });
-            }
             let loss_scale = progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
             let grads = if loss_scale == 1.0 {
                 parts.total.backward()
             } else {
-                (parts.total * loss_scale).backward()
+                (parts.total.clone() * loss_scale).backward()
             };
             timer.mark::<AB>(device, "backward");
             buffer.accumulate(GradientBuffer::collect_model(
@@ -654,13 +647,15 @@ where
             timer.mark::<AB>(device, "collect");
             pending += 1;
             seen += batch.batch_size();
+            // The gradient norm before clipping, still on the device.
+            let mut grad_norm = None;
             if pending == accum || k + 1 == batches {
-                // One norm (one host read) serves the fp16 check and clipping.
-                let norm = (progress.loss_scaler.is_some() || run.max_grad_norm.is_some())
-                    .then(|| buffer.global_norm());
-                // fp16: a step whose scaled gradients overflowed is skipped
-                // (its gradients dropped) and the scale lowered.
-                if let (Some(scaler), Some(norm)) = (progress.loss_scaler.as_mut(), norm) {
+                if let Some(scaler) = progress.loss_scaler.as_mut() {
+                    // fp16: the norm is read here (one host read serves the
+                    // overflow check and clipping). A step whose scaled
+                    // gradients overflowed is skipped (its gradients dropped)
+                    // and the scale lowered.
+                    let norm = buffer.global_norm();
                     if !scaler.update(norm.is_finite()) {
                         tracing::debug!(
                             "fp16 gradients overflowed: step skipped, loss scale now {}",
@@ -668,12 +663,18 @@ where
                         );
                         buffer.clear();
                     }
-                }
-                if let (Some(max_norm), Some(norm)) = (run.max_grad_norm, norm) {
-                    if !buffer.is_empty() {
-                        buffer.clip_to_norm(max_norm, norm);
-                        means.add("grad_norm", norm);
+                    if let Some(max_norm) = run.max_grad_norm {
+                        if !buffer.is_empty() {
+                            buffer.clip_to_norm(max_norm, norm);
+                            means.add("grad_norm", norm);
+                        }
                     }
+                } else if let Some(max_norm) = run.max_grad_norm {
+                    // On the device: the optimiser is queued behind the backward
+                    // pass, and the norm is read below with the losses.
+                    grad_norm = buffer
+                        .clip_global_norm(max_norm)
+                        .map(Tensor::<AB, 1>::from_inner);
                 }
                 last_lr = scheduler.lr();
                 let factor = last_lr / base_lr;
@@ -693,6 +694,19 @@ where
                 progress.global_step += 1;
                 pending = 0;
                 timer.mark::<AB>(device, "optimizer");
+            }
+            // The step's one host read (losses, accuracy counts, gradient norm),
+            // after everything is queued. A non-finite loss stops the run before
+            // any checkpoint is written from the weights it produced.
+            let total = record_batch(&parts, accuracy, grad_norm, &mut means);
+            timer.mark::<AB>(device, "read");
+            if !total.is_finite() {
+                return Err(TrainError::NonFinite {
+                    what: "training loss".into(),
+                    value: total,
+                    epoch,
+                    step: progress.global_step,
+                });
             }
             timer.step();
             observer.batch(&BatchStatus {
@@ -873,7 +887,7 @@ fn validate<B: AttentionBackend>(
             predict_batch(model, input, return_nucleotides)
         };
         let parts = run.loss.forward(&predictions, &targets)?;
-        record_batch(&parts, None, &mut means);
+        record_batch(&parts, None, None, &mut means);
         if let Some(logits) = &predictions.nuc_logits {
             let (hits, n) = nucleotide_accuracy(logits.clone(), targets.tokens.clone(), None);
             let counts = Tensor::cat(vec![hits, n], 0)
