@@ -90,16 +90,20 @@ impl<B: Backend> Linear<B> {
 
 /// `y = x·Wᵀ + b` over the last axis, with `weight` in torch layout.
 ///
-/// A product with a unit dimension (one input or output feature, or one row
-/// per batch entry) is flattened to rows and goes through
-/// [`aam_kernels::matmul`] (why: its doc). Everything else is Burn's `linear`
-/// on the input's own rank.
+/// Without the `fusion` feature this is Burn's `linear` on the input's own
+/// rank, except that a product with a unit dimension (one input or output
+/// feature, or one row per batch entry) is flattened to rows and goes
+/// through [`aam_kernels::matmul`] (why: its doc).
 ///
-/// Flattening every input to one `[rows, d_input]` matmul was tried and
-/// dropped (2026-11-23): on CUDA the matmul autotune key holds the row
-/// count's bucket, which for packed ASVs changes from batch to batch, and a
-/// cold run spent over 400 s autotuning 70 shapes before its first epoch
-/// ended on the H100.
+/// With `fusion`, every input is flattened to one `[rows, d_input]` product:
+/// on CUDA, Burn 0.21's fusion backend also got the gradients of the rank-3
+/// batched `linear` wrong (the parity suite's count-embedding and predictor
+/// cases, 0.66-1.1 relative; `benches/results/h100_backend_parity_cuda_fusion_batched_linear.log`),
+/// and with flattening every case passes. The cost: the CUDA matmul autotune
+/// key holds the row count's bucket, which for packed ASVs changes from batch
+/// to batch, so a cold machine autotunes ~70 shapes (minutes, once; the
+/// results are cached). Without fusion the batched form is kept for that
+/// reason.
 ///
 /// # Shapes
 /// - x: `[..., d_input]`, weight: `[d_output, d_input]`, bias: `[d_output]`
@@ -112,14 +116,19 @@ pub fn linear<B: Backend, const D: usize>(
     let dims = x.dims();
     let [d_output, d_input] = weight.dims();
     let rows_per_entry = if D >= 2 { dims[D - 2] } else { 1 };
-    if rows_per_entry > 1 && d_input > 1 && d_output > 1 {
+    if rows_per_entry > 1 && d_input > 1 && d_output > 1 && !cfg!(feature = "fusion") {
         return burn::tensor::module::linear(x, weight.transpose(), bias);
     }
     let rows = dims[..D - 1].iter().product::<usize>();
-    let y = aam_kernels::matmul(x.reshape([rows, d_input]), weight.transpose());
-    let y = match bias {
-        Some(bias) => y + bias.unsqueeze(),
-        None => y,
+    let x = x.reshape([rows, d_input]);
+    let y = if rows > 1 && d_input > 1 && d_output > 1 {
+        burn::tensor::module::linear(x, weight.transpose(), bias)
+    } else {
+        let y = aam_kernels::matmul(x, weight.transpose());
+        match bias {
+            Some(bias) => y + bias.unsqueeze(),
+            None => y,
+        }
     };
     let mut out = dims;
     out[D - 1] = d_output;
