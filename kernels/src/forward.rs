@@ -13,19 +13,112 @@ use cubecl::{CubeCount, CubeDim};
 use crate::kernel::{attention_backward_dkdv, attention_backward_dq, attention_forward};
 use crate::{AttentionBackend, AttentionDropout};
 
-/// Shared memory per cube for the two tiles (K and V, or Q and dO): 16 KiB,
-/// the WebGPU default limit, so the kernels run on every wgpu adapter.
-const TILE_BYTES: usize = 16 * 1024;
-
-/// Rows per shared-memory tile: 32 up to Dh = 64, fewer for wider heads.
-fn tile_rows(head_dim: usize) -> usize {
-    (TILE_BYTES / (2 * 4 * head_dim.max(1))).clamp(1, 32)
+/// How the kernels split one call's work: shared-memory tiles, and the
+/// lanes (units) that share a row (see `kernel.rs`).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    /// Keys (or queries) per shared-memory tile.
+    tile: usize,
+    /// Floats between two rows of a tile.
+    stride: usize,
+    /// How rows are split across lanes (plane shuffles).
+    lanes: LanesSetting,
+    head_dim: usize,
 }
 
-/// Whether the kernels unroll their loops over the head dimension. On by
-/// default (the rows then live in registers); `AAM_KERNEL_UNROLL=0` turns it
-/// off, which only changes code generation: CPU Vulkan drivers (Mesa
-/// lavapipe, used in CI) take minutes to compile the unrolled kernels.
+/// Units a GPU needs to be full: an H100 holds 132 × 2048. Calls with fewer
+/// rows than this split each row over several lanes.
+const UNITS_TO_FILL: usize = 1 << 18;
+
+impl Layout {
+    /// Rows are split over lanes by default only on CUDA and HIP: there a
+    /// cube's units fill its planes in order, so a group of adjacent units is
+    /// in one plane. wgpu promises no such order for its subgroups (nor
+    /// subgroups at all: CubeCL turns them off on CPU adapters); it runs one
+    /// unit per row unless `AAM_KERNEL_LANES` forces lanes (tests).
+    /// Shared memory per cube for the two tiles: 16 KiB on wgpu (the WebGPU
+    /// default limit, so the kernels run on every adapter), 32 KiB on CUDA
+    /// and HIP. With lanes, rows are padded by 4 floats against bank
+    /// conflicts.
+    fn new<R: CubeRuntime>(client: &cubecl::client::ComputeClient<R>, head_dim: usize) -> Self {
+        let native = matches!(R::name(client), "cuda" | "hip");
+        let lanes = match lanes_setting() {
+            LanesSetting::Auto if native => LanesSetting::Auto,
+            LanesSetting::Auto => LanesSetting::Fixed(1),
+            fixed => fixed,
+        };
+        let split = lanes != LanesSetting::Fixed(1);
+        let bytes = if native { 32 * 1024 } else { 16 * 1024 };
+        let stride = if split { head_dim + 4 } else { head_dim };
+        let fit = (bytes / (2 * 4 * stride.max(1))).clamp(1, 32);
+        // The largest power of two that fits, so that lanes divide it.
+        let tile = 1 << fit.ilog2();
+        Layout {
+            tile,
+            stride,
+            lanes,
+            head_dim,
+        }
+    }
+
+    /// Lanes per row for `rows` rows: the fixed setting, or the fewest (a
+    /// power of two up to 8) that give [`UNITS_TO_FILL`] units. Never more
+    /// than the tile's rows.
+    fn lanes(&self, rows: usize) -> usize {
+        let lanes = match self.lanes {
+            LanesSetting::Fixed(lanes) => lanes,
+            LanesSetting::Auto => {
+                let mut lanes = 1;
+                while lanes < 8 && rows * lanes < UNITS_TO_FILL {
+                    lanes *= 2;
+                }
+                lanes
+            }
+        };
+        lanes.min(self.tile)
+    }
+
+    /// Units per cube: 64 rows of one lane (32 for heads wider than 64,
+    /// whose rows use more registers), or twice that split into lanes.
+    fn units(&self, lanes: usize) -> u32 {
+        let rows = if self.head_dim > 64 { 32 } else { 64 };
+        if lanes > 1 {
+            2 * rows
+        } else {
+            rows
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LanesSetting {
+    /// Split rows when a call has too few to fill the GPU (CUDA, HIP).
+    Auto,
+    /// This many lanes per row (1, 2, 4 or 8) on every runtime.
+    Fixed(usize),
+}
+
+/// `AAM_KERNEL_LANES`: unset or `auto` splits rows over lanes where the
+/// runtime allows it (see [`Layout::new`]); `1` never does (for
+/// comparisons); `2`, `4` or `8` always does, on every runtime (for tests:
+/// on wgpu that needs subgroups that follow the unit order).
+fn lanes_setting() -> LanesSetting {
+    static LANES: std::sync::OnceLock<LanesSetting> = std::sync::OnceLock::new();
+    *LANES.get_or_init(|| match std::env::var("AAM_KERNEL_LANES").as_deref() {
+        Ok("1") => LanesSetting::Fixed(1),
+        Ok("2") => LanesSetting::Fixed(2),
+        Ok("4") => LanesSetting::Fixed(4),
+        Ok("8") => LanesSetting::Fixed(8),
+        Ok("auto") | Err(_) => LanesSetting::Auto,
+        Ok(other) => panic!("AAM_KERNEL_LANES must be auto, 1, 2, 4 or 8, not {other:?}"),
+    })
+}
+
+/// Whether the kernels unroll their loops over the head dimension and a
+/// tile's keys. On by default (the rows and scores then live in registers);
+/// `AAM_KERNEL_UNROLL=0` turns it off, which only changes code generation:
+/// CPU Vulkan drivers (Mesa lavapipe, used in CI) take minutes to compile
+/// the unrolled kernels.
 fn unroll_loops() -> bool {
     static UNROLL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *UNROLL.get_or_init(|| {
@@ -38,15 +131,6 @@ fn unroll_loops() -> bool {
 pub const MAX_HEAD_DIM: usize = 128;
 /// wgpu's (and WebGPU's) limit on cubes per grid dimension.
 const MAX_CUBES_PER_DIM: usize = 65_535;
-
-/// Units (rows) per cube: fewer for wide heads, whose rows use more registers.
-fn rows_per_cube(head_dim: usize) -> u32 {
-    if head_dim > 64 {
-        32
-    } else {
-        64
-    }
-}
 
 /// Dropout as the kernels take it: `(use, threshold = p·2³², 1/(1−p), seed)`.
 fn dropout_args(dropout: AttentionDropout) -> (bool, u32, f32, u32) {
@@ -157,9 +241,10 @@ where
             dh <= MAX_HEAD_DIM,
             "fused attention: head dim {dh} > {MAX_HEAD_DIM}"
         );
-        let (key_valid, tile_valid) =
-            validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
         let client = q.client.clone();
+        let layout = Layout::new(&client, dh);
+        let (key_valid, tile_valid) =
+            validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
         // The kernels index their outputs as dense row-major arrays. CubeCL's
         // plain `empty` may hand out a pitched layout (rows padded for
         // alignment, as CUDA does for a last dimension like T = 151), which
@@ -178,12 +263,14 @@ where
             DType::F32,
         );
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-        let rows = rows_per_cube(dh);
+        let lanes = layout.lanes(n * h * tq);
+        let units = layout.units(lanes);
+        let rows = units as usize / lanes;
         for (offset, count) in bh_chunks(n * h) {
             attention_forward::launch::<R>(
                 &client,
-                CubeCount::Static(count, tq.div_ceil(rows as usize) as u32, 1),
-                CubeDim::new_1d(rows),
+                CubeCount::Static(count, tq.div_ceil(rows) as u32, 1),
+                CubeDim::new_1d(units),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
@@ -198,7 +285,9 @@ where
                 drop_scale,
                 seed,
                 dh,
-                tile_rows(dh),
+                layout.tile,
+                lanes,
+                layout.stride,
                 use_dropout,
                 unroll_loops(),
                 q.dtype.into(),
@@ -225,8 +314,9 @@ where
         let dout = into_contiguous(dout);
         let [n, h, tq, dh] = dims4(&q);
         let tk = dims4(&k)[2];
+        let layout = Layout::new(&q.client, dh);
         let (key_valid, tile_valid) =
-            validity::<R, F, I, BT>(key_padding_mask, n, tk, tile_rows(dh), &q.device);
+            validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
         // Δ_i = rowsum(dO_i ⊙ O_i), in f32.
         let delta: Tensor<Self, 4> =
             (Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(dout.clone()))
@@ -246,12 +336,15 @@ where
         };
         let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-        let rows = rows_per_cube(dh);
+        let lanes_q = layout.lanes(n * h * tq);
+        let units_q = layout.units(lanes_q);
+        let lanes_k = layout.lanes(n * h * tk);
+        let units_k = layout.units(lanes_k);
         for (offset, count) in bh_chunks(n * h) {
             attention_backward_dq::launch::<R>(
                 &client,
-                CubeCount::Static(count, tq.div_ceil(rows as usize) as u32, 1),
-                CubeDim::new_1d(rows),
+                CubeCount::Static(count, tq.div_ceil(units_q as usize / lanes_q) as u32, 1),
+                CubeDim::new_1d(units_q),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
@@ -268,15 +361,17 @@ where
                 drop_scale,
                 seed,
                 dh,
-                tile_rows(dh),
+                layout.tile,
+                lanes_q,
+                layout.stride,
                 use_dropout,
                 unroll_loops(),
                 q.dtype.into(),
             );
             attention_backward_dkdv::launch::<R>(
                 &client,
-                CubeCount::Static(count, tk.div_ceil(rows as usize) as u32, 1),
-                CubeDim::new_1d(rows),
+                CubeCount::Static(count, tk.div_ceil(units_k as usize / lanes_k) as u32, 1),
+                CubeDim::new_1d(units_k),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
@@ -284,6 +379,7 @@ where
                 lse.clone().into_tensor_arg(),
                 delta.clone().into_tensor_arg(),
                 key_valid.clone().into_tensor_arg(),
+                tile_valid.clone().into_tensor_arg(),
                 dk.clone().into_tensor_arg(),
                 dv.clone().into_tensor_arg(),
                 scale as f32,
@@ -293,7 +389,10 @@ where
                 drop_scale,
                 seed,
                 dh,
-                tile_rows(dh),
+                layout.tile,
+                layout.tile,
+                lanes_k,
+                layout.stride,
                 use_dropout,
                 unroll_loops(),
                 q.dtype.into(),

@@ -1,13 +1,28 @@
 //! The CubeCL kernels: forward, dQ, and dK/dV. No Burn imports here.
 //!
 //! Tensors are contiguous `[N, H, T, Dh]` (index `((n·H + h)·T + t)·Dh + d`).
-//! Every unit owns one row (a query row in forward and dQ, a key row in
-//! dK/dV) and keeps it, and its accumulator, in registers; the cube loads
-//! tiles of the other side into shared memory and walks them with an online
-//! softmax. Arithmetic is f32 whatever the storage type. Key tiles whose keys
-//! are all padding are skipped as a whole (the per-tile valid counts are
-//! computed before launch), which is what makes a 200-of-1024 sample cost
-//! ~200 keys.
+//! A row (a query row in forward and dQ, a key row in dK/dV) belongs to a
+//! group of `lanes` adjacent units of one plane, which keep the row and their
+//! own accumulator in registers; the cube loads tiles of the other side into
+//! shared memory and each lane of a group walks its share of every tile (the
+//! keys, or queries, `lane`, `lane + lanes`, ...) with an online softmax.
+//! At the end the lanes of a group merge their partial results with plane
+//! shuffles. `lanes > 1` gives a short sequence batch (the sample level: 32
+//! heads × 1024 rows) enough units to fill a GPU; `lanes = 1` (the ASV level,
+//! and every wgpu launch) needs no plane operations.
+//!
+//! The loops over a lane's keys are unrolled when `unroll` is set, so the
+//! scores stay in registers and the dot products of different keys overlap
+//! (a dot product alone is a chain of `Dh` dependent FMAs). Shared-memory
+//! rows are `stride` floats apart: with several lanes reading different
+//! rows, a stride of `Dh + 4` puts them in different banks.
+//!
+//! Arithmetic is f32 whatever the storage type. Key tiles whose keys are all
+//! padding are skipped as a whole (the per-tile valid counts are computed
+//! before launch), which is what makes a 200-of-1024 sample cost ~200 keys.
+//! Masked scores are `-1e30` (below any real score, and finite so that the
+//! difference of two masked maxima is 0, not `inf − inf` = NaN), and their
+//! probabilities are set to zero explicitly.
 
 use cubecl::prelude::*;
 
@@ -32,9 +47,69 @@ fn dropout_keep(seed: u32, bh: u32, row: u32, col: u32, threshold: u32) -> bool 
     x >= threshold
 }
 
+/// Merges the online-softmax states `(m, l, acc)` of the lanes `offset`
+/// apart (`stats = [m, l]`): both rescaled to the larger maximum and added.
+/// Every unit of the plane must call it.
+#[cube]
+fn merge_softmax_lanes(
+    stats: &mut Array<f32>,
+    acc: &mut Array<f32>,
+    offset: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] unroll: bool,
+) {
+    let m = stats[0];
+    let m_other = plane_shuffle_xor(m, offset);
+    let l_other = plane_shuffle_xor(stats[1], offset);
+    let m_new = f32::max(m, m_other);
+    let c = (m - m_new).exp();
+    let c_other = (m_other - m_new).exp();
+    stats[0] = m_new;
+    stats[1] = stats[1] * c + l_other * c_other;
+    #[unroll(unroll)]
+    for d in 0..head_dim {
+        let other = plane_shuffle_xor(acc[d], offset);
+        acc[d] = acc[d] * c + other * c_other;
+    }
+}
+
+/// Adds the accumulators of the lanes of a group (butterfly over `lanes`,
+/// a power of two ≤ 8). Every unit of the plane must call it.
+#[cube]
+fn sum_lanes(
+    acc: &mut Array<f32>,
+    #[comptime] lanes: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unroll: bool,
+) {
+    if comptime!(lanes >= 8) {
+        sum_lanes_at(acc, 4u32, head_dim, unroll);
+    }
+    if comptime!(lanes >= 4) {
+        sum_lanes_at(acc, 2u32, head_dim, unroll);
+    }
+    if comptime!(lanes >= 2) {
+        sum_lanes_at(acc, 1u32, head_dim, unroll);
+    }
+}
+
+#[cube]
+fn sum_lanes_at(
+    acc: &mut Array<f32>,
+    offset: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] unroll: bool,
+) {
+    #[unroll(unroll)]
+    for d in 0..head_dim {
+        acc[d] += plane_shuffle_xor(acc[d], offset);
+    }
+}
+
 /// Forward: `out = softmax(q·kᵀ·scale, masked)·v` and the row log-sum-exp.
 ///
-/// Launch: cube (x: n·H + h − bh_offset, y: query block), units = query rows.
+/// Launch: cube (x: n·H + h − bh_offset, y: query block), units = query
+/// rows × `lanes`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<F: Float>(
@@ -53,6 +128,8 @@ pub fn attention_forward<F: Float>(
     seed: u32,
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
+    #[comptime] lanes: usize,
+    #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
@@ -61,11 +138,14 @@ pub fn attention_forward<F: Float>(
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
     let n = bh / heads as usize;
-    let row = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let lane = UNIT_POS_X as usize % lanes;
+    let rows_per_cube = CUBE_DIM_X as usize / lanes;
+    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / lanes;
     let active = row < tq;
     let q_base = (bh * tq + row) * head_dim;
     let kv_base = bh * tk * head_dim;
     let n_tiles = tk.div_ceil(tile_keys);
+    let keys_per_lane = comptime!(tile_keys / lanes);
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut acc = Array::<f32>::new(head_dim);
@@ -81,14 +161,14 @@ pub fn attention_forward<F: Float>(
         }
     }
 
-    let mut k_tile = SharedMemory::<f32>::new(tile_keys * head_dim);
-    let mut v_tile = SharedMemory::<f32>::new(tile_keys * head_dim);
+    let mut k_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
+    let mut v_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
     let mut valid_tile = SharedMemory::<f32>::new(tile_keys);
-    let mut scores = Array::<f32>::new(tile_keys);
+    let mut scores = Array::<f32>::new(keys_per_lane);
 
     let mut m = 0.0f32;
+    m -= 1.0e30;
     let mut l = 0.0f32;
-    let mut seen = false;
 
     for t in 0..n_tiles {
         // Uniform over the cube: every unit takes the same branch.
@@ -106,64 +186,75 @@ pub fn attention_forward<F: Float>(
                 tk,
                 head_dim,
                 tile_keys,
+                stride,
             );
             sync_cube();
             if active {
                 let mut tile_max = 0.0f32;
-                let mut any = false;
-                for jj in 0..tile_keys {
+                tile_max -= 1.0e30;
+                #[unroll(unroll)]
+                for i in 0usize..keys_per_lane {
+                    let jj = i * lanes + lane;
                     let mut s = 0.0f32;
-                    if valid_tile[jj] > 0.0 {
-                        #[unroll(unroll)]
-                        for d in 0..head_dim {
-                            s += q_row[d] * k_tile[jj * head_dim + d];
-                        }
-                        if !any || s > tile_max {
-                            tile_max = s;
-                        }
-                        any = true;
-                    }
-                    scores[jj] = s;
-                }
-                if any {
-                    let m_new = select(seen, f32::max(m, tile_max), tile_max);
-                    let correction = select(seen, (m - m_new).exp(), 0.0f32);
-                    l *= correction;
                     #[unroll(unroll)]
                     for d in 0..head_dim {
-                        acc[d] *= correction;
+                        s += q_row[d] * k_tile[jj * stride + d];
                     }
-                    for jj in 0..tile_keys {
-                        if valid_tile[jj] > 0.0 {
-                            let p = (scores[jj] - m_new).exp();
-                            l += p;
-                            let mut weight = p;
-                            if use_dropout {
-                                let col = (t * tile_keys + jj) as u32;
-                                let keep = dropout_keep(
-                                    seed,
-                                    bh as u32,
-                                    row as u32,
-                                    col,
-                                    dropout_threshold,
-                                );
-                                weight = select(keep, p * dropout_scale, 0.0f32);
-                            }
-                            #[unroll(unroll)]
-                            for d in 0..head_dim {
-                                acc[d] += weight * v_tile[jj * head_dim + d];
-                            }
-                        }
-                    }
-                    m = m_new;
-                    seen = true;
+                    let score = select(valid_tile[jj] > 0.0, s, -1.0e30f32);
+                    tile_max = f32::max(tile_max, score);
+                    scores[i] = score;
                 }
+                // A lane whose keys of this tile are all masked keeps its
+                // state: m_new = m, correction 1, every p 0.
+                let m_new = f32::max(m, tile_max);
+                let correction = (m - m_new).exp();
+                l *= correction;
+                #[unroll(unroll)]
+                for d in 0..head_dim {
+                    acc[d] *= correction;
+                }
+                #[unroll(unroll)]
+                for i in 0usize..keys_per_lane {
+                    let jj = i * lanes + lane;
+                    let p = select(valid_tile[jj] > 0.0, (scores[i] - m_new).exp(), 0.0f32);
+                    l += p;
+                    let mut weight = p;
+                    if use_dropout {
+                        let col = (t * tile_keys + jj) as u32;
+                        let keep =
+                            dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                        weight = select(keep, p * dropout_scale, 0.0f32);
+                    }
+                    #[unroll(unroll)]
+                    for d in 0..head_dim {
+                        acc[d] += weight * v_tile[jj * stride + d];
+                    }
+                }
+                m = m_new;
             }
             sync_cube();
         }
     }
 
-    if active {
+    if comptime!(lanes > 1) {
+        let mut stats = Array::<f32>::new(2usize);
+        stats[0] = m;
+        stats[1] = l;
+        if comptime!(lanes >= 8) {
+            merge_softmax_lanes(&mut stats, &mut acc, 4u32, head_dim, unroll);
+        }
+        if comptime!(lanes >= 4) {
+            merge_softmax_lanes(&mut stats, &mut acc, 2u32, head_dim, unroll);
+        }
+        merge_softmax_lanes(&mut stats, &mut acc, 1u32, head_dim, unroll);
+        m = stats[0];
+        l = stats[1];
+    }
+
+    // l ≥ 1 once any key was valid (the maximum contributes exp(0)); a row
+    // with no valid key gets zeros.
+    let seen = l > 0.0;
+    if active && lane == 0 {
         let inv = select(seen, 1.0f32 / l, 0.0f32);
         #[unroll(unroll)]
         for d in 0..head_dim {
@@ -173,8 +264,9 @@ pub fn attention_forward<F: Float>(
     }
 }
 
-/// Loads keys `[start, start + tile_keys)` of one (n, h) into shared memory,
-/// with zeros past the end and the validity of each key.
+/// Loads keys `[start, start + tile_keys)` of one (n, h) into shared memory
+/// (row `j` at `j·stride`), with zeros past the end and the validity of each
+/// key.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_tile<F: Float>(
@@ -190,19 +282,21 @@ fn load_tile<F: Float>(
     tk: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
+    #[comptime] stride: usize,
 ) {
     let mut idx = UNIT_POS_X as usize;
     while idx < tile_keys * head_dim {
-        let j = start + idx / head_dim;
+        let jj = idx / head_dim;
         let d = idx % head_dim;
+        let j = start + jj;
         let mut kx = 0.0f32;
         let mut vx = 0.0f32;
         if j < tk {
             kx = f32::cast_from(k[kv_base + j * head_dim + d]);
             vx = f32::cast_from(v[kv_base + j * head_dim + d]);
         }
-        k_tile[idx] = kx;
-        v_tile[idx] = vx;
+        k_tile[jj * stride + d] = kx;
+        v_tile[jj * stride + d] = vx;
         idx += CUBE_DIM_X as usize;
     }
     let mut jj = UNIT_POS_X as usize;
@@ -241,6 +335,8 @@ pub fn attention_backward_dq<F: Float>(
     seed: u32,
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
+    #[comptime] lanes: usize,
+    #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
@@ -249,11 +345,14 @@ pub fn attention_backward_dq<F: Float>(
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
     let n = bh / heads as usize;
-    let row = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let lane = UNIT_POS_X as usize % lanes;
+    let rows_per_cube = CUBE_DIM_X as usize / lanes;
+    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / lanes;
     let active = row < tq;
     let q_base = (bh * tq + row) * head_dim;
     let kv_base = bh * tk * head_dim;
     let n_tiles = tk.div_ceil(tile_keys);
+    let keys_per_lane = comptime!(tile_keys / lanes);
 
     let mut q_row = Array::<f32>::new(head_dim);
     let mut do_row = Array::<f32>::new(head_dim);
@@ -276,8 +375,8 @@ pub fn attention_backward_dq<F: Float>(
         row_delta = delta[bh * tq + row];
     }
 
-    let mut k_tile = SharedMemory::<f32>::new(tile_keys * head_dim);
-    let mut v_tile = SharedMemory::<f32>::new(tile_keys * head_dim);
+    let mut k_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
+    let mut v_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
     let mut valid_tile = SharedMemory::<f32>::new(tile_keys);
 
     for t in 0..n_tiles {
@@ -295,30 +394,31 @@ pub fn attention_backward_dq<F: Float>(
                 tk,
                 head_dim,
                 tile_keys,
+                stride,
             );
             sync_cube();
             if active {
-                for jj in 0..tile_keys {
-                    if valid_tile[jj] > 0.0 {
-                        let mut s = 0.0f32;
-                        let mut dp = 0.0f32;
-                        #[unroll(unroll)]
-                        for d in 0..head_dim {
-                            s += q_row[d] * k_tile[jj * head_dim + d];
-                            dp += do_row[d] * v_tile[jj * head_dim + d];
-                        }
-                        let p = (s - row_lse).exp();
-                        if use_dropout {
-                            let col = (t * tile_keys + jj) as u32;
-                            let keep =
-                                dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
-                            dp = select(keep, dp * dropout_scale, 0.0f32);
-                        }
-                        let ds = p * (dp - row_delta);
-                        #[unroll(unroll)]
-                        for d in 0..head_dim {
-                            acc[d] += ds * k_tile[jj * head_dim + d];
-                        }
+                #[unroll(unroll)]
+                for i in 0usize..keys_per_lane {
+                    let jj = i * lanes + lane;
+                    let mut s = 0.0f32;
+                    let mut dp = 0.0f32;
+                    #[unroll(unroll)]
+                    for d in 0..head_dim {
+                        s += q_row[d] * k_tile[jj * stride + d];
+                        dp += do_row[d] * v_tile[jj * stride + d];
+                    }
+                    let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
+                    if use_dropout {
+                        let col = (t * tile_keys + jj) as u32;
+                        let keep =
+                            dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                        dp = select(keep, dp * dropout_scale, 0.0f32);
+                    }
+                    let ds = p * (dp - row_delta);
+                    #[unroll(unroll)]
+                    for d in 0..head_dim {
+                        acc[d] += ds * k_tile[jj * stride + d];
                     }
                 }
             }
@@ -326,7 +426,10 @@ pub fn attention_backward_dq<F: Float>(
         }
     }
 
-    if active {
+    if comptime!(lanes > 1) {
+        sum_lanes(&mut acc, lanes, head_dim, unroll);
+    }
+    if active && lane == 0 {
         #[unroll(unroll)]
         for d in 0..head_dim {
             dq[q_base + d] = F::cast_from(acc[d] * scale);
@@ -336,9 +439,11 @@ pub fn attention_backward_dq<F: Float>(
 
 /// Backward, key side: `dV_j = Σ_i P̃_ij dO_i` and
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
-/// keys get zero gradients.
+/// keys get zero gradients, and a cube whose keys are all masked skips the
+/// query loop (`tile_keys` is the tiling of `tile_valid`).
 ///
-/// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows.
+/// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows ×
+/// `lanes`; the lanes of a key split each query tile.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv<F: Float>(
@@ -349,6 +454,7 @@ pub fn attention_backward_dkdv<F: Float>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     key_valid: &Tensor<f32>,
+    tile_valid: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     scale: f32,
@@ -359,6 +465,9 @@ pub fn attention_backward_dkdv<F: Float>(
     seed: u32,
     #[comptime] head_dim: usize,
     #[comptime] tile_queries: usize,
+    #[comptime] tile_keys: usize,
+    #[comptime] lanes: usize,
+    #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
@@ -367,15 +476,33 @@ pub fn attention_backward_dkdv<F: Float>(
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
     let n = bh / heads as usize;
-    let col = (CUBE_POS_Y * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let lane = UNIT_POS_X as usize % lanes;
+    let keys_per_cube = CUBE_DIM_X as usize / lanes;
+    let first_key = CUBE_POS_Y as usize * keys_per_cube;
+    let col = first_key + UNIT_POS_X as usize / lanes;
     let in_range = col < tk;
     let mut active = false;
     if in_range {
         active = key_valid[n * tk + col] > 0.0;
     }
+    // Uniform over the cube: does any key tile overlapping the cube's keys
+    // hold a valid key?
+    let n_key_tiles = tk.div_ceil(tile_keys);
+    let mut end_key = first_key + keys_per_cube;
+    if end_key > tk {
+        end_key = tk;
+    }
+    let mut block_valid = 0.0f32;
+    for t in first_key / tile_keys..(end_key - 1) / tile_keys + 1 {
+        block_valid += tile_valid[n * n_key_tiles + t];
+    }
     let k_base = (bh * tk + col) * head_dim;
     let q_base = bh * tq * head_dim;
-    let n_tiles = tq.div_ceil(tile_queries);
+    let mut n_tiles = 0usize;
+    if block_valid > 0.0 {
+        n_tiles = tq.div_ceil(tile_queries);
+    }
+    let queries_per_lane = comptime!(tile_queries / lanes);
 
     let mut k_row = Array::<f32>::new(head_dim);
     let mut v_row = Array::<f32>::new(head_dim);
@@ -396,8 +523,8 @@ pub fn attention_backward_dkdv<F: Float>(
         }
     }
 
-    let mut q_tile = SharedMemory::<f32>::new(tile_queries * head_dim);
-    let mut do_tile = SharedMemory::<f32>::new(tile_queries * head_dim);
+    let mut q_tile = SharedMemory::<f32>::new(comptime!(tile_queries * stride));
+    let mut do_tile = SharedMemory::<f32>::new(comptime!(tile_queries * stride));
     let mut lse_tile = SharedMemory::<f32>::new(tile_queries);
     let mut delta_tile = SharedMemory::<f32>::new(tile_queries);
 
@@ -405,22 +532,24 @@ pub fn attention_backward_dkdv<F: Float>(
         let start = t * tile_queries;
         let mut idx = UNIT_POS_X as usize;
         while idx < tile_queries * head_dim {
-            let i = start + idx / head_dim;
+            let ii = idx / head_dim;
             let d = idx % head_dim;
+            let i = start + ii;
             let mut qx = 0.0f32;
             let mut dox = 0.0f32;
             if i < tq {
                 qx = f32::cast_from(q[q_base + i * head_dim + d]) * scale;
                 dox = f32::cast_from(dout[q_base + i * head_dim + d]);
             }
-            q_tile[idx] = qx;
-            do_tile[idx] = dox;
+            q_tile[ii * stride + d] = qx;
+            do_tile[ii * stride + d] = dox;
             idx += CUBE_DIM_X as usize;
         }
         let mut ii = UNIT_POS_X as usize;
         while ii < tile_queries {
             let i = start + ii;
-            let mut lse_i = 0.0f32;
+            // Rows past the end: lse = +big makes p = 0, and their q and dO are 0.
+            let mut lse_i = 1.0e30f32;
             let mut delta_i = 0.0f32;
             if i < tq {
                 lse_i = lse[bh * tq + i];
@@ -432,37 +561,40 @@ pub fn attention_backward_dkdv<F: Float>(
         }
         sync_cube();
         if active {
-            for ii in 0..tile_queries {
-                let i = start + ii;
-                if i < tq {
-                    let mut s = 0.0f32;
-                    let mut dp = 0.0f32;
-                    #[unroll(unroll)]
-                    for d in 0..head_dim {
-                        s += q_tile[ii * head_dim + d] * k_row[d];
-                        dp += do_tile[ii * head_dim + d] * v_row[d];
-                    }
-                    let p = (s - lse_tile[ii]).exp();
-                    let mut p_kept = p;
-                    if use_dropout {
-                        let keep =
-                            dropout_keep(seed, bh as u32, i as u32, col as u32, dropout_threshold);
-                        p_kept = select(keep, p * dropout_scale, 0.0f32);
-                        dp = select(keep, dp * dropout_scale, 0.0f32);
-                    }
-                    let ds = p * (dp - delta_tile[ii]);
-                    #[unroll(unroll)]
-                    for d in 0..head_dim {
-                        dv_acc[d] += p_kept * do_tile[ii * head_dim + d];
-                        dk_acc[d] += ds * q_tile[ii * head_dim + d];
-                    }
+            #[unroll(unroll)]
+            for r in 0usize..queries_per_lane {
+                let ii = r * lanes + lane;
+                let mut s = 0.0f32;
+                let mut dp = 0.0f32;
+                #[unroll(unroll)]
+                for d in 0..head_dim {
+                    s += q_tile[ii * stride + d] * k_row[d];
+                    dp += do_tile[ii * stride + d] * v_row[d];
+                }
+                let p = (s - lse_tile[ii]).exp();
+                let mut p_kept = p;
+                if use_dropout {
+                    let i = (start + ii) as u32;
+                    let keep = dropout_keep(seed, bh as u32, i, col as u32, dropout_threshold);
+                    p_kept = select(keep, p * dropout_scale, 0.0f32);
+                    dp = select(keep, dp * dropout_scale, 0.0f32);
+                }
+                let ds = p * (dp - delta_tile[ii]);
+                #[unroll(unroll)]
+                for d in 0..head_dim {
+                    dv_acc[d] += p_kept * do_tile[ii * stride + d];
+                    dk_acc[d] += ds * q_tile[ii * stride + d];
                 }
             }
         }
         sync_cube();
     }
 
-    if in_range {
+    if comptime!(lanes > 1) {
+        sum_lanes(&mut dk_acc, lanes, head_dim, unroll);
+        sum_lanes(&mut dv_acc, lanes, head_dim, unroll);
+    }
+    if in_range && lane == 0 {
         #[unroll(unroll)]
         for d in 0..head_dim {
             dk[k_base + d] = F::cast_from(dk_acc[d]);

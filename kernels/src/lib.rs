@@ -15,6 +15,12 @@
 //! from a counter-based hash so the backward pass regenerates the same mask
 //! without storing it.
 //!
+//! Work split: a row is handled by one unit, or, on CUDA/HIP when a call has
+//! too few rows to fill the GPU (the sample level: 32 heads × 1024 slots),
+//! by up to 8 adjacent units of a plane, each taking its share of every tile,
+//! whose softmax states are merged by plane shuffles at the end
+//! (`AAM_KERNEL_LANES` overrides it; see `forward.rs`).
+//!
 //! Layout (after Burn's custom-kernel example):
 //! - `lib.rs`: the [`AttentionBackend`] extension trait and the public
 //!   [`fused_attention`] / [`reference_attention`] pair (the plain-tensor

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The fused attention kernel on the device machine (README, "GPU runs"): its parity tests on
+# CUDA, then `attention-bench` beside PyTorch SDPA (`pt_attention.py`) in the same call.
+# Binaries built on the build machine and carried in .carry/gpu/ (xz):
+#   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-benches --features cuda \
+#     --bin attention-bench
+#   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-kernels --features cuda,ndarray \
+#     --test fused_parity --no-run            # prints the test binary's path
+#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity}.xz
+# Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
+# tests, with and without lanes), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1).
+# Writes to $OUT: fused_parity{,_lanes1}.log, rs_attention{,_lanes1}.jsonl, pt_attention.jsonl.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
+for b in attention-bench fused_parity; do
+  [ -f ".carry/gpu/$b.xz" ] && xz -dc ".carry/gpu/$b.xz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+status=0
+if [ "${PARITY:-1}" = 1 ]; then
+  for lanes in default 1; do
+    log="$OUT/fused_parity.log"; env=""
+    [ "$lanes" = 1 ] && { log="$OUT/fused_parity_lanes1.log"; env="AAM_KERNEL_LANES=1"; }
+    echo "== fused_parity (cuda, lanes $lanes)"
+    env $env timeout 240 /tmp/gpu/fused_parity --nocapture --test-threads 1 > "$log" 2>&1
+    rc=$?; [ $rc -eq 0 ] || status=1
+    grep -E "^test |rel err|panicked|result" "$log" | cut -c1-200 | tail -30
+    echo "rc=$rc"
+  done
+fi
+echo "== attention-bench (aam-rs)"
+/tmp/gpu/attention-bench > "$OUT/rs_attention.jsonl" 2>&1 || status=1
+cat "$OUT/rs_attention.jsonl"
+if [ "${LANES_COMPARE:-1}" = 1 ]; then
+  echo "== attention-bench, AAM_KERNEL_LANES=1"
+  AAM_KERNEL_LANES=1 /tmp/gpu/attention-bench > "$OUT/rs_attention_lanes1.jsonl" 2>&1 || status=1
+  grep '"fused"' "$OUT/rs_attention_lanes1.jsonl"
+fi
+echo "== PyTorch SDPA (pt_attention.py)"
+PYTHONUNBUFFERED=1 python3 benches/pt_attention.py > "$OUT/pt_attention.jsonl" 2>&1 || status=1
+cat "$OUT/pt_attention.jsonl"
+exit $status

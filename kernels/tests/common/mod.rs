@@ -1,0 +1,265 @@
+//! Shared by the fused-kernel parity tests: random cases, the f32 check of
+//! forward and gradients against the CPU reference, and the dropout check.
+#![allow(dead_code)] // each test binary uses its own part
+
+use aam_kernels::{fused_attention, reference_attention, AttentionDropout};
+use burn::backend::{Autodiff, NdArray};
+use burn::prelude::*;
+
+#[cfg(feature = "cuda")]
+pub type Gpu = burn::backend::Cuda;
+#[cfg(not(feature = "cuda"))]
+pub type Gpu = burn::backend::Wgpu;
+pub type GpuAd = Autodiff<Gpu>;
+pub type Cpu = NdArray<f32>;
+pub type CpuAd = Autodiff<Cpu>;
+
+/// f32 forward: both sides are f32 with f32 accumulation; reductions differ
+/// only in order.
+pub const FORWARD_RTOL_F32: f32 = 1e-5;
+/// f32 gradients: the backward sums over all rows of the other side.
+pub const GRAD_RTOL_F32: f32 = 1e-4;
+
+/// xorshift64*: fresh, reproducible random inputs without a dependency.
+pub struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        let (u1, u2) = (self.uniform().max(1e-7), self.uniform());
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+pub struct Case {
+    pub n: usize,
+    pub h: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub dh: usize,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub w: Vec<f32>,
+    /// `[n, tk]`, true = padding.
+    pub mask: Vec<bool>,
+}
+
+impl Case {
+    /// Row 0 all padding when `n > 2`, row 1 exactly one valid key; the rest
+    /// random valid lengths with random holes.
+    pub fn new(seed: u64, n: usize, h: usize, tq: usize, tk: usize, dh: usize) -> Case {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut normals = |len: usize| (0..len).map(|_| rng.normal()).collect::<Vec<f32>>();
+        let q = normals(n * h * tq * dh);
+        let k = normals(n * h * tk * dh);
+        let v = normals(n * h * tk * dh);
+        let w = normals(n * h * tq * dh);
+        let mut rng = Rng(seed ^ 0xdead_beef);
+        let mut mask = vec![false; n * tk];
+        for s in 0..n {
+            let row = &mut mask[s * tk..(s + 1) * tk];
+            if n > 2 && s == 0 {
+                row.fill(true);
+            } else if n > 1 && s == 1 {
+                row.fill(true);
+                row[rng.below(tk)] = false;
+            } else {
+                let valid = 1 + rng.below(tk);
+                for (j, m) in row.iter_mut().enumerate() {
+                    *m = j >= valid || (tk > 4 && rng.below(10) == 0 && j > 0);
+                }
+            }
+        }
+        Case {
+            n,
+            h,
+            tq,
+            tk,
+            dh,
+            q,
+            k,
+            v,
+            w,
+            mask,
+        }
+    }
+
+    pub fn tensors<B: Backend>(&self, device: &B::Device) -> [Tensor<B, 4>; 4] {
+        let t = |x: &Vec<f32>, len: usize| {
+            Tensor::<B, 4>::from_data(
+                TensorData::new(x.clone(), [self.n, self.h, len, self.dh]),
+                device,
+            )
+        };
+        [
+            t(&self.q, self.tq),
+            t(&self.k, self.tk),
+            t(&self.v, self.tk),
+            t(&self.w, self.tq),
+        ]
+    }
+
+    pub fn mask<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Bool> {
+        Tensor::from_data(
+            TensorData::new(self.mask.clone(), [self.n, self.tk]),
+            device,
+        )
+    }
+}
+
+pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+}
+
+/// Max |Δ| relative to the largest reference magnitude, floored at 0.01: a
+/// gradient that is exactly zero in the reference (a query with one valid key
+/// has constant softmax weights) is matched by rounding noise of ~1e-7.
+pub fn rel(actual: &[f32], expected: &[f32]) -> f32 {
+    assert!(actual.iter().all(|x| x.is_finite()), "non-finite output");
+    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-2);
+    actual
+        .iter()
+        .zip(expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
+}
+
+/// Shader compilation of the unrolled kernels takes minutes on CPU Vulkan
+/// (lavapipe); unrolling only changes code generation, not the arithmetic.
+/// So wgpu tests run without it, unless `AAM_KERNEL_UNROLL` is set (to test
+/// the unrolled code there too).
+pub fn lean_shaders() {
+    if std::env::var_os("AAM_KERNEL_UNROLL").is_none() {
+        std::env::set_var("AAM_KERNEL_UNROLL", "0");
+    }
+}
+
+/// Forward and gradients of `f = Σ out ⊙ W` on both sides.
+pub fn check(case: &Case) {
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let label = format!(
+        "n={} h={} tq={} tk={} dh={}",
+        case.n, case.h, case.tq, case.tk, case.dh
+    );
+    let started = std::time::Instant::now();
+    let gpu = Default::default();
+    let cpu = Default::default();
+
+    // forward
+    let [q, k, v, _] = case.tensors::<Gpu>(&gpu);
+    let fused = values(fused_attention(
+        q,
+        k,
+        v,
+        Some(case.mask::<Gpu>(&gpu)),
+        AttentionDropout::NONE,
+    ));
+    eprintln!("{label}: forward in {:.1?}", started.elapsed());
+    let [q, k, v, _] = case.tensors::<Cpu>(&cpu);
+    let reference = values(reference_attention(q, k, v, Some(case.mask::<Cpu>(&cpu))));
+    let e = rel(&fused, &reference);
+    assert!(e <= FORWARD_RTOL_F32, "{label}: forward rel err {e:e}");
+    if case.n > 2 {
+        let row0 = case.h * case.tq * case.dh;
+        assert!(
+            fused[..row0].iter().all(|x| *x == 0.0),
+            "{label}: all-padding sample must give zeros"
+        );
+    }
+
+    // gradients
+    let grads = |q: Vec<f32>, k: Vec<f32>, v: Vec<f32>| [q, k, v];
+    let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
+    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+    let out = fused_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        Some(case.mask::<GpuAd>(&gpu)),
+        AttentionDropout::NONE,
+    );
+    let g = (out * w).sum().backward();
+    let fused_grads = grads(
+        values(q.grad(&g).unwrap()),
+        values(k.grad(&g).unwrap()),
+        values(v.grad(&g).unwrap()),
+    );
+    let [q, k, v, w] = case.tensors::<CpuAd>(&cpu);
+    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+    let out = reference_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        Some(case.mask::<CpuAd>(&cpu)),
+    );
+    let g = (out * w).sum().backward();
+    let ref_grads = grads(
+        values(q.grad(&g).unwrap()),
+        values(k.grad(&g).unwrap()),
+        values(v.grad(&g).unwrap()),
+    );
+    let errors: Vec<f32> = fused_grads
+        .iter()
+        .zip(&ref_grads)
+        .map(|(a, b)| rel(a, b))
+        .collect();
+    eprintln!("{label}: gradient rel errors dq/dk/dv = {errors:?}");
+    for (name, (a, b)) in ["dq", "dk", "dv"]
+        .iter()
+        .zip(fused_grads.iter().zip(&ref_grads))
+    {
+        let e = rel(a, b);
+        assert!(e <= GRAD_RTOL_F32, "{label}: {name} rel err {e:e}");
+    }
+    eprintln!("{label}: ok in {:.1?}", started.elapsed());
+}
+
+/// Dropout: the same seed gives the same mask, another seed another, and
+/// the backward uses the forward's mask.
+pub fn check_dropout() {
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let case = Case::new(400, 2, 2, 64, 64, 32);
+    let gpu = Default::default();
+    let drop = AttentionDropout {
+        prob: 0.3,
+        seed: 1234,
+    };
+    let run = |d: AttentionDropout| {
+        let [q, k, v, _] = case.tensors::<Gpu>(&gpu);
+        values(fused_attention(q, k, v, Some(case.mask::<Gpu>(&gpu)), d))
+    };
+    let (a, b, none) = (run(drop), run(drop), run(AttentionDropout::NONE));
+    assert_eq!(a, b, "same seed, same mask");
+    assert!(rel(&a, &none) > 1e-2, "dropout changed nothing");
+    assert_ne!(
+        a,
+        run(AttentionDropout { seed: 99, ..drop }),
+        "another seed, another mask"
+    );
+    // out is linear in v: f = Σ W ⊙ (P̃ v) = Σ dV ⊙ v holds only if the
+    // backward's P̃ is the forward's.
+    let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
+    let v = v.require_grad();
+    let f = (fused_attention(q, k, v.clone(), Some(case.mask::<GpuAd>(&gpu)), drop) * w).sum();
+    let f_value = values(f.clone())[0];
+    let g = f.backward();
+    let dv = values(v.grad(&g).unwrap());
+    let identity: f32 = dv.iter().zip(&case.v).map(|(a, b)| a * b).sum();
+    assert!(
+        (identity - f_value).abs() <= 1e-3 * f_value.abs().max(1.0),
+        "Σ dV⊙v = {identity} but f = {f_value}"
+    );
+}
