@@ -3,7 +3,7 @@
 //! allocate the outputs and launch.
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
-use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
@@ -317,15 +317,17 @@ where
         let layout = Layout::new(&q.client, dh);
         let (key_valid, tile_valid) =
             validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
-        // Δ_i = rowsum(dO_i ⊙ O_i), in f32.
-        let delta: Tensor<Self, 4> =
-            (Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(dout.clone()))
-                * Tensor::from_primitive(TensorPrimitive::Float(out)))
-            .cast(DType::F32)
-            .sum_dim(3);
-        let delta = into_contiguous(delta.reshape([n, h, tq]).into_primitive().tensor());
+        let out = into_contiguous(out);
         let lse = into_contiguous(lse);
         let client = q.client.clone();
+        // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
+        // the dK/dV kernel launched after it.
+        let delta = empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([n, h, tq]),
+            DType::F32,
+        );
         let alloc = |t: usize| {
             empty_device_contiguous_dtype::<R>(
                 client.clone(),
@@ -348,12 +350,13 @@ where
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
                 dout.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
                 key_valid.clone().into_tensor_arg(),
                 tile_valid.clone().into_tensor_arg(),
                 dq.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
                 scale as f32,
                 h as u32,
                 offset,

@@ -312,7 +312,9 @@ fn load_tile<F: Float>(
 }
 
 /// Backward, query side: `dQ = scale · Σ_j P_ij (dP_ij − Δ_i) k_j`, with
-/// `P` recomputed from the saved log-sum-exp and `Δ_i = rowsum(dO_i ⊙ O_i)`.
+/// `P` recomputed from the saved log-sum-exp and `Δ_i = rowsum(dO_i ⊙ O_i)`
+/// computed here in f32 and written to `delta` for [`attention_backward_dkdv`]
+/// (launched after this kernel on the same stream).
 ///
 /// Launch: as [`attention_forward`].
 #[cube(launch)]
@@ -321,12 +323,13 @@ pub fn attention_backward_dq<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    out: &Tensor<F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
     key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     dq: &mut Tensor<F>,
+    delta: &mut Tensor<f32>,
     scale: f32,
     heads: u32,
     bh_offset: u32,
@@ -372,7 +375,13 @@ pub fn attention_backward_dq<F: Float>(
             do_row[d] = f32::cast_from(dout[q_base + d]);
         }
         row_lse = lse[bh * tq + row];
-        row_delta = delta[bh * tq + row];
+        #[unroll(unroll)]
+        for d in 0..head_dim {
+            row_delta += do_row[d] * f32::cast_from(out[q_base + d]);
+        }
+        if lane == 0 {
+            delta[bh * tq + row] = row_delta;
+        }
     }
 
     let mut k_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
