@@ -50,7 +50,11 @@ impl Layout {
         let split = lanes != LanesSetting::Fixed(1);
         let bytes = if native { 32 * 1024 } else { 16 * 1024 };
         let stride = if split { head_dim + 4 } else { head_dim };
-        let fit = (bytes / (2 * 4 * stride.max(1))).clamp(1, 32);
+        // At most 32 rows a tile, 16 for heads wider than 64: a unit keeps
+        // its share of a tile's scores in registers beside its row and
+        // accumulator.
+        let most = if head_dim > 64 { 16 } else { 32 };
+        let fit = (bytes / (2 * 4 * stride.max(1))).clamp(1, most);
         // The largest power of two that fits, so that lanes divide it.
         let tile = 1 << fit.ilog2();
         Layout {
