@@ -166,6 +166,9 @@ pub fn attention_forward<F: Float>(
     let mut valid_tile = SharedMemory::<f32>::new(tile_keys);
     let mut scores = Array::<f32>::new(keys_per_lane);
 
+    // The running maximum starts at the masked score. Written as 0 − 1e30:
+    // CubeCL takes a negative literal for a compile-time constant, and a
+    // variable initialised with one cannot be reassigned at run time.
     let mut m = 0.0f32;
     m -= 1.0e30;
     let mut l = 0.0f32;
