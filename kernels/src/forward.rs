@@ -19,7 +19,7 @@ use crate::{AttentionBackend, AttentionDropout};
 struct Layout {
     /// Keys (or queries) per shared-memory tile.
     tile: usize,
-    /// Floats between two rows of a tile.
+    /// Quads (four floats) between two rows of a tile.
     stride: usize,
     /// How rows are split across lanes (plane shuffles).
     lanes: LanesSetting,
@@ -38,7 +38,7 @@ impl Layout {
     /// unit per row unless `AAM_KERNEL_LANES` forces lanes (tests).
     /// Shared memory per cube for the two tiles: 16 KiB on wgpu (the WebGPU
     /// default limit, so the kernels run on every adapter), 32 KiB on CUDA
-    /// and HIP. With lanes, rows are padded by 4 floats against bank
+    /// and HIP. With lanes, rows are padded by one quad against bank
     /// conflicts.
     fn new<R: CubeRuntime>(client: &cubecl::client::ComputeClient<R>, head_dim: usize) -> Self {
         let native = matches!(R::name(client), "cuda" | "hip");
@@ -49,12 +49,13 @@ impl Layout {
         };
         let split = lanes != LanesSetting::Fixed(1);
         let bytes = if native { 32 * 1024 } else { 16 * 1024 };
-        let stride = if split { head_dim + 4 } else { head_dim };
+        let quads = head_dim.div_ceil(4).max(1);
+        let stride = if split { quads + 1 } else { quads };
         // At most 32 rows a tile, 16 for heads wider than 64: a unit keeps
         // its share of a tile's scores in registers beside its row and
         // accumulator.
         let most = if head_dim > 64 { 16 } else { 32 };
-        let fit = (bytes / (2 * 4 * stride.max(1))).clamp(1, most);
+        let fit = (bytes / (2 * 16 * stride)).clamp(1, most);
         // The largest power of two that fits, so that lanes divide it.
         let tile = 1 << fit.ilog2();
         Layout {
@@ -82,15 +83,21 @@ impl Layout {
         lanes.min(self.tile)
     }
 
-    /// Units per cube: 64 rows of one lane (32 for heads wider than 64,
-    /// whose rows use more registers), or twice that split into lanes.
-    fn units(&self, lanes: usize) -> u32 {
-        let rows = if self.head_dim > 64 { 32 } else { 64 };
+    /// Units per cube for rows of length `len` (the rows of one (n, h)).
+    /// Split into lanes: 128 units (64 for heads wider than 64, whose rows
+    /// use more registers). One lane per row: the rows are spread evenly
+    /// over as few cubes of at most 256 units (128) as hold them, rounded
+    /// up to whole planes, so that the ASV level's 151 rows take one cube
+    /// of 160 units (not three of 64, a fifth of them idle, each loading
+    /// every key).
+    fn units(&self, lanes: usize, len: usize) -> u32 {
+        let wide = self.head_dim > 64;
         if lanes > 1 {
-            2 * rows
-        } else {
-            rows
+            return if wide { 64 } else { 128 };
         }
+        let most = if wide { 128 } else { 256 };
+        let cubes = len.div_ceil(most).max(1);
+        (len.div_ceil(cubes).next_multiple_of(32).min(most)) as u32
     }
 }
 
@@ -268,7 +275,7 @@ where
         );
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
         let lanes = layout.lanes(n * h * tq);
-        let units = layout.units(lanes);
+        let units = layout.units(lanes, tq);
         let rows = units as usize / lanes;
         for (offset, count) in bh_chunks(n * h) {
             attention_forward::launch::<R>(
@@ -343,9 +350,9 @@ where
         let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
         let lanes_q = layout.lanes(n * h * tq);
-        let units_q = layout.units(lanes_q);
+        let units_q = layout.units(lanes_q, tq);
         let lanes_k = layout.lanes(n * h * tk);
-        let units_k = layout.units(lanes_k);
+        let units_k = layout.units(lanes_k, tk);
         for (offset, count) in bh_chunks(n * h) {
             attention_backward_dq::launch::<R>(
                 &client,
@@ -396,7 +403,6 @@ where
                 drop_scale,
                 seed,
                 dh,
-                layout.tile,
                 layout.tile,
                 lanes_k,
                 layout.stride,

@@ -13,9 +13,15 @@
 //!
 //! The loops over a lane's keys are unrolled when `unroll` is set, so the
 //! scores stay in registers and the dot products of different keys overlap
-//! (a dot product alone is a chain of `Dh` dependent FMAs). Shared-memory
-//! rows are `stride` floats apart: with several lanes reading different
-//! rows, a stride of `Dh + 4` puts them in different banks.
+//! (a dot product alone is a chain of `Dh` dependent FMAs).
+//!
+//! Shared-memory tiles hold [`Quad`]s, four floats read with one 16-byte
+//! load. With one float per load the kernels were bound by shared-memory
+//! instructions (one load per FMA, where an SM issues four FMA instructions
+//! for each shared load); a quad feeds four FMAs. A row of a tile is
+//! `ceil(Dh/4)` quads, zero-padded past `Dh` (the register rows are padded
+//! the same way), and rows are `stride` quads apart: with several lanes
+//! reading different rows, one extra quad puts them in different banks.
 //!
 //! Arithmetic is f32 whatever the storage type. Key tiles whose keys are all
 //! padding are skipped as a whole (the per-tile valid counts are computed
@@ -25,6 +31,9 @@
 //! probabilities are set to zero explicitly.
 
 use cubecl::prelude::*;
+
+/// Four floats: the element of the shared-memory tiles (one 16-byte load).
+pub type Quad = Vector<f32, Const<4>>;
 
 /// One round of a 32-bit integer mix (murmur3's finaliser).
 #[cube]
@@ -146,11 +155,12 @@ pub fn attention_forward<F: Float>(
     let kv_base = bh * tk * head_dim;
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
+    let quads = comptime!(head_dim.div_ceil(4));
 
-    let mut q_row = Array::<f32>::new(head_dim);
-    let mut acc = Array::<f32>::new(head_dim);
+    let mut q_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut acc = Array::<f32>::new(comptime!(quads * 4));
     #[unroll(unroll)]
-    for d in 0..head_dim {
+    for d in 0..comptime!(quads * 4) {
         q_row[d] = 0.0;
         acc[d] = 0.0;
     }
@@ -161,8 +171,8 @@ pub fn attention_forward<F: Float>(
         }
     }
 
-    let mut k_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
-    let mut v_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
+    let mut k_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
+    let mut v_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
     let mut valid_tile = SharedMemory::<f32>::new(tile_keys);
     let mut scores = Array::<f32>::new(keys_per_lane);
 
@@ -176,7 +186,7 @@ pub fn attention_forward<F: Float>(
     for t in 0..n_tiles {
         // Uniform over the cube: every unit takes the same branch.
         if tile_valid[n * n_tiles + t] > 0.0 {
-            load_tile::<F>(
+            load_key_tile::<F>(
                 k,
                 v,
                 key_valid,
@@ -198,11 +208,7 @@ pub fn attention_forward<F: Float>(
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
                     let jj = i * lanes + lane;
-                    let mut s = 0.0f32;
-                    #[unroll(unroll)]
-                    for d in 0..head_dim {
-                        s += q_row[d] * k_tile[jj * stride + d];
-                    }
+                    let s = dot_quads(&q_row, &k_tile, jj * stride, quads, unroll);
                     let score = select(valid_tile[jj] > 0.0, s, -1.0e30f32);
                     tile_max = f32::max(tile_max, score);
                     scores[i] = score;
@@ -228,10 +234,7 @@ pub fn attention_forward<F: Float>(
                             dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
                         weight = select(keep, p * dropout_scale, 0.0f32);
                     }
-                    #[unroll(unroll)]
-                    for d in 0..head_dim {
-                        acc[d] += weight * v_tile[jj * stride + d];
-                    }
+                    add_scaled_quads(&mut acc, weight, &v_tile, jj * stride, quads, unroll);
                 }
                 m = m_new;
             }
@@ -268,16 +271,15 @@ pub fn attention_forward<F: Float>(
 }
 
 /// Loads keys `[start, start + tile_keys)` of one (n, h) into shared memory
-/// (row `j` at `j·stride`), with zeros past the end and the validity of each
-/// key.
+/// (see [`load_rows`]) and the validity of each key (0 past the end).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_tile<F: Float>(
+fn load_key_tile<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    k_tile: &mut SharedMemory<f32>,
-    v_tile: &mut SharedMemory<f32>,
+    k_tile: &mut SharedMemory<Quad>,
+    v_tile: &mut SharedMemory<Quad>,
     valid_tile: &mut SharedMemory<f32>,
     kv_base: usize,
     valid_base: usize,
@@ -287,21 +289,12 @@ fn load_tile<F: Float>(
     #[comptime] tile_keys: usize,
     #[comptime] stride: usize,
 ) {
-    let mut idx = UNIT_POS_X as usize;
-    while idx < tile_keys * head_dim {
-        let jj = idx / head_dim;
-        let d = idx % head_dim;
-        let j = start + jj;
-        let mut kx = 0.0f32;
-        let mut vx = 0.0f32;
-        if j < tk {
-            kx = f32::cast_from(k[kv_base + j * head_dim + d]);
-            vx = f32::cast_from(v[kv_base + j * head_dim + d]);
-        }
-        k_tile[jj * stride + d] = kx;
-        v_tile[jj * stride + d] = vx;
-        idx += CUBE_DIM_X as usize;
-    }
+    load_rows::<F>(
+        k, k_tile, 1.0f32, kv_base, start, tk, head_dim, tile_keys, stride,
+    );
+    load_rows::<F>(
+        v, v_tile, 1.0f32, kv_base, start, tk, head_dim, tile_keys, stride,
+    );
     let mut jj = UNIT_POS_X as usize;
     while jj < tile_keys {
         let j = start + jj;
@@ -311,6 +304,87 @@ fn load_tile<F: Float>(
         }
         valid_tile[jj] = valid;
         jj += CUBE_DIM_X as usize;
+    }
+}
+
+/// Loads rows `[start, start + rows)` of the `[len, head_dim]` matrix at
+/// `base` in `src`, times `scale`, into `tile` (row `r` at quad
+/// `r·stride`), with zeros past `len` and past `head_dim`. All units of the
+/// cube share the work, a quad each.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_rows<F: Float>(
+    src: &Tensor<F>,
+    tile: &mut SharedMemory<Quad>,
+    scale: f32,
+    base: usize,
+    start: usize,
+    len: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] rows: usize,
+    #[comptime] stride: usize,
+) {
+    let quads = comptime!(head_dim.div_ceil(4));
+    let mut idx = UNIT_POS_X as usize;
+    while idx < rows * quads {
+        let r = idx / quads;
+        let d4 = idx % quads;
+        let i = start + r;
+        let mut x = Quad::new(0.0f32);
+        if i < len {
+            let at = base + i * head_dim + d4 * 4;
+            #[unroll]
+            for c in 0..4usize {
+                if comptime!(head_dim % 4 == 0) {
+                    x[c] = f32::cast_from(src[at + c]) * scale;
+                } else if d4 * 4 + c < head_dim {
+                    x[c] = f32::cast_from(src[at + c]) * scale;
+                }
+            }
+        }
+        tile[r * stride + d4] = x;
+        idx += CUBE_DIM_X as usize;
+    }
+}
+
+/// `Σ_d row[d] · tile_row[d]` for the tile row starting at quad `at`.
+#[cube]
+fn dot_quads(
+    row: &Array<f32>,
+    tile: &SharedMemory<Quad>,
+    at: usize,
+    #[comptime] quads: usize,
+    #[comptime] unroll: bool,
+) -> f32 {
+    let mut sum = 0.0f32;
+    #[unroll(unroll)]
+    for d4 in 0..quads {
+        let x = tile[at + d4];
+        #[unroll]
+        for c in 0..4usize {
+            sum += row[d4 * 4 + c] * x[c];
+        }
+    }
+    sum
+}
+
+/// `acc[d] += weight · tile_row[d]` for the tile row starting at quad `at`.
+#[cube]
+fn add_scaled_quads(
+    acc: &mut Array<f32>,
+    weight: f32,
+    tile: &SharedMemory<Quad>,
+    at: usize,
+    #[comptime] quads: usize,
+    #[comptime] unroll: bool,
+) {
+    #[unroll(unroll)]
+    for d4 in 0..quads {
+        let x = tile[at + d4];
+        #[unroll]
+        for c in 0..4usize {
+            acc[d4 * 4 + c] += weight * x[c];
+        }
     }
 }
 
@@ -359,14 +433,15 @@ pub fn attention_backward_dq<F: Float>(
     let kv_base = bh * tk * head_dim;
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
+    let quads = comptime!(head_dim.div_ceil(4));
 
-    let mut q_row = Array::<f32>::new(head_dim);
-    let mut do_row = Array::<f32>::new(head_dim);
-    let mut acc = Array::<f32>::new(head_dim);
+    let mut q_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut do_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut acc = Array::<f32>::new(comptime!(quads * 4));
     let mut row_lse = 0.0f32;
     let mut row_delta = 0.0f32;
     #[unroll(unroll)]
-    for d in 0..head_dim {
+    for d in 0..comptime!(quads * 4) {
         q_row[d] = 0.0;
         do_row[d] = 0.0;
         acc[d] = 0.0;
@@ -387,13 +462,13 @@ pub fn attention_backward_dq<F: Float>(
         }
     }
 
-    let mut k_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
-    let mut v_tile = SharedMemory::<f32>::new(comptime!(tile_keys * stride));
+    let mut k_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
+    let mut v_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
     let mut valid_tile = SharedMemory::<f32>::new(tile_keys);
 
     for t in 0..n_tiles {
         if tile_valid[n * n_tiles + t] > 0.0 {
-            load_tile::<F>(
+            load_key_tile::<F>(
                 k,
                 v,
                 key_valid,
@@ -413,13 +488,8 @@ pub fn attention_backward_dq<F: Float>(
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
                     let jj = i * lanes + lane;
-                    let mut s = 0.0f32;
-                    let mut dp = 0.0f32;
-                    #[unroll(unroll)]
-                    for d in 0..head_dim {
-                        s += q_row[d] * k_tile[jj * stride + d];
-                        dp += do_row[d] * v_tile[jj * stride + d];
-                    }
+                    let s = dot_quads(&q_row, &k_tile, jj * stride, quads, unroll);
+                    let mut dp = dot_quads(&do_row, &v_tile, jj * stride, quads, unroll);
                     let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
@@ -428,10 +498,7 @@ pub fn attention_backward_dq<F: Float>(
                         dp = select(keep, dp * dropout_scale, 0.0f32);
                     }
                     let ds = p * (dp - row_delta);
-                    #[unroll(unroll)]
-                    for d in 0..head_dim {
-                        acc[d] += ds * k_tile[jj * stride + d];
-                    }
+                    add_scaled_quads(&mut acc, ds, &k_tile, jj * stride, quads, unroll);
                 }
             }
             sync_cube();
@@ -452,7 +519,8 @@ pub fn attention_backward_dq<F: Float>(
 /// Backward, key side: `dV_j = Σ_i P̃_ij dO_i` and
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
 /// keys get zero gradients, and a cube whose keys are all masked skips the
-/// query loop (`tile_keys` is the tiling of `tile_valid`).
+/// query loop. `tile` is both the rows of a query tile and the tiling of
+/// `tile_valid`.
 ///
 /// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows ×
 /// `lanes`; the lanes of a key split each query tile.
@@ -476,8 +544,7 @@ pub fn attention_backward_dkdv<F: Float>(
     dropout_scale: f32,
     seed: u32,
     #[comptime] head_dim: usize,
-    #[comptime] tile_queries: usize,
-    #[comptime] tile_keys: usize,
+    #[comptime] tile: usize,
     #[comptime] lanes: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
@@ -499,29 +566,30 @@ pub fn attention_backward_dkdv<F: Float>(
     }
     // Uniform over the cube: does any key tile overlapping the cube's keys
     // hold a valid key?
-    let n_key_tiles = tk.div_ceil(tile_keys);
+    let n_key_tiles = tk.div_ceil(tile);
     let mut end_key = first_key + keys_per_cube;
     if end_key > tk {
         end_key = tk;
     }
     let mut block_valid = 0.0f32;
-    for t in first_key / tile_keys..(end_key - 1) / tile_keys + 1 {
+    for t in first_key / tile..(end_key - 1) / tile + 1 {
         block_valid += tile_valid[n * n_key_tiles + t];
     }
     let k_base = (bh * tk + col) * head_dim;
     let q_base = bh * tq * head_dim;
     let mut n_tiles = 0usize;
     if block_valid > 0.0 {
-        n_tiles = tq.div_ceil(tile_queries);
+        n_tiles = tq.div_ceil(tile);
     }
-    let queries_per_lane = comptime!(tile_queries / lanes);
+    let queries_per_lane = comptime!(tile / lanes);
+    let quads = comptime!(head_dim.div_ceil(4));
 
-    let mut k_row = Array::<f32>::new(head_dim);
-    let mut v_row = Array::<f32>::new(head_dim);
-    let mut dk_acc = Array::<f32>::new(head_dim);
-    let mut dv_acc = Array::<f32>::new(head_dim);
+    let mut k_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut v_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut dk_acc = Array::<f32>::new(comptime!(quads * 4));
+    let mut dv_acc = Array::<f32>::new(comptime!(quads * 4));
     #[unroll(unroll)]
-    for d in 0..head_dim {
+    for d in 0..comptime!(quads * 4) {
         k_row[d] = 0.0;
         v_row[d] = 0.0;
         dk_acc[d] = 0.0;
@@ -535,30 +603,37 @@ pub fn attention_backward_dkdv<F: Float>(
         }
     }
 
-    let mut q_tile = SharedMemory::<f32>::new(comptime!(tile_queries * stride));
-    let mut do_tile = SharedMemory::<f32>::new(comptime!(tile_queries * stride));
-    let mut lse_tile = SharedMemory::<f32>::new(tile_queries);
-    let mut delta_tile = SharedMemory::<f32>::new(tile_queries);
+    let mut q_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
+    let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
+    let mut lse_tile = SharedMemory::<f32>::new(tile);
+    let mut delta_tile = SharedMemory::<f32>::new(tile);
 
     for t in 0..n_tiles {
-        let start = t * tile_queries;
-        let mut idx = UNIT_POS_X as usize;
-        while idx < tile_queries * head_dim {
-            let ii = idx / head_dim;
-            let d = idx % head_dim;
-            let i = start + ii;
-            let mut qx = 0.0f32;
-            let mut dox = 0.0f32;
-            if i < tq {
-                qx = f32::cast_from(q[q_base + i * head_dim + d]) * scale;
-                dox = f32::cast_from(dout[q_base + i * head_dim + d]);
-            }
-            q_tile[ii * stride + d] = qx;
-            do_tile[ii * stride + d] = dox;
-            idx += CUBE_DIM_X as usize;
-        }
+        let start = t * tile;
+        load_rows::<F>(
+            q,
+            &mut q_tile,
+            scale,
+            q_base,
+            start,
+            tq,
+            head_dim,
+            tile,
+            stride,
+        );
+        load_rows::<F>(
+            dout,
+            &mut do_tile,
+            1.0f32,
+            q_base,
+            start,
+            tq,
+            head_dim,
+            tile,
+            stride,
+        );
         let mut ii = UNIT_POS_X as usize;
-        while ii < tile_queries {
+        while ii < tile {
             let i = start + ii;
             // Rows past the end: lse = +big makes p = 0, and their q and dO are 0.
             let mut lse_i = 1.0e30f32;
@@ -576,13 +651,8 @@ pub fn attention_backward_dkdv<F: Float>(
             #[unroll(unroll)]
             for r in 0usize..queries_per_lane {
                 let ii = r * lanes + lane;
-                let mut s = 0.0f32;
-                let mut dp = 0.0f32;
-                #[unroll(unroll)]
-                for d in 0..head_dim {
-                    s += q_tile[ii * stride + d] * k_row[d];
-                    dp += do_tile[ii * stride + d] * v_row[d];
-                }
+                let s = dot_quads(&k_row, &q_tile, ii * stride, quads, unroll);
+                let mut dp = dot_quads(&v_row, &do_tile, ii * stride, quads, unroll);
                 let p = (s - lse_tile[ii]).exp();
                 let mut p_kept = p;
                 if use_dropout {
@@ -592,11 +662,8 @@ pub fn attention_backward_dkdv<F: Float>(
                     dp = select(keep, dp * dropout_scale, 0.0f32);
                 }
                 let ds = p * (dp - delta_tile[ii]);
-                #[unroll(unroll)]
-                for d in 0..head_dim {
-                    dv_acc[d] += p_kept * do_tile[ii * stride + d];
-                    dk_acc[d] += ds * q_tile[ii * stride + d];
-                }
+                add_scaled_quads(&mut dv_acc, p_kept, &do_tile, ii * stride, quads, unroll);
+                add_scaled_quads(&mut dk_acc, ds, &q_tile, ii * stride, quads, unroll);
             }
         }
         sync_cube();

@@ -31,6 +31,14 @@ fn head_dims_16_64_128() {
     }
 }
 
+/// Shared-memory tiles hold quads (four floats): a head dim that is not a
+/// multiple of four is zero-padded there.
+#[test]
+fn head_dims_not_a_multiple_of_four() {
+    check(&Case::new(250, 2, 2, 23, 23, 10));
+    check(&Case::new(251, 2, 3, 9, 30, 3));
+}
+
 #[test]
 fn several_batch_and_head_counts_and_cross_lengths() {
     check(&Case::new(300, 1, 1, 5, 5, 32));
