@@ -333,9 +333,12 @@ fn load_rows<F: Float>(
         let mut x = Quad::new(0.0f32);
         if i < len {
             let at = base + i * head_dim + d4 * 4;
+            // The first branch is decided at compile time: a head dim that
+            // is a multiple of four needs no per-element check.
             #[unroll]
+            #[allow(clippy::if_same_then_else)]
             for c in 0..4usize {
-                if comptime!(head_dim % 4 == 0) {
+                if comptime!(head_dim.is_multiple_of(4)) {
                     x[c] = f32::cast_from(src[at + c]) * scale;
                 } else if d4 * 4 + c < head_dim {
                     x[c] = f32::cast_from(src[at + c]) * scale;
