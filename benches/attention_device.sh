@@ -8,7 +8,12 @@
 #     --test fused_parity --no-run            # prints the test binary's path
 #   xz -c <each> > .carry/gpu/{attention-bench,fused_parity}.xz
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
-# tests, with and without lanes), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1).
+# tests), PARITY_LANES ("default 1": the default layout, which splits the tests' small
+# calls over lanes, and AAM_KERNEL_LANES=1, the ASV level's layout), PARITY_TIMEOUT (s per
+# run, default 280: NVRTC compiles a kernel per shape, dtype and dropout setting), BENCH (1:
+# run the timings), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1), PARITY_THREADS
+# (tests at once, default 8: their kernels compile in parallel), PARITY_FILTER (test name
+# filter).
 # Writes to $OUT: fused_parity{,_lanes1}.log, rs_attention{,_lanes1}.jsonl, pt_attention.jsonl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
@@ -18,16 +23,17 @@ done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
 if [ "${PARITY:-1}" = 1 ]; then
-  for lanes in default 1; do
+  for lanes in ${PARITY_LANES:-default 1}; do
     log="$OUT/fused_parity.log"; env=""
     [ "$lanes" = 1 ] && { log="$OUT/fused_parity_lanes1.log"; env="AAM_KERNEL_LANES=1"; }
     echo "== fused_parity (cuda, lanes $lanes)"
-    env $env timeout 240 /tmp/gpu/fused_parity --nocapture --test-threads 1 > "$log" 2>&1
+    env $env timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_parity ${PARITY_FILTER:-} --nocapture --test-threads "${PARITY_THREADS:-8}" > "$log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
-    grep -E "^test |rel err|panicked|result" "$log" | cut -c1-200 | tail -30
+    grep -E "^test .*(ok|FAILED)$|panicked|test result" "$log" | cut -c1-200 | tail -30
     echo "rc=$rc"
   done
 fi
+[ "${BENCH:-1}" = 1 ] || exit $status
 echo "== attention-bench (aam-rs)"
 /tmp/gpu/attention-bench > "$OUT/rs_attention.jsonl" 2>&1 || status=1
 cat "$OUT/rs_attention.jsonl"
@@ -38,5 +44,5 @@ if [ "${LANES_COMPARE:-1}" = 1 ]; then
 fi
 echo "== PyTorch SDPA (pt_attention.py)"
 PYTHONUNBUFFERED=1 python3 benches/pt_attention.py > "$OUT/pt_attention.jsonl" 2>&1 || status=1
-cat "$OUT/pt_attention.jsonl"
+grep -v Warning "$OUT/pt_attention.jsonl" | grep '^{'
 exit $status

@@ -8,7 +8,8 @@
 //!
 //! Prints one JSON object per measurement: median ms over `ITERS` runs after
 //! `WARMUP`, for forward and forward+backward, f32 and bf16, and the relative
-//! error of the fused output against the f32 math path.
+//! error of the fused output against the f32 math path. `AAM_BENCH_DTYPES=f32`
+//! (or `bf16`) measures one type only.
 
 use std::time::Instant;
 
@@ -220,13 +221,27 @@ where
     }
 }
 
+/// Whether `AAM_BENCH_DTYPES` (comma-separated, default `f32,bf16`) asks for `dtype`.
+#[allow(dead_code)]
+fn wanted(dtype: &str) -> bool {
+    std::env::var("AAM_BENCH_DTYPES")
+        .map(|list| list.split(',').any(|d| d.trim() == dtype))
+        .unwrap_or(true)
+}
+
 fn main() {
     #[cfg(feature = "cuda")]
     {
         use burn::backend::Cuda;
+        // As `aam-rs` does: compiled kernels kept on disk between runs.
+        aam_kernels::persist_compiled_kernels();
         let device = burn::backend::cuda::CudaDevice::default();
-        bench::<Cuda<f32>>("f32", &device);
-        bench::<Cuda<bf16>>("bf16", &device);
+        if wanted("f32") {
+            bench::<Cuda<f32>>("f32", &device);
+        }
+        if wanted("bf16") {
+            bench::<Cuda<bf16>>("bf16", &device);
+        }
     }
     #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
     {

@@ -26,9 +26,12 @@ struct Layout {
     head_dim: usize,
 }
 
-/// Units a GPU needs to be full: an H100 holds 132 × 2048. Calls with fewer
-/// rows than this split each row over several lanes.
-const UNITS_TO_FILL: usize = 1 << 18;
+/// Units (rows × lanes) a call should have: a call with fewer rows splits
+/// each row over up to 8 lanes until it has this many. On the H100 the
+/// sample level (8 × 4 heads × 1024 rows = 2^15) ran its forward in 0.143 ms
+/// with one lane per row in cubes of 256 and in 0.159 ms split over 8 lanes
+/// (its backward equal), so only smaller calls split.
+const UNITS_TO_FILL: usize = 1 << 15;
 
 impl Layout {
     /// Rows are split over lanes by default only on CUDA and HIP: there a
@@ -54,7 +57,7 @@ impl Layout {
         // At most 32 rows a tile, 16 for heads wider than 64: a unit keeps
         // its share of a tile's scores in registers beside its row and
         // accumulator.
-        let most = if head_dim > 64 { 16 } else { 32 };
+        let most = tile_setting().unwrap_or(if head_dim > 64 { 16 } else { 32 });
         let fit = (bytes / (2 * 16 * stride)).clamp(1, most);
         // The largest power of two that fits, so that lanes divide it.
         let tile = 1 << fit.ilog2();
@@ -83,6 +86,18 @@ impl Layout {
         lanes.min(self.tile)
     }
 
+    /// Keys per tile in the forward: at most 16 when rows have one lane each
+    /// (the ASV level on the H100: 1.67 ms, against 1.82 with 32; a unit
+    /// holds a tile's scores in registers), else the layout's tile. The
+    /// backward keeps the full tile (no scores held; equal times).
+    fn forward_tile(&self, lanes: usize) -> usize {
+        if lanes == 1 && tile_setting().is_none() {
+            self.tile.min(16)
+        } else {
+            self.tile
+        }
+    }
+
     /// Units per cube for rows of length `len` (the rows of one (n, h)).
     /// Split into lanes: 128 units (64 for heads wider than 64, whose rows
     /// use more registers). One lane per row: the rows are spread evenly
@@ -107,6 +122,20 @@ enum LanesSetting {
     Auto,
     /// This many lanes per row (1, 2, 4 or 8) on every runtime.
     Fixed(usize),
+}
+
+/// `AAM_KERNEL_TILE`: rows per shared-memory tile, a power of two from 8
+/// to 64 (at most what fits; for measurements). Unset: the largest that
+/// fits, at most 32 (16 for heads wider than 64).
+fn tile_setting() -> Option<usize> {
+    static TILE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *TILE.get_or_init(|| match std::env::var("AAM_KERNEL_TILE").as_deref() {
+        Err(_) => None,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(t @ (8 | 16 | 32 | 64)) => Some(t),
+            _ => panic!("AAM_KERNEL_TILE must be 8, 16, 32 or 64, not {v:?}"),
+        },
+    })
 }
 
 /// `AAM_KERNEL_LANES`: unset or `auto` splits rows over lanes where the
@@ -254,8 +283,11 @@ where
         );
         let client = q.client.clone();
         let layout = Layout::new(&client, dh);
+        let lanes = layout.lanes(n * h * tq);
+        let units = layout.units(lanes, tq);
+        let tile = layout.forward_tile(lanes);
         let (key_valid, tile_valid) =
-            validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
+            validity::<R, F, I, BT>(key_padding_mask, n, tk, tile, &q.device);
         // The kernels index their outputs as dense row-major arrays. CubeCL's
         // plain `empty` may hand out a pitched layout (rows padded for
         // alignment, as CUDA does for a last dimension like T = 151), which
@@ -274,8 +306,6 @@ where
             DType::F32,
         );
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-        let lanes = layout.lanes(n * h * tq);
-        let units = layout.units(lanes, tq);
         let rows = units as usize / lanes;
         for (offset, count) in bh_chunks(n * h) {
             attention_forward::launch::<R>(
@@ -296,7 +326,7 @@ where
                 drop_scale,
                 seed,
                 dh,
-                layout.tile,
+                tile,
                 lanes,
                 layout.stride,
                 use_dropout,

@@ -7,9 +7,10 @@
 //! shared memory and each lane of a group walks its share of every tile (the
 //! keys, or queries, `lane`, `lane + lanes`, ...) with an online softmax.
 //! At the end the lanes of a group merge their partial results with plane
-//! shuffles. `lanes > 1` gives a short sequence batch (the sample level: 32
-//! heads × 1024 rows) enough units to fill a GPU; `lanes = 1` (the ASV level,
-//! and every wgpu launch) needs no plane operations.
+//! shuffles. `lanes > 1` gives a call with few rows (under 2^15, say a
+//! sample level of batch 4) enough units to fill a GPU; `lanes = 1` (the ASV
+//! and sample levels at batch 8, and every wgpu launch) needs no plane
+//! operations.
 //!
 //! The loops over a lane's keys are unrolled when `unroll` is set, so the
 //! scores stay in registers and the dot products of different keys overlap
@@ -31,6 +32,13 @@
 //! probabilities are set to zero explicitly.
 
 use cubecl::prelude::*;
+
+/// Hardware `exp` and `log` (CUDA's `__expf`, `__logf`: a few ulp, where
+/// `expf` is a dozen instructions per probability). Only these two change:
+/// division stays exact. Arguments are finite (masked scores are `-1e30`),
+/// and `__expf` of a large negative argument is 0. Other targets ignore it.
+const FAST_EXP: enumset::EnumSet<FastMath> =
+    enumset::enum_set!(FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf);
 
 /// Four floats: the element of the shared-memory tiles (one 16-byte load).
 pub type Quad = Vector<f32, Const<4>>;
@@ -119,7 +127,7 @@ fn sum_lanes_at(
 ///
 /// Launch: cube (x: n·H + h − bh_offset, y: query block), units = query
 /// rows × `lanes`.
-#[cube(launch)]
+#[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<F: Float>(
     q: &Tensor<F>,
@@ -397,7 +405,7 @@ fn add_scaled_quads(
 /// (launched after this kernel on the same stream).
 ///
 /// Launch: as [`attention_forward`].
-#[cube(launch)]
+#[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dq<F: Float>(
     q: &Tensor<F>,
@@ -527,7 +535,7 @@ pub fn attention_backward_dq<F: Float>(
 ///
 /// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows ×
 /// `lanes`; the lanes of a key split each query tile.
-#[cube(launch)]
+#[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv<F: Float>(
     q: &Tensor<F>,

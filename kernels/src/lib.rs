@@ -16,10 +16,11 @@
 //! without storing it.
 //!
 //! Work split: a row is handled by one unit, or, on CUDA/HIP when a call has
-//! too few rows to fill the GPU (the sample level: 32 heads × 1024 slots),
-//! by up to 8 adjacent units of a plane, each taking its share of every tile,
-//! whose softmax states are merged by plane shuffles at the end
-//! (`AAM_KERNEL_LANES` overrides it; see `forward.rs`).
+//! too few rows to fill the GPU (fewer than 2^15: the sample level of a
+//! batch under 8), by up to 8 adjacent units of a plane, each taking its
+//! share of every tile, whose softmax states are merged by plane shuffles at
+//! the end (`AAM_KERNEL_LANES` overrides it; see `forward.rs`). Tiles live
+//! in shared memory as 16-byte quads (see `kernel.rs`).
 //!
 //! Layout (after Burn's custom-kernel example):
 //! - `lib.rs`: the [`AttentionBackend`] extension trait and the public
