@@ -64,11 +64,32 @@ fn dropout_keep(seed: u32, bh: u32, row: u32, col: u32, threshold: u32) -> bool 
     x >= threshold
 }
 
-/// Merges the online-softmax states `(m, l, acc)` of the lanes `offset`
-/// apart (`stats = [m, l]`): both rescaled to the larger maximum and added.
-/// Every unit of the plane must call it.
+/// Merges the online-softmax states `(m, l, acc)` of the lanes of a group
+/// (`stats = [m, l]`; butterfly over `lanes`, a power of two ≤ 8). Every
+/// unit of the plane must call it.
 #[cube]
 fn merge_softmax_lanes(
+    stats: &mut Array<f32>,
+    acc: &mut Array<f32>,
+    #[comptime] lanes: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] unroll: bool,
+) {
+    if comptime!(lanes >= 8) {
+        merge_softmax_at(stats, acc, 4u32, head_dim, unroll);
+    }
+    if comptime!(lanes >= 4) {
+        merge_softmax_at(stats, acc, 2u32, head_dim, unroll);
+    }
+    if comptime!(lanes >= 2) {
+        merge_softmax_at(stats, acc, 1u32, head_dim, unroll);
+    }
+}
+
+/// Merges the states of the lanes `offset` apart: both rescaled to the
+/// larger maximum and added.
+#[cube]
+fn merge_softmax_at(
     stats: &mut Array<f32>,
     acc: &mut Array<f32>,
     offset: u32,
@@ -254,13 +275,7 @@ pub fn attention_forward<F: Float>(
         let mut stats = Array::<f32>::new(2usize);
         stats[0] = m;
         stats[1] = l;
-        if comptime!(lanes >= 8) {
-            merge_softmax_lanes(&mut stats, &mut acc, 4u32, head_dim, unroll);
-        }
-        if comptime!(lanes >= 4) {
-            merge_softmax_lanes(&mut stats, &mut acc, 2u32, head_dim, unroll);
-        }
-        merge_softmax_lanes(&mut stats, &mut acc, 1u32, head_dim, unroll);
+        merge_softmax_lanes(&mut stats, &mut acc, lanes, head_dim, unroll);
         m = stats[0];
         l = stats[1];
     }
