@@ -222,7 +222,7 @@ where
 }
 
 /// Whether `AAM_BENCH_DTYPES` (comma-separated, default `f32,bf16`) asks for `dtype`.
-#[allow(dead_code)]
+#[cfg(feature = "cuda")]
 fn wanted(dtype: &str) -> bool {
     std::env::var("AAM_BENCH_DTYPES")
         .map(|list| list.split(',').any(|d| d.trim() == dtype))

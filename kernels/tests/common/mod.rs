@@ -180,7 +180,6 @@ pub fn check(case: &Case) {
     }
 
     // gradients
-    let grads = |q: Vec<f32>, k: Vec<f32>, v: Vec<f32>| [q, k, v];
     let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
     let out = fused_attention(
@@ -191,11 +190,11 @@ pub fn check(case: &Case) {
         AttentionDropout::NONE,
     );
     let g = (out * w).sum().backward();
-    let fused_grads = grads(
+    let fused_grads = [
         values(q.grad(&g).unwrap()),
         values(k.grad(&g).unwrap()),
         values(v.grad(&g).unwrap()),
-    );
+    ];
     let [q, k, v, w] = case.tensors::<CpuAd>(&cpu);
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
     let out = reference_attention(
@@ -205,11 +204,11 @@ pub fn check(case: &Case) {
         Some(case.mask::<CpuAd>(&cpu)),
     );
     let g = (out * w).sum().backward();
-    let ref_grads = grads(
+    let ref_grads = [
         values(q.grad(&g).unwrap()),
         values(k.grad(&g).unwrap()),
         values(v.grad(&g).unwrap()),
-    );
+    ];
     let errors: Vec<f32> = fused_grads
         .iter()
         .zip(&ref_grads)
