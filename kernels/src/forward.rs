@@ -23,6 +23,10 @@ struct Layout {
     stride: usize,
     /// How rows are split across lanes (plane shuffles).
     lanes: LanesSetting,
+    /// How the backward splits a row's head dimensions.
+    parts: PartsSetting,
+    /// CUDA or HIP (plane order follows unit order).
+    native: bool,
     head_dim: usize,
 }
 
@@ -65,6 +69,8 @@ impl Layout {
             tile,
             stride,
             lanes,
+            parts: parts_setting(),
+            native,
             head_dim,
         }
     }
@@ -98,22 +104,63 @@ impl Layout {
         }
     }
 
-    /// Units per cube for rows of length `len` (the rows of one (n, h)).
-    /// Split into lanes: 128 units (64 for heads wider than 64, whose rows
-    /// use more registers). One lane per row: the rows are spread evenly
-    /// over as few cubes of at most 256 units (128) as hold them, rounded
-    /// up to whole planes, so that the ASV level's 151 rows take one cube
-    /// of 160 units (not three of 64, a fifth of them idle, each loading
-    /// every key).
-    fn units(&self, lanes: usize, len: usize) -> u32 {
+    /// Units that split each row's head dimensions in the backward kernels
+    /// (`parts`, see `attention_backward_dq`): with whole rows those kernels
+    /// need 180 (dQ) and 240 (dK/dV) registers a unit, so an H100 SM holds
+    /// one cube of 160 units (Nsight Compute: 7.8% occupancy, 4.0 and 4.8 ms
+    /// at the ASV level). Only with one lane per row (the shuffles pair
+    /// adjacent units, as lanes do) and when each part is whole quads.
+    fn parts(&self, lanes: usize) -> usize {
+        let parts = match self.parts {
+            PartsSetting::Auto if self.native => 2,
+            PartsSetting::Auto => 1,
+            PartsSetting::Fixed(parts) => parts,
+        };
+        if lanes == 1 && self.head_dim.is_multiple_of(4 * parts) {
+            parts
+        } else {
+            1
+        }
+    }
+
+    /// Units per cube for rows of length `len` (the rows of one (n, h)),
+    /// each row taking `lanes` × `parts` units. Split into lanes: 128 units
+    /// (64 for heads wider than 64, whose rows use more registers). One lane
+    /// per row: the rows' units are spread evenly over as few cubes of at
+    /// most 256 units (128) as hold them, rounded up to whole planes, so
+    /// that the ASV level's 151 rows take one cube of 160 units (not three
+    /// of 64, a fifth of them idle, each loading every key).
+    fn units(&self, lanes: usize, parts: usize, len: usize) -> u32 {
         let wide = self.head_dim > 64;
         if lanes > 1 {
             return if wide { 64 } else { 128 };
         }
         let most = if wide { 128 } else { 256 };
+        let len = len * parts;
         let cubes = len.div_ceil(most).max(1);
         (len.div_ceil(cubes).next_multiple_of(32).min(most)) as u32
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PartsSetting {
+    /// Split head dimensions in two on CUDA and HIP.
+    Auto,
+    /// This many units per row's dimensions (1 or 2) on every runtime.
+    Fixed(usize),
+}
+
+/// `AAM_KERNEL_PARTS`: unset or `auto` splits the backward's rows in two
+/// where the runtime allows it (see [`Layout::parts`]); `1` never does;
+/// `2` always does, on every runtime (for tests, as `AAM_KERNEL_LANES`).
+fn parts_setting() -> PartsSetting {
+    static PARTS: std::sync::OnceLock<PartsSetting> = std::sync::OnceLock::new();
+    *PARTS.get_or_init(|| match std::env::var("AAM_KERNEL_PARTS").as_deref() {
+        Ok("1") => PartsSetting::Fixed(1),
+        Ok("2") => PartsSetting::Fixed(2),
+        Ok("auto") | Err(_) => PartsSetting::Auto,
+        Ok(other) => panic!("AAM_KERNEL_PARTS must be auto, 1 or 2, not {other:?}"),
+    })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -284,7 +331,7 @@ where
         let client = q.client.clone();
         let layout = Layout::new(&client, dh);
         let lanes = layout.lanes(n * h * tq);
-        let units = layout.units(lanes, tq);
+        let units = layout.units(lanes, 1, tq);
         let tile = layout.forward_tile(lanes);
         let (key_valid, tile_valid) =
             validity::<R, F, I, BT>(key_padding_mask, n, tk, tile, &q.device);
@@ -380,13 +427,19 @@ where
         let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
         let lanes_q = layout.lanes(n * h * tq);
-        let units_q = layout.units(lanes_q, tq);
+        let parts_q = layout.parts(lanes_q);
+        let units_q = layout.units(lanes_q, parts_q, tq);
         let lanes_k = layout.lanes(n * h * tk);
-        let units_k = layout.units(lanes_k, tk);
+        let parts_k = layout.parts(lanes_k);
+        let units_k = layout.units(lanes_k, parts_k, tk);
         for (offset, count) in bh_chunks(n * h) {
             attention_backward_dq::launch::<R>(
                 &client,
-                CubeCount::Static(count, tq.div_ceil(units_q as usize / lanes_q) as u32, 1),
+                CubeCount::Static(
+                    count,
+                    tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
+                    1,
+                ),
                 CubeDim::new_1d(units_q),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
@@ -407,6 +460,7 @@ where
                 dh,
                 layout.tile,
                 lanes_q,
+                parts_q,
                 layout.stride,
                 use_dropout,
                 unroll_loops(),
@@ -414,7 +468,11 @@ where
             );
             attention_backward_dkdv::launch::<R>(
                 &client,
-                CubeCount::Static(count, tk.div_ceil(units_k as usize / lanes_k) as u32, 1),
+                CubeCount::Static(
+                    count,
+                    tk.div_ceil(units_k as usize / (lanes_k * parts_k)) as u32,
+                    1,
+                ),
                 CubeDim::new_1d(units_k),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
@@ -435,6 +493,7 @@ where
                 dh,
                 layout.tile,
                 lanes_k,
+                parts_k,
                 layout.stride,
                 use_dropout,
                 unroll_loops(),

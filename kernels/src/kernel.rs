@@ -414,12 +414,30 @@ fn add_scaled_quads(
     }
 }
 
+/// Adds the partial sums of the `parts` adjacent units that share a row,
+/// each holding `head_dim / parts` of its dimensions (`parts` is 1 or 2).
+/// Every unit of the plane must call it.
+#[cube]
+fn sum_parts(x: f32, #[comptime] parts: usize) -> f32 {
+    let mut sum = x;
+    if comptime!(parts == 2) {
+        sum += plane_shuffle_xor(sum, 1u32);
+    }
+    sum
+}
+
 /// Backward, query side: `dQ = scale · Σ_j P_ij (dP_ij − Δ_i) k_j`, with
 /// `P` recomputed from the saved log-sum-exp and `Δ_i = rowsum(dO_i ⊙ O_i)`
 /// computed here in f32 and written to `delta` for [`attention_backward_dkdv`]
 /// (launched after this kernel on the same stream).
 ///
-/// Launch: as [`attention_forward`].
+/// A row's head dimensions may be split over `parts` adjacent units (each
+/// keeps `head_dim / parts` of q, dO and dQ in registers and adds its partial
+/// dot products to its partners' with plane shuffles): with whole rows the
+/// backward kernels need 180-240 registers a unit, so an H100 SM held one
+/// cube of 160 units (8% occupancy). `parts > 1` needs `lanes = 1`.
+///
+/// Launch: as [`attention_forward`], units = query rows × `lanes` × `parts`.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dq<F: Float>(
@@ -442,6 +460,7 @@ pub fn attention_backward_dq<F: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
     #[comptime] lanes: usize,
+    #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
     #[comptime] unroll: bool,
@@ -451,15 +470,23 @@ pub fn attention_backward_dq<F: Float>(
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
     let n = bh / heads as usize;
-    let lane = UNIT_POS_X as usize % lanes;
-    let rows_per_cube = CUBE_DIM_X as usize / lanes;
-    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / lanes;
+    let part = UNIT_POS_X as usize % parts;
+    let lane = (UNIT_POS_X as usize / parts) % lanes;
+    let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
+    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / (lanes * parts);
     let active = row < tq;
-    let q_base = (bh * tq + row) * head_dim;
+    // With parts, partners shuffle inside the key loop: every unit runs it.
+    let mut compute = active;
+    if comptime!(parts > 1) {
+        compute = true;
+    }
     let kv_base = bh * tk * head_dim;
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
-    let quads = comptime!(head_dim.div_ceil(4));
+    let quads = comptime!(head_dim.div_ceil(4) / parts);
+    let dims = comptime!(head_dim / parts);
+    let first_quad = part * quads;
+    let q_base = (bh * tq + row) * head_dim + part * dims;
 
     let mut q_row = Array::<f32>::new(comptime!(quads * 4));
     let mut do_row = Array::<f32>::new(comptime!(quads * 4));
@@ -474,18 +501,18 @@ pub fn attention_backward_dq<F: Float>(
     }
     if active {
         #[unroll(unroll)]
-        for d in 0..head_dim {
+        for d in 0..dims {
             q_row[d] = f32::cast_from(q[q_base + d]) * scale;
             do_row[d] = f32::cast_from(dout[q_base + d]);
-        }
-        row_lse = lse[bh * tq + row];
-        #[unroll(unroll)]
-        for d in 0..head_dim {
             row_delta += do_row[d] * f32::cast_from(out[q_base + d]);
         }
-        if lane == 0 {
-            delta[bh * tq + row] = row_delta;
-        }
+        row_lse = lse[bh * tq + row];
+    }
+    if comptime!(parts > 1) {
+        row_delta = sum_parts(row_delta, parts);
+    }
+    if active && lane == 0 && part == 0 {
+        delta[bh * tq + row] = row_delta;
     }
 
     let mut k_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
@@ -510,12 +537,17 @@ pub fn attention_backward_dq<F: Float>(
                 stride,
             );
             sync_cube();
-            if active {
+            if compute {
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
                     let jj = i * lanes + lane;
-                    let s = dot_quads(&q_row, &k_tile, jj * stride, quads, unroll);
-                    let mut dp = dot_quads(&do_row, &v_tile, jj * stride, quads, unroll);
+                    let at = jj * stride + first_quad;
+                    let mut s = dot_quads(&q_row, &k_tile, at, quads, unroll);
+                    let mut dp = dot_quads(&do_row, &v_tile, at, quads, unroll);
+                    if comptime!(parts > 1) {
+                        s = sum_parts(s, parts);
+                        dp = sum_parts(dp, parts);
+                    }
                     let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
@@ -524,7 +556,7 @@ pub fn attention_backward_dq<F: Float>(
                         dp = select(keep, dp * dropout_scale, 0.0f32);
                     }
                     let ds = p * (dp - row_delta);
-                    add_scaled_quads(&mut acc, ds, &k_tile, jj * stride, quads, unroll);
+                    add_scaled_quads(&mut acc, ds, &k_tile, at, quads, unroll);
                 }
             }
             sync_cube();
@@ -536,7 +568,7 @@ pub fn attention_backward_dq<F: Float>(
     }
     if active && lane == 0 {
         #[unroll(unroll)]
-        for d in 0..head_dim {
+        for d in 0..dims {
             dq[q_base + d] = F::cast_from(acc[d] * scale);
         }
     }
@@ -546,10 +578,11 @@ pub fn attention_backward_dq<F: Float>(
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
 /// keys get zero gradients, and a cube whose keys are all masked skips the
 /// query loop. `tile` is both the rows of a query tile and the tiling of
-/// `tile_valid`.
+/// `tile_valid`. Head dimensions split over `parts` units as in
+/// [`attention_backward_dq`].
 ///
 /// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows ×
-/// `lanes`; the lanes of a key split each query tile.
+/// `lanes` × `parts`; the lanes of a key split each query tile.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv<F: Float>(
@@ -572,6 +605,7 @@ pub fn attention_backward_dkdv<F: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
+    #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
     #[comptime] unroll: bool,
@@ -581,14 +615,21 @@ pub fn attention_backward_dkdv<F: Float>(
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
     let n = bh / heads as usize;
-    let lane = UNIT_POS_X as usize % lanes;
-    let keys_per_cube = CUBE_DIM_X as usize / lanes;
+    let part = UNIT_POS_X as usize % parts;
+    let lane = (UNIT_POS_X as usize / parts) % lanes;
+    let keys_per_cube = CUBE_DIM_X as usize / (lanes * parts);
     let first_key = CUBE_POS_Y as usize * keys_per_cube;
-    let col = first_key + UNIT_POS_X as usize / lanes;
+    let col = first_key + UNIT_POS_X as usize / (lanes * parts);
     let in_range = col < tk;
     let mut active = false;
     if in_range {
         active = key_valid[n * tk + col] > 0.0;
+    }
+    // With parts, partners shuffle inside the query loop: every unit runs
+    // it, and a masked key's sums are dropped at the end.
+    let mut compute = active;
+    if comptime!(parts > 1) {
+        compute = true;
     }
     // Uniform over the cube: does any key tile overlapping the cube's keys
     // hold a valid key?
@@ -601,14 +642,16 @@ pub fn attention_backward_dkdv<F: Float>(
     for t in first_key / tile..(end_key - 1) / tile + 1 {
         block_valid += tile_valid[n * n_key_tiles + t];
     }
-    let k_base = (bh * tk + col) * head_dim;
     let q_base = bh * tq * head_dim;
     let mut n_tiles = 0usize;
     if block_valid > 0.0 {
         n_tiles = tq.div_ceil(tile);
     }
     let queries_per_lane = comptime!(tile / lanes);
-    let quads = comptime!(head_dim.div_ceil(4));
+    let quads = comptime!(head_dim.div_ceil(4) / parts);
+    let dims = comptime!(head_dim / parts);
+    let first_quad = part * quads;
+    let k_base = (bh * tk + col) * head_dim + part * dims;
 
     let mut k_row = Array::<f32>::new(comptime!(quads * 4));
     let mut v_row = Array::<f32>::new(comptime!(quads * 4));
@@ -623,7 +666,7 @@ pub fn attention_backward_dkdv<F: Float>(
     }
     if active {
         #[unroll(unroll)]
-        for d in 0..head_dim {
+        for d in 0..dims {
             k_row[d] = f32::cast_from(k[k_base + d]);
             v_row[d] = f32::cast_from(v[k_base + d]);
         }
@@ -673,13 +716,19 @@ pub fn attention_backward_dkdv<F: Float>(
             ii += CUBE_DIM_X as usize;
         }
         sync_cube();
-        if active {
+        if compute {
             #[unroll(unroll)]
             for r in 0usize..queries_per_lane {
                 let ii = r * lanes + lane;
-                let s = dot_quads(&k_row, &q_tile, ii * stride, quads, unroll);
-                let mut dp = dot_quads(&v_row, &do_tile, ii * stride, quads, unroll);
-                let p = (s - lse_tile[ii]).exp();
+                let at = ii * stride + first_quad;
+                let mut s = dot_quads(&k_row, &q_tile, at, quads, unroll);
+                let mut dp = dot_quads(&v_row, &do_tile, at, quads, unroll);
+                if comptime!(parts > 1) {
+                    s = sum_parts(s, parts);
+                    dp = sum_parts(dp, parts);
+                }
+                // 0 for a masked key: its exp(0 − lse) could overflow.
+                let p = select(active, (s - lse_tile[ii]).exp(), 0.0f32);
                 let mut p_kept = p;
                 if use_dropout {
                     let i = (start + ii) as u32;
@@ -688,8 +737,8 @@ pub fn attention_backward_dkdv<F: Float>(
                     dp = select(keep, dp * dropout_scale, 0.0f32);
                 }
                 let ds = p * (dp - delta_tile[ii]);
-                add_scaled_quads(&mut dv_acc, p_kept, &do_tile, ii * stride, quads, unroll);
-                add_scaled_quads(&mut dk_acc, ds, &q_tile, ii * stride, quads, unroll);
+                add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
+                add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
             }
         }
         sync_cube();
@@ -700,10 +749,11 @@ pub fn attention_backward_dkdv<F: Float>(
         sum_lanes(&mut dv_acc, lanes, head_dim, unroll);
     }
     if in_range && lane == 0 {
+        // A masked key's sums (run only for its partners' shuffles) are 0.
         #[unroll(unroll)]
-        for d in 0..head_dim {
-            dk[k_base + d] = F::cast_from(dk_acc[d]);
-            dv[k_base + d] = F::cast_from(dv_acc[d]);
+        for d in 0..dims {
+            dk[k_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
+            dv[k_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
         }
     }
 }
