@@ -5,23 +5,23 @@
 #   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-benches --features cuda \
 #     --bin attention-bench
 #   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-kernels --features cuda,ndarray \
-#     --test fused_parity --test fused_parts --no-run   # prints the test binaries' paths
-#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_parts}.xz
+#     --test fused_parity --test fused_native_layout --no-run   # prints the test binaries' paths
+#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_native_layout}.xz
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_LANES ("default 1": the default layout, which splits the tests' small
 # calls over lanes, and AAM_KERNEL_LANES=1, the ASV level's layout), PARITY_TIMEOUT (s per
 # run, default 280: NVRTC compiles a kernel per shape, dtype and dropout setting), BENCH (1:
 # run the timings), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1), PARITY_THREADS
 # (tests at once, default 8: their kernels compile in parallel), PARITY_FILTER (test name
-# filter), WGPU_PARITY (1: also run fused_parity and fused_lanes built with --features
-# wgpu,ndarray, carried as .carry/gpu/{fused_parity,fused_lanes}_wgpu.xz, on the H100 through
+# filter), WGPU_PARITY (1: also run fused_parity, fused_lanes and fused_native_layout built with --features
+# wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the H100 through
 # Vulkan; carry .gl too, device README), REGISTERS (1: after the timings, registers and spills
 # of each compiled CUDA kernel, from CubeCL's PTX cache, by benches/ptx_registers.py).
-# Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_parts.log, fused_lanes_wgpu.log,
+# Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_native_layout{,_wgpu}.log, fused_lanes_wgpu.log,
 # rs_attention{,_lanes1}.jsonl, pt_attention.jsonl, registers.jsonl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
-for b in attention-bench fused_parity fused_parts fused_parity_wgpu fused_lanes_wgpu; do
+for b in attention-bench fused_parity fused_native_layout fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
   [ -f ".carry/gpu/$b.xz" ] && xz -dc ".carry/gpu/$b.xz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -36,11 +36,11 @@ if [ "${PARITY:-1}" = 1 ]; then
     grep -E "^test .*(ok|FAILED)$|panicked|test result" "$log" | cut -c1-200 | tail -30
     echo "rc=$rc"
   done
-  if [ -x /tmp/gpu/fused_parts ]; then
-    echo "== fused_parts (cuda, head dims split over two units)"
-    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_parts --nocapture > "$OUT/fused_parts.log" 2>&1
+  if [ -x /tmp/gpu/fused_native_layout ]; then
+    echo "== fused_native_layout (cuda, head dims split over two units)"
+    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_native_layout --nocapture > "$OUT/fused_native_layout.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
-    grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_parts.log" | cut -c1-200
+    grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_native_layout.log" | cut -c1-200
     echo "rc=$rc"
   fi
 fi
@@ -49,7 +49,7 @@ if [ "${WGPU_PARITY:-0}" = 1 ]; then
   if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
   fi
-  for t in fused_parity fused_lanes; do
+  for t in fused_parity fused_lanes fused_native_layout; do
     echo "== $t (wgpu, Vulkan)"
     timeout "${PARITY_TIMEOUT:-280}" "/tmp/gpu/${t}_wgpu" --nocapture --test-threads "${PARITY_THREADS:-8}" > "$OUT/${t}_wgpu.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1

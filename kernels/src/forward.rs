@@ -104,12 +104,14 @@ impl Layout {
         }
     }
 
-    /// Units that split each row's head dimensions in the backward kernels
-    /// (`parts`, see `attention_backward_dq`): with whole rows those kernels
-    /// need 180 (dQ) and 240 (dK/dV) registers a unit, so an H100 SM holds
-    /// one cube of 160 units (Nsight Compute: 7.8% occupancy, 4.0 and 4.8 ms
-    /// at the ASV level). Only with one lane per row (the shuffles pair
-    /// adjacent units, as lanes do) and when each part is whole quads.
+    /// Units that split each row's head dimensions (`parts`, see
+    /// `attention_backward_dq`). With whole rows the dQ and dK/dV kernels
+    /// need 180 and 240 registers a unit, so an H100 SM held one cube of 160
+    /// units (Nsight Compute: 7.8% occupancy, 4.0 and 4.8 ms at the ASV
+    /// level); split, 105 and 128, and the ASV forward+backward fell from
+    /// 11.1 to 8.1 ms. The forward gains too (1.66 → 1.47 ms). Only with one
+    /// lane per row (the shuffles pair adjacent units, as lanes do) and when
+    /// each part is whole quads.
     fn parts(&self, lanes: usize) -> usize {
         let parts = match self.parts {
             PartsSetting::Auto if self.native => 2,
@@ -150,7 +152,7 @@ enum PartsSetting {
     Fixed(usize),
 }
 
-/// `AAM_KERNEL_PARTS`: unset or `auto` splits the backward's rows in two
+/// `AAM_KERNEL_PARTS`: unset or `auto` splits rows' head dims in two
 /// where the runtime allows it (see [`Layout::parts`]); `1` never does;
 /// `2` always does, on every runtime (for tests, as `AAM_KERNEL_LANES`).
 fn parts_setting() -> PartsSetting {
@@ -331,7 +333,8 @@ where
         let client = q.client.clone();
         let layout = Layout::new(&client, dh);
         let lanes = layout.lanes(n * h * tq);
-        let units = layout.units(lanes, 1, tq);
+        let parts = layout.parts(lanes);
+        let units = layout.units(lanes, parts, tq);
         let tile = layout.forward_tile(lanes);
         let (key_valid, tile_valid) =
             validity::<R, F, I, BT>(key_padding_mask, n, tk, tile, &q.device);
@@ -353,11 +356,11 @@ where
             DType::F32,
         );
         let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-        let rows = units as usize / lanes;
+        let rows_per_cube = units as usize / (lanes * parts);
         for (offset, count) in bh_chunks(n * h) {
             attention_forward::launch::<R>(
                 &client,
-                CubeCount::Static(count, tq.div_ceil(rows) as u32, 1),
+                CubeCount::Static(count, tq.div_ceil(rows_per_cube) as u32, 1),
                 CubeDim::new_1d(units),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
@@ -375,6 +378,7 @@ where
                 dh,
                 tile,
                 lanes,
+                parts,
                 layout.stride,
                 use_dropout,
                 unroll_loops(),

@@ -10,7 +10,13 @@
 //! shuffles. `lanes > 1` gives a call with few rows (under 2^15, say a
 //! sample level of batch 4) enough units to fill a GPU; `lanes = 1` (the ASV
 //! and sample levels at batch 8, and every wgpu launch) needs no plane
-//! operations.
+//! operations for them.
+//!
+//! With one lane, CUDA and HIP split each row's head dimensions over
+//! `parts = 2` adjacent units instead: each keeps half of the row and of its
+//! sums, and partners add their halves of every dot product with one plane
+//! shuffle. Whole rows cost the backward kernels 180-240 registers a unit
+//! (one cube an H100 SM); halves, 105-128.
 //!
 //! The loops over a lane's keys are unrolled when `unroll` is set, so the
 //! scores stay in registers and the dot products of different keys overlap
@@ -146,8 +152,15 @@ fn sum_lanes_at(
 
 /// Forward: `out = softmax(q·kᵀ·scale, masked)·v` and the row log-sum-exp.
 ///
+/// A row's head dimensions may be split over `parts` adjacent units, as in
+/// the backward kernels (see [`attention_backward_dq`]): each keeps half of
+/// q and of the accumulator, and partners add their halves of each score
+/// with a plane shuffle, so both see the same scores and softmax state. With
+/// whole rows (116 registers) an H100 SM held 15 warps. `parts > 1` needs
+/// `lanes = 1`.
+///
 /// Launch: cube (x: n·H + h − bh_offset, y: query block), units = query
-/// rows × `lanes`.
+/// rows × `lanes` × `parts`.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<F: Float>(
@@ -167,6 +180,7 @@ pub fn attention_forward<F: Float>(
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
     #[comptime] lanes: usize,
+    #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
     #[comptime] unroll: bool,
@@ -176,15 +190,23 @@ pub fn attention_forward<F: Float>(
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
     let n = bh / heads as usize;
-    let lane = UNIT_POS_X as usize % lanes;
-    let rows_per_cube = CUBE_DIM_X as usize / lanes;
-    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / lanes;
+    let part = UNIT_POS_X as usize % parts;
+    let lane = (UNIT_POS_X as usize / parts) % lanes;
+    let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
+    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / (lanes * parts);
     let active = row < tq;
-    let q_base = (bh * tq + row) * head_dim;
+    // With parts, partners shuffle inside the key loop: every unit runs it.
+    let mut compute = active;
+    if comptime!(parts > 1) {
+        compute = true;
+    }
     let kv_base = bh * tk * head_dim;
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
-    let quads = comptime!(head_dim.div_ceil(4));
+    let quads = comptime!(head_dim.div_ceil(4) / parts);
+    let dims = comptime!(head_dim / parts);
+    let first_quad = part * quads;
+    let q_base = (bh * tq + row) * head_dim + part * dims;
 
     let mut q_row = Array::<f32>::new(comptime!(quads * 4));
     let mut acc = Array::<f32>::new(comptime!(quads * 4));
@@ -195,7 +217,7 @@ pub fn attention_forward<F: Float>(
     }
     if active {
         #[unroll(unroll)]
-        for d in 0..head_dim {
+        for d in 0..dims {
             q_row[d] = f32::cast_from(q[q_base + d]) * scale;
         }
     }
@@ -231,13 +253,16 @@ pub fn attention_forward<F: Float>(
                 stride,
             );
             sync_cube();
-            if active {
+            if compute {
                 let mut tile_max = 0.0f32;
                 tile_max -= 1.0e30;
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
                     let jj = i * lanes + lane;
-                    let s = dot_quads(&q_row, &k_tile, jj * stride, quads, unroll);
+                    let mut s = dot_quads(&q_row, &k_tile, jj * stride + first_quad, quads, unroll);
+                    if comptime!(parts > 1) {
+                        s = sum_parts(s, parts);
+                    }
                     let score = select(valid_tile[jj] > 0.0, s, -1.0e30f32);
                     tile_max = f32::max(tile_max, score);
                     scores[i] = score;
@@ -248,7 +273,7 @@ pub fn attention_forward<F: Float>(
                 let correction = (m - m_new).exp();
                 l *= correction;
                 #[unroll(unroll)]
-                for d in 0..head_dim {
+                for d in 0..dims {
                     acc[d] *= correction;
                 }
                 #[unroll(unroll)]
@@ -263,7 +288,8 @@ pub fn attention_forward<F: Float>(
                             dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
                         weight = select(keep, p * dropout_scale, 0.0f32);
                     }
-                    add_scaled_quads(&mut acc, weight, &v_tile, jj * stride, quads, unroll);
+                    let at = jj * stride + first_quad;
+                    add_scaled_quads(&mut acc, weight, &v_tile, at, quads, unroll);
                 }
                 m = m_new;
             }
@@ -286,10 +312,12 @@ pub fn attention_forward<F: Float>(
     if active && lane == 0 {
         let inv = select(seen, 1.0f32 / l, 0.0f32);
         #[unroll(unroll)]
-        for d in 0..head_dim {
+        for d in 0..dims {
             out[q_base + d] = F::cast_from(acc[d] * inv);
         }
-        lse[bh * tq + row] = select(seen, m + l.ln(), 0.0f32);
+        if part == 0 {
+            lse[bh * tq + row] = select(seen, m + l.ln(), 0.0f32);
+        }
     }
 }
 
