@@ -23,7 +23,7 @@ struct Layout {
     stride: usize,
     /// How rows are split across lanes (plane shuffles).
     lanes: LanesSetting,
-    /// How the backward splits a row's head dimensions.
+    /// How the kernels split a row's head dimensions.
     parts: PartsSetting,
     /// CUDA or HIP (plane order follows unit order).
     native: bool,
@@ -109,7 +109,7 @@ impl Layout {
     /// need 180 and 240 registers a unit, so an H100 SM held one cube of 160
     /// units (Nsight Compute: 7.8% occupancy, 4.0 and 4.8 ms at the ASV
     /// level); split, 105 and 128, and the ASV forward+backward fell from
-    /// 11.1 to 8.1 ms. The forward gains too (1.66 → 1.47 ms). Only with one
+    /// 11.1 to 8.1 ms. The forward gains too (1.66 → 1.48 ms). Only with one
     /// lane per row (the shuffles pair adjacent units, as lanes do) and when
     /// each part is whole quads.
     fn parts(&self, lanes: usize) -> usize {
@@ -130,8 +130,9 @@ impl Layout {
     /// (64 for heads wider than 64, whose rows use more registers). One lane
     /// per row: the rows' units are spread evenly over as few cubes of at
     /// most 256 units (128) as hold them, rounded up to whole planes, so
-    /// that the ASV level's 151 rows take one cube of 160 units (not three
-    /// of 64, a fifth of them idle, each loading every key).
+    /// that the ASV level's 151 rows take one cube of 160 units, or two
+    /// with `parts = 2` (not three of 64, a fifth of them idle, each loading
+    /// every key).
     fn units(&self, lanes: usize, parts: usize, len: usize) -> u32 {
         let wide = self.head_dim > 64;
         if lanes > 1 {
