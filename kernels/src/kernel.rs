@@ -259,10 +259,8 @@ pub fn attention_forward<F: Float>(
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
                     let jj = i * lanes + lane;
-                    let mut s = dot_quads(&q_row, &k_tile, jj * stride + first_quad, quads, unroll);
-                    if comptime!(parts > 1) {
-                        s = sum_parts(s, parts);
-                    }
+                    let at = jj * stride + first_quad;
+                    let s = sum_parts(dot_quads(&q_row, &k_tile, at, quads, unroll), parts);
                     let score = select(valid_tile[jj] > 0.0, s, -1.0e30f32);
                     tile_max = f32::max(tile_max, score);
                     scores[i] = score;
@@ -443,8 +441,9 @@ fn add_scaled_quads(
 }
 
 /// Adds the partial sums of the `parts` adjacent units that share a row,
-/// each holding `head_dim / parts` of its dimensions (`parts` is 1 or 2).
-/// Every unit of the plane must call it.
+/// each holding `head_dim / parts` of its dimensions (`parts` is 1 or 2;
+/// with 1 it returns `x`). Every unit of the plane must call it when
+/// `parts = 2`.
 #[cube]
 fn sum_parts(x: f32, #[comptime] parts: usize) -> f32 {
     let mut sum = x;
@@ -536,9 +535,7 @@ pub fn attention_backward_dq<F: Float>(
         }
         row_lse = lse[bh * tq + row];
     }
-    if comptime!(parts > 1) {
-        row_delta = sum_parts(row_delta, parts);
-    }
+    row_delta = sum_parts(row_delta, parts);
     if active && lane == 0 && part == 0 {
         delta[bh * tq + row] = row_delta;
     }
@@ -570,12 +567,8 @@ pub fn attention_backward_dq<F: Float>(
                 for i in 0usize..keys_per_lane {
                     let jj = i * lanes + lane;
                     let at = jj * stride + first_quad;
-                    let mut s = dot_quads(&q_row, &k_tile, at, quads, unroll);
-                    let mut dp = dot_quads(&do_row, &v_tile, at, quads, unroll);
-                    if comptime!(parts > 1) {
-                        s = sum_parts(s, parts);
-                        dp = sum_parts(dp, parts);
-                    }
+                    let s = sum_parts(dot_quads(&q_row, &k_tile, at, quads, unroll), parts);
+                    let mut dp = sum_parts(dot_quads(&do_row, &v_tile, at, quads, unroll), parts);
                     let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
@@ -749,12 +742,8 @@ pub fn attention_backward_dkdv<F: Float>(
             for r in 0usize..queries_per_lane {
                 let ii = r * lanes + lane;
                 let at = ii * stride + first_quad;
-                let mut s = dot_quads(&k_row, &q_tile, at, quads, unroll);
-                let mut dp = dot_quads(&v_row, &do_tile, at, quads, unroll);
-                if comptime!(parts > 1) {
-                    s = sum_parts(s, parts);
-                    dp = sum_parts(dp, parts);
-                }
+                let s = sum_parts(dot_quads(&k_row, &q_tile, at, quads, unroll), parts);
+                let mut dp = sum_parts(dot_quads(&v_row, &do_tile, at, quads, unroll), parts);
                 // 0 for a masked key: its exp(0 − lse) could overflow.
                 let p = select(active, (s - lse_tile[ii]).exp(), 0.0f32);
                 let mut p_kept = p;

@@ -19,14 +19,7 @@ fn force_lanes() {
 #[test]
 fn lanes_lengths_heads_and_sample_slots() {
     force_lanes();
-    for (i, &t) in [1usize, 7, 151, 33].iter().enumerate() {
-        check(&Case::new(600 + i as u64, 3, 2, t, t, 32));
-    }
-    for (i, &dh) in [16usize, 64, 128].iter().enumerate() {
-        check(&Case::new(610 + i as u64, 3, 2, 40, 40, dh));
-    }
-    check(&Case::new(620, 4, 3, 9, 70, 32));
-    check(&Case::new(621, 2, 2, 1024, 1024, 32));
+    check_layout_shapes(600);
 }
 
 #[test]

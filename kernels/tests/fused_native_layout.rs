@@ -20,16 +20,8 @@ fn force_native_layout() {
 #[test]
 fn native_layout_lengths_heads_and_sample_slots() {
     force_native_layout();
-    for (i, &t) in [1usize, 7, 151, 33].iter().enumerate() {
-        check(&Case::new(700 + i as u64, 3, 2, t, t, 32));
-    }
-    // Head dims 16, 64 and 128 are split in two, 12 is not (6 dims are not
-    // whole quads).
-    for (i, &dh) in [16usize, 64, 128, 12].iter().enumerate() {
-        check(&Case::new(710 + i as u64, 3, 2, 40, 40, dh));
-    }
-    check(&Case::new(720, 4, 3, 9, 70, 32));
-    check(&Case::new(721, 2, 2, 1024, 1024, 32));
+    // With parts, head dim 12 is not split (6 dims are not whole quads).
+    check_layout_shapes(700);
 }
 
 #[test]

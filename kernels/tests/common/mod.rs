@@ -262,3 +262,18 @@ pub fn check_dropout() {
         "Σ dV⊙v = {identity} but f = {f_value}"
     );
 }
+
+/// The shapes a forced layout (`fused_lanes`, `fused_native_layout`) is
+/// checked on, seeds from `seed`: lengths 1, 7, 151 and 33; head dims 16,
+/// 64, 128 and 12 (not whole quads when split in two); cross lengths 9 × 70;
+/// and the sample level's 1024 slots.
+pub fn check_layout_shapes(seed: u64) {
+    for (i, &t) in [1usize, 7, 151, 33].iter().enumerate() {
+        check(&Case::new(seed + i as u64, 3, 2, t, t, 32));
+    }
+    for (i, &dh) in [16usize, 64, 128, 12].iter().enumerate() {
+        check(&Case::new(seed + 10 + i as u64, 3, 2, 40, 40, dh));
+    }
+    check(&Case::new(seed + 20, 4, 3, 9, 70, 32));
+    check(&Case::new(seed + 21, 2, 2, 1024, 1024, 32));
+}
