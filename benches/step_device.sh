@@ -17,7 +17,11 @@
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
-#      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT).
+#      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT,
+#      summary by benches/kernel_summary.py printed),
+#      STEP_ASVS (ASVs per sample, comma-separated, e.g. the oral2550 quantiles
+#      25,33,38,43,47,55,77,99: aam-rs times that batch, and PT=1 times the reference's step on
+#      the same counts with benches/pt_step.py instead of the whole pt_reference_bench.py).
 # Writes to $OUT: step_[<bin>_]<variant>.{json,log}, gpu_mem_*.csv, pt.log, pt_anchor.json,
 # cache.txz.*.
 set -uo pipefail
@@ -33,11 +37,13 @@ source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXI
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
 status=0
+STEP_ARGS="${STEP_ARGS:-}${STEP_ASVS:+ --asvs-per-sample $STEP_ASVS}"
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== profiled step (CUBECL_DEBUG_OPTION=profile)"
   CUBECL_DEBUG_LOG="$OUT/cubecl_profile.log" CUBECL_DEBUG_OPTION=profile \
     timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$first_bin" diagnose step --backend "$BACKEND" \
-    --warmup 2 --steps 2 ${STEP_ARGS:-} 2>&1 | tail -2
+    --warmup 2 --steps 2 $STEP_ARGS 2>&1 | tail -2
+  python3 benches/kernel_summary.py "$OUT/cubecl_profile.log"
   gzip -f "$OUT/cubecl_profile.log"
 fi
 for bin in $BINS; do
@@ -55,14 +61,18 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
   smi=$!
   timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" diagnose step --backend "$BACKEND" \
-    --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" ${STEP_ARGS:-} 2>&1 \
+    --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" $STEP_ARGS 2>&1 \
     | tee "$OUT/step_$name.log" | tail -2
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1
   kill $smi
   echo "rc=$rc peak nvidia-smi MiB: $(sort -n "$OUT/gpu_mem_$name.csv" | tail -1)"
 done
 done
-if [ "${PT:-1}" = 1 ]; then
+if [ "${PT:-1}" = 1 ] && [ -n "${STEP_ASVS:-}" ]; then
+  echo "== reference step on the same ASV counts (benches/pt_step.py)"
+  AAM_SRC=.ref STEP_ASVS=$STEP_ASVS PYTHONUNBUFFERED=1 timeout 300 python3 benches/pt_step.py \
+    | tee "$OUT/pt_step.jsonl" || status=1
+elif [ "${PT:-1}" = 1 ]; then
   echo "== reference (pt_reference_bench.py)"
   AAM_SRC=.ref OUT=$OUT PYTHONUNBUFFERED=1 timeout 300 python3 .carry/pt_reference_bench.py \
     > "$OUT/pt.log" 2>&1 || status=1

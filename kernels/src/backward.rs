@@ -90,6 +90,10 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         B::has_fused_attention()
     }
 
+    fn fuses_elementwise() -> bool {
+        B::fuses_elementwise()
+    }
+
     fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
         match GeluExactBackward
             .prepare::<C>([x.node.clone()])

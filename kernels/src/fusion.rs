@@ -81,6 +81,10 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         B::has_fused_attention()
     }
 
+    fn fuses_elementwise() -> bool {
+        true
+    }
+
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         B::memory_reserved(device)
     }

@@ -100,6 +100,15 @@ pub trait AttentionBackend: Backend {
         false
     }
 
+    /// Whether chains of element-wise ops become one kernel here (Burn's
+    /// fusion backend). Code that could batch small tensors into one large
+    /// one for fewer launches (the optimiser) need not there: the chain on
+    /// each small tensor is already one kernel, and the concatenation itself
+    /// would cost a copy per tensor.
+    fn fuses_elementwise() -> bool {
+        false
+    }
+
     /// Bytes the backend's memory pool holds on `device`, where it reports
     /// them (the CubeCL backends); `None` elsewhere. Diagnostics read it before
     /// and after an operation to see how much the pool had to grow for it.

@@ -64,7 +64,9 @@ pub struct AsvEncoderConfig {
     /// Whether the nucleotide head exists. Default: false.
     #[config(default = false)]
     pub predict_nucleotides: bool,
-    /// ASV slots per chunk (per sample); None or 0 = all at once. Default: None.
+    /// ASVs per chunk through the encoder at inference; None or 0 = all at
+    /// once. Training always runs all at once (see `encode_non_empty`).
+    /// Default: None.
     pub asv_chunk_size: Option<usize>,
     /// Attention implementation. Default: auto.
     #[config(default = "AttnImplementation::Auto")]
@@ -213,7 +215,16 @@ impl<B: AttentionBackend> AsvEncoder<B> {
             .collect();
         let head = self.nucleotide_head.as_ref().filter(|_| return_nucleotides);
         let all_rows = non_empty.len() == n;
-        let chunk = self.asv_chunk_size.unwrap_or(n).max(1);
+        // Chunks bound memory only where each chunk's activations are freed
+        // before the next runs (inference: validation, predict). In training
+        // every chunk's activations are kept for the backward pass anyway, so
+        // chunks would save nothing and multiply the launches (H100, reference
+        // batch: 325 → 277 ms a step at the same live peak; benches/RESULTS.md).
+        let chunk = match self.asv_chunk_size {
+            Some(c) if !B::ad_enabled(&device) => c,
+            _ => n,
+        }
+        .max(1);
         let mut pooled = Vec::new();
         let mut logits = Vec::new();
         for ids in non_empty.chunks(chunk) {

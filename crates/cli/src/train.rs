@@ -96,7 +96,9 @@ pub struct ModelArgs {
     /// Masking strategy: random or span.
     #[arg(long, default_value = "random", value_parser = serde_value::<MaskStrategy>)]
     pub nuc_mask_strategy: MaskStrategy,
-    /// ASVs per chunk through the ASV encoder (0: all at once); bounds activation memory.
+    /// ASVs per chunk through the ASV encoder at inference (validation; 0: all at once);
+    /// bounds activation memory there. Training runs all at once: every chunk's
+    /// activations are kept for the backward pass, so chunks would save nothing.
     #[arg(long, default_value_t = 256)]
     pub asv_chunk_size: usize,
     /// Attention implementation: math, fused (the CubeCL kernel) or auto.

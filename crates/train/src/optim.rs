@@ -82,6 +82,9 @@ pub struct Optimizer<B: Backend> {
     /// group's parameters in order, so that the next step of the same group
     /// need not concatenate ~150 views again.
     flat_moments: BTreeMap<Vec<String>, ParamState<B>>,
+    /// Update each parameter on its own instead of in flat groups: for
+    /// backends that fuse element-wise chains (see [`Optimizer::step`]).
+    per_parameter: bool,
 }
 
 /// Gradients by torch name, flattened, on the inner (non-autodiff) backend.
@@ -238,7 +241,21 @@ impl<B: Backend> Optimizer<B> {
             config,
             state: BTreeMap::new(),
             flat_moments: BTreeMap::new(),
+            per_parameter: false,
         }
+    }
+
+    /// Updates each parameter on its own (`true`) or in flat groups (`false`,
+    /// the default). The values are the same bit for bit; only the kernels
+    /// differ. Pass `AttentionBackend::fuses_elementwise()` of the backend.
+    pub fn with_per_parameter_updates(mut self, per_parameter: bool) -> Self {
+        if per_parameter != self.per_parameter {
+            // The states stay valid either way: a flat group's per-parameter
+            // views are ordinary tensors.
+            self.flat_moments.clear();
+        }
+        self.per_parameter = per_parameter;
+        self
     }
 
     /// The hyper-parameters.
@@ -258,6 +275,11 @@ impl<B: Backend> Optimizer<B> {
     /// that updates again reuses its flat moments instead of concatenating
     /// the per-parameter views (on the H100 that took the optimiser phase of a
     /// real-data step from 19.8 to 14.6 ms, `benches/RESULTS.md`).
+    ///
+    /// Per parameter ([`Optimizer::with_per_parameter_updates`]) where the
+    /// backend fuses element-wise chains: there each parameter's update is
+    /// one kernel already, and the flat groups would only add a copy of every
+    /// parameter and gradient into the group (concatenation) and out again.
     pub fn step<AB, M>(
         &mut self,
         module: M,
@@ -301,6 +323,27 @@ impl<B: Backend> Optimizer<B> {
         };
         module.visit(&mut lister);
 
+        let mut updated: BTreeMap<String, Tensor<B, 1>> = BTreeMap::new();
+        if self.per_parameter {
+            let adam = self.config.kind != OptimizerKind::Sgd;
+            for (key, p) in lister.out {
+                let g = grads.grads.remove(&key).expect("listed with a gradient");
+                let mut state = self.state.remove(&key).unwrap_or_else(|| ParamState {
+                    step: 0,
+                    first: p.zeros_like(),
+                    second: adam.then(|| p.zeros_like()),
+                });
+                let p = self.config.update(&mut state, p, g, lr(&key), beta1);
+                self.state.insert(key.clone(), state);
+                updated.insert(key, p);
+            }
+            return module.map(&mut Writer::<AB> {
+                name,
+                updated,
+                path: PathTracker { path: Vec::new() },
+            });
+        }
+
         // 2. Groups of one learning rate and step count, each updated flat.
         let mut groups: BTreeMap<(u64, u64), Vec<(String, Tensor<B, 1>)>> = BTreeMap::new();
         for (key, p) in lister.out {
@@ -310,7 +353,6 @@ impl<B: Backend> Optimizer<B> {
                 .or_default()
                 .push((key, p));
         }
-        let mut updated: BTreeMap<String, Tensor<B, 1>> = BTreeMap::new();
         // Groups that take no part in this step drop their flat moments.
         let mut previous = std::mem::take(&mut self.flat_moments);
         for ((lr_bits, step), members) in groups {
@@ -644,6 +686,57 @@ mod tests {
         for i in 0..2 {
             assert!((got[i] as f64 - w[i]).abs() < 1e-6, "{got:?} vs {w:?}");
         }
+    }
+
+    #[derive(Module, Debug)]
+    struct Pair<B: Backend> {
+        a: Param<Tensor<B, 1>>,
+        b: Param<Tensor<B, 2>>,
+    }
+
+    /// Weights `a`, `b` and the named optimiser state after a run.
+    type PairRun = (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>);
+
+    /// Three AdamW steps on two parameters in two learning-rate groups, with
+    /// per-parameter updates on at the steps `per_parameter` says: the
+    /// weights and moments come out bit for bit as the flat groups'.
+    fn pair_run(per_parameter: [bool; 3]) -> PairRun {
+        let device = Default::default();
+        let mut m = Pair::<AB> {
+            a: Param::from_tensor(Tensor::from_floats([0.5, -1.5, 2.0], &device)),
+            b: Param::from_tensor(Tensor::from_floats([[1.0, -0.25], [3.0, 0.75]], &device)),
+        };
+        let mut opt = Optimizer::<NdArray<f32>>::new(OptimizerConfig::default());
+        for per in per_parameter {
+            opt = opt.with_per_parameter_updates(per);
+            let loss = m.a.val().powi_scalar(3).sum() + (m.b.val() * m.b.val().exp()).sum();
+            let g = GradientBuffer::collect(&m, &loss.backward(), &|p: &str| p.to_string(), 1.0);
+            let lr = |key: &str| if key == "a" { 0.05 } else { 0.2 };
+            m = opt.step::<AB, _>(m, g, &|p: &str| p.to_string(), &lr, None);
+        }
+        let values = |t: Tensor<NdArray<f32>, 1>| t.into_data().to_vec::<f32>().unwrap();
+        let state = opt
+            .state_tensors()
+            .0
+            .into_iter()
+            .map(|(k, d)| (k, d.to_vec::<f32>().unwrap()))
+            .collect();
+        (
+            values(m.a.val().inner()),
+            values(m.b.val().inner().reshape([4])),
+            state,
+        )
+    }
+
+    #[test]
+    fn per_parameter_updates_equal_the_flat_groups_bit_for_bit() {
+        let flat = pair_run([false; 3]);
+        assert_eq!(pair_run([true; 3]), flat);
+        // Switching between the two mid-run keeps the state.
+        assert_eq!(pair_run([false, true, false]), flat);
+        assert_eq!(pair_run([true, false, true]), flat);
+        // The run did move the weights.
+        assert_ne!(flat.0, vec![0.5, -1.5, 2.0]);
     }
 
     #[test]

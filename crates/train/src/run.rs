@@ -391,13 +391,19 @@ fn record_batch<B: Backend>(
 ///
 /// - `AAM_PROFILE=1`: the mean time of each phase, logged after the first step
 ///   and every 10 (for finding where the time goes).
+/// - `AAM_PROFILE=host`: the same without synchronising: each phase's time is
+///   then what the host spends queueing it, and `read` holds the wait for the
+///   device. A step whose `read` is short is bound by the host.
 /// - `--memory-profile`: after each phase, the bytes of live tensors on the
 ///   device; per epoch the largest value of each phase and the memory pool's
 ///   size are logged and appended to `memory_profile.csv`.
 ///
-/// Either synchronises the device after each phase, which slows the run.
+/// Both synchronise the device after each phase (`AAM_PROFILE=1` and
+/// `--memory-profile`), which slows the run.
 struct StepProfiler {
     time: bool,
+    /// `AAM_PROFILE=host`: time without synchronising.
+    host_only: bool,
     memory: bool,
     last: Instant,
     totals: BTreeMap<&'static str, f64>,
@@ -410,8 +416,10 @@ struct StepProfiler {
 
 impl StepProfiler {
     fn new(memory: bool) -> Self {
+        let mode = std::env::var("AAM_PROFILE").unwrap_or_default();
         Self {
-            time: std::env::var("AAM_PROFILE").is_ok_and(|v| v == "1"),
+            time: mode == "1" || mode == "host",
+            host_only: mode == "host",
             memory,
             last: Instant::now(),
             totals: BTreeMap::new(),
@@ -425,7 +433,9 @@ impl StepProfiler {
         if !(self.time || self.memory) {
             return;
         }
-        let _ = B::sync(device);
+        if self.memory || !self.host_only {
+            let _ = B::sync(device);
+        }
         if self.time {
             let now = Instant::now();
             *self.totals.entry(phase).or_default() += (now - self.last).as_secs_f64();
@@ -561,7 +571,8 @@ where
 
     let name = |path: &str| model_config.torch_key(path);
     let base_lr = run.scheduler.lr;
-    let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone());
+    let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone())
+        .with_per_parameter_updates(AB::fuses_elementwise());
     let (mut scheduler, mut progress) = match resume {
         Some(ckpt) => {
             if ckpt.meta.data.train_ids != data.info.train_ids
