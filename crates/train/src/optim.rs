@@ -71,6 +71,17 @@ struct ParamState<B: Backend> {
     second: Option<Tensor<B, 1>>,
 }
 
+impl<B: Backend> ParamState<B> {
+    /// The state before the first step: zero moments shaped as `p`.
+    fn fresh(p: &Tensor<B, 1>, kind: OptimizerKind) -> Self {
+        Self {
+            step: 0,
+            first: p.zeros_like(),
+            second: (kind != OptimizerKind::Sgd).then(|| p.zeros_like()),
+        }
+    }
+}
+
 /// An optimiser over named parameters.
 #[derive(Clone, Debug)]
 pub struct Optimizer<B: Backend> {
@@ -325,14 +336,12 @@ impl<B: Backend> Optimizer<B> {
 
         let mut updated: BTreeMap<String, Tensor<B, 1>> = BTreeMap::new();
         if self.per_parameter {
-            let adam = self.config.kind != OptimizerKind::Sgd;
             for (key, p) in lister.out {
                 let g = grads.grads.remove(&key).expect("listed with a gradient");
-                let mut state = self.state.remove(&key).unwrap_or_else(|| ParamState {
-                    step: 0,
-                    first: p.zeros_like(),
-                    second: adam.then(|| p.zeros_like()),
-                });
+                let mut state = self
+                    .state
+                    .remove(&key)
+                    .unwrap_or_else(|| ParamState::fresh(&p, self.config.kind));
                 let p = self.config.update(&mut state, p, g, lr(&key), beta1);
                 self.state.insert(key.clone(), state);
                 updated.insert(key, p);
@@ -425,11 +434,7 @@ impl<B: Backend> Optimizer<B> {
         let g = flat(grads);
         let adam = self.config.kind != OptimizerKind::Sgd;
         let mut state = if step == 0 {
-            ParamState {
-                step,
-                first: p.zeros_like(),
-                second: adam.then(|| p.zeros_like()),
-            }
+            ParamState::fresh(&p, self.config.kind)
         } else {
             let mut firsts = Vec::with_capacity(keys.len());
             let mut seconds = Vec::with_capacity(keys.len());
