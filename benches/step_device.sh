@@ -62,7 +62,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
   smi=$!
   timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" diagnose step --backend "$BACKEND" \
     --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" $STEP_ARGS 2>&1 \
-    | tee "$OUT/step_$name.log" | tail -2
+    | tee "$OUT/step_$name.log" | tail -3
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1
   kill $smi
   echo "rc=$rc peak nvidia-smi MiB: $(sort -n "$OUT/gpu_mem_$name.csv" | tail -1)"

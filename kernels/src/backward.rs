@@ -1,7 +1,8 @@
 //! [`AttentionBackend`] for `Autodiff<B>`: the fused forward saves its inputs
 //! and row statistics, and the backward runs the dQ and dK/dV kernels, so a
 //! training step never materialises the `[T, T]` attention matrix. Exact GELU
-//! is one node that keeps only its input.
+//! is one node that keeps only its input, and the dense layer one whose
+//! backward sums its weight and bias gradients over rows in parts.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -9,7 +10,9 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
+use burn::prelude::*;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::TensorPrimitive;
 
 use crate::{AttentionBackend, AttentionDropout};
 
@@ -85,6 +88,67 @@ impl<B: AttentionBackend> Backward<B, 1> for GeluExactBackward {
     }
 }
 
+/// The dense layer's backward (`dense.rs`): `dx = dy·w`, and `dw`, `db`
+/// summed over the rows in parts. `N` is 3 with a bias, 2 without.
+#[derive(Debug)]
+struct DenseBackward;
+
+impl DenseBackward {
+    fn run<B: AttentionBackend, const N: usize>(
+        ops: Ops<(NodeId, NodeId), N>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x_state, w_state) = ops.state;
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
+        let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
+        let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
+        let (dx, dw, db) = crate::dense::dense_backward::<B>(
+            Tensor::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::from_primitive(TensorPrimitive::Float(w)),
+            Tensor::from_primitive(TensorPrimitive::Float(dy)),
+            want,
+        );
+        let parents = &ops.parents;
+        if let (Some(node), Some(dx)) = (&parents[0], dx) {
+            grads.register::<B>(node.id, dx.into_primitive().tensor());
+        }
+        if let (Some(node), Some(dw)) = (&parents[1], dw) {
+            grads.register::<B>(node.id, dw.into_primitive().tensor());
+        }
+        if let (Some(Some(node)), Some(db)) = (parents.get(2), db) {
+            grads.register::<B>(node.id, db.into_primitive().tensor());
+        }
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 3> for DenseBackward {
+    type State = (NodeId, NodeId);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 3>(ops, grads, checkpointer);
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 2> for DenseBackward {
+    type State = (NodeId, NodeId);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 2>(ops, grads, checkpointer);
+    }
+}
+
 impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     fn has_fused_attention() -> bool {
         B::has_fused_attention()
@@ -114,6 +178,46 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
 
     fn memory_in_use(device: &Self::Device) -> Option<u64> {
         B::memory_in_use(device)
+    }
+
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        match bias {
+            Some(bias) => match DenseBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
+                    prep.finish(
+                        state,
+                        B::dense(x.primitive, weight.primitive, Some(bias.primitive)),
+                    )
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::dense(
+                    x.primitive,
+                    weight.primitive,
+                    Some(bias.primitive),
+                )),
+            },
+            None => match DenseBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
+                    prep.finish(state, B::dense(x.primitive, weight.primitive, None))
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::dense(x.primitive, weight.primitive, None))
+                }
+            },
+        }
     }
 
     fn fused_masked_attention(

@@ -285,10 +285,14 @@ impl<B: AttentionBackend> AsvEncoder<B> {
             .expand([n, length, vocab])
             .equal(classes)
             .float();
-        one_hot
-            .reshape([n * length, vocab])
-            .matmul(table)
-            .reshape([n, length, d])
+        // `dense` for its backward: the table's gradient sums over all N·L
+        // rows, which it does in parts (see `aam_kernels::dense`).
+        aam_kernels::dense(
+            one_hot.reshape([n * length, vocab]),
+            table.transpose(),
+            None,
+        )
+        .reshape([n, length, d])
     }
 
     /// Picks the positions to overwrite with MASK: only A/C/G/T (1..4).

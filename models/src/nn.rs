@@ -71,7 +71,7 @@ impl LinearConfig {
     }
 }
 
-impl<B: Backend> Linear<B> {
+impl<B: AttentionBackend> Linear<B> {
     /// Computes in the input's float type: f32 weights are cast to it at use
     /// (mixed precision, see `precision.rs`).
     ///
@@ -90,46 +90,30 @@ impl<B: Backend> Linear<B> {
 
 /// `y = x·Wᵀ + b` over the last axis, with `weight` in torch layout.
 ///
-/// Without the `fusion` feature this is Burn's `linear` on the input's own
-/// rank, except that a product with a unit dimension (one input or output
-/// feature, or one row per batch entry) is flattened to rows and goes
-/// through [`aam_kernels::matmul`] (why: its doc).
-///
-/// With `fusion`, every input is flattened to one `[rows, d_input]` product:
-/// on CUDA, Burn 0.21's fusion backend also got the gradients of the rank-3
-/// batched `linear` wrong (the parity suite's count-embedding and predictor
-/// cases, 0.66-1.1 relative; `benches/results/h100_backend_parity_cuda_fusion_batched_linear.log`),
-/// and with flattening every case passes. The cost: the CUDA matmul autotune
-/// key holds the row count's bucket, which for packed ASVs changes from batch
-/// to batch, so a cold machine autotunes ~70 shapes (minutes, once; the
-/// results are cached). Without fusion the batched form is kept for that
-/// reason.
+/// Every input is flattened to one `[rows, d_input]` product and goes through
+/// [`aam_kernels::dense`]: Burn's `linear` in value, with a backward that sums
+/// the weight and bias gradients over the rows in parts (the ASV level has
+/// tens of thousands of rows; on an H100 that made those gradients 7-15x
+/// faster, `benches/RESULTS.md`). A product with a unit dimension (one input
+/// or output feature, or one row) is a multiply and a sum there (why:
+/// [`aam_kernels::matmul`]). Flattening also keeps the fusion backend off the
+/// rank-3 batched `linear`, whose gradients Burn 0.21's fusion backend got
+/// wrong on CUDA (the parity suite's count-embedding and predictor cases,
+/// 0.66-1.1 relative;
+/// `benches/results/h100_backend_parity_cuda_fusion_batched_linear.log`).
 ///
 /// # Shapes
 /// - x: `[..., d_input]`, weight: `[d_output, d_input]`, bias: `[d_output]`
 /// - output: `[..., d_output]`
-pub fn linear<B: Backend, const D: usize>(
+pub fn linear<B: AttentionBackend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
     let dims = x.dims();
     let [d_output, d_input] = weight.dims();
-    let rows_per_entry = if D >= 2 { dims[D - 2] } else { 1 };
-    if rows_per_entry > 1 && d_input > 1 && d_output > 1 && !cfg!(feature = "fusion") {
-        return burn::tensor::module::linear(x, weight.transpose(), bias);
-    }
     let rows = dims[..D - 1].iter().product::<usize>();
-    let x = x.reshape([rows, d_input]);
-    let y = if rows > 1 && d_input > 1 && d_output > 1 {
-        burn::tensor::module::linear(x, weight.transpose(), bias)
-    } else {
-        let y = aam_kernels::matmul(x, weight.transpose());
-        match bias {
-            Some(bias) => y + bias.unsqueeze(),
-            None => y,
-        }
-    };
+    let y = aam_kernels::dense(x.reshape([rows, d_input]), weight, bias);
     let mut out = dims;
     out[D - 1] = d_output;
     y.reshape(out)

@@ -5,6 +5,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 
 use crate::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use aam_kernels::AttentionBackend;
 
 /// Configuration of [`AttentionPooling`].
 #[derive(Config, Debug)]
@@ -36,7 +37,7 @@ impl AttentionPoolingConfig {
     }
 }
 
-impl<B: Backend> AttentionPooling<B> {
+impl<B: AttentionBackend> AttentionPooling<B> {
     /// Pools `x` over T. `valid` is `true` at positions that count (the
     /// reference's `mask == 1`). A row with no valid position gets uniform
     /// weights 1/T (§1.4 step 5), so an all-zero row pools to the norm's β.

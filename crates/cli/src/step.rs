@@ -14,6 +14,7 @@
 //! Model flags are `pretrain`'s, with its defaults, so `--attn-implementation
 //! math` or `--gradient-checkpointing` show what a flag costs.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use aam_data::Batch;
@@ -99,6 +100,12 @@ struct StepReport {
     peak_in_use_mib: Option<f64>,
     first_step_s: f64,
     losses: Vec<f64>,
+    /// Median ms of each phase of a timed step, in order: the host queueing
+    /// the forward pass and loss (`forward_queue`), waiting for the loss
+    /// (`loss_read`: the device finishing the forward), queueing the backward
+    /// pass and the optimiser, and waiting for the device at the end
+    /// (`final_sync`). Where the waits are short, the host bounds the step.
+    phase_ms: BTreeMap<&'static str, f64>,
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -149,6 +156,12 @@ pub fn run(args: StepArgs) -> Result<()> {
         mib(report.peak_reserved_mib),
         mib(report.peak_in_use_mib),
     );
+    let phases: Vec<String> = report
+        .phase_ms
+        .iter()
+        .map(|(name, ms)| format!("{} {ms:.1}", &name[2..]))
+        .collect();
+    println!("phases (median ms): {}", phases.join(", "));
     if let Some(path) = &args.json_out {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing --json-out {}", path.display()))?;
@@ -236,8 +249,20 @@ where
     let mut peak: Option<u64> = None;
     let mut peak_in_use: Option<u64> = None;
     let mut first_step_s = 0.0;
+    let mut phases: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
     for step in 0..args.warmup + args.steps {
         let started = Instant::now();
+        let mut last = started;
+        let mut phase = |name: &'static str| {
+            let now = Instant::now();
+            if step >= args.warmup {
+                phases
+                    .entry(name)
+                    .or_default()
+                    .push((now - last).as_secs_f64() * 1e3);
+            }
+            last = now;
+        };
         <AB as Backend>::seed(device, args.seed + step as u64);
         set_attention_dropout_seed(args.seed + step as u64);
         let (input, targets) = batch_tensors::<AB>(batch, device, false);
@@ -246,19 +271,24 @@ where
             encoder.forward(input.tokens, input.counts, true).into()
         };
         let parts = loss.forward(&predictions, &targets)?;
+        phase("1_forward_queue");
         // `fit` reads the loss back every step (to stop on a non-finite one).
         let total: f64 = parts.total.clone().into_scalar().elem();
+        phase("2_loss_read");
         ensure!(total.is_finite(), "step {step}: the loss is {total}");
         if let Some(bytes) = <AB::InnerBackend as AttentionBackend>::memory_in_use(device) {
             peak_in_use = Some(peak_in_use.map_or(bytes, |p| p.max(bytes)));
         }
         let grads = parts.total.backward();
+        phase("3_backward_queue");
         encoder = {
             let buffer = GradientBuffer::collect(&encoder, &grads, &name, 1.0);
             optimizer.step::<AB, _>(encoder, buffer, &name, &lr, None)
         };
+        phase("4_optimizer_queue");
         <AB::InnerBackend as Backend>::sync(device)
             .map_err(|e| anyhow::anyhow!("synchronising the device: {e:?}"))?;
+        phase("5_final_sync");
         let seconds = started.elapsed().as_secs_f64();
         if step == 0 {
             first_step_s = seconds;
@@ -290,5 +320,12 @@ where
         peak_in_use_mib: peak_in_use.map(|b| b as f64 / (1u64 << 20) as f64),
         first_step_s,
         losses,
+        phase_ms: phases
+            .into_iter()
+            .map(|(name, mut ms)| {
+                ms.sort_by(f64::total_cmp);
+                (name, ms[ms.len() / 2])
+            })
+            .collect(),
     })
 }

@@ -1,0 +1,217 @@
+//! A dense layer on rows, `y = x·wᵀ + b`, whose gradients sum over the rows in
+//! parts.
+//!
+//! Why: a dense layer's weight and bias gradients, `dyᵀ·x` and `Σ dy`, reduce
+//! over every row, and AAM's rows are many: the ASV level packs every token of
+//! every non-empty ASV into one row axis (a real-sized batch of 417 ASVs × 151
+//! tokens is 62,967 rows) against widths of 128-512. CubeCL's matmul gives each
+//! output tile to one cube, which loops over all the rows, and a 128 × 512
+//! output has a few dozen tiles for the H100's 132 SMs; its sum over the rows
+//! likewise gives each output column to one unit. Measured on an H100
+//! (`benches/matmul_device.sh`, `benches/RESULTS.md`, eighth session), at
+//! 62,976 × 128 × 512: `dyᵀ·x` 1.07-1.14 ms and `Σ dy` 0.43-0.59 ms, against
+//! PyTorch's 0.17 and 0.10 ms. Cutting the rows into parts of
+//! [`ROWS_PER_PART`], one batched matmul (an output per part) and a sum over
+//! the parts take 0.08-0.16 ms: the parts fill the GPU, and the sum over ~30
+//! parts is a cheap parallel reduction.
+//!
+//! The split changes only the order of the additions, so results equal the
+//! one-shot product within rounding (tested against Burn's `linear`).
+//! `Autodiff<B>` records [`crate::AttentionBackend::dense`] as one node whose
+//! backward computes `dx = dy·w` and these two split sums.
+
+use burn::prelude::*;
+
+use crate::matmul;
+
+/// Rows per part of a split sum. Below two parts the sum runs in one piece.
+pub const ROWS_PER_PART: usize = 2048;
+
+/// `aᵀ·b`, summed over the shared row axis in parts of [`ROWS_PER_PART`].
+///
+/// # Shapes
+/// - a: `[M, P]`, b: `[M, Q]`
+/// - output: `[P, Q]`
+pub fn row_product<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [m, p] = a.dims();
+    let q = b.dims()[1];
+    let parts = m / ROWS_PER_PART;
+    if parts < 2 {
+        return matmul(a.transpose(), b);
+    }
+    let split = parts * ROWS_PER_PART;
+    let (a_head, a_tail) = split_rows(a, split);
+    let (b_head, b_tail) = split_rows(b, split);
+    let head = matmul(
+        a_head.reshape([parts, ROWS_PER_PART, p]).swap_dims(1, 2),
+        b_head.reshape([parts, ROWS_PER_PART, q]),
+    )
+    .sum_dim(0)
+    .reshape([p, q]);
+    match (a_tail, b_tail) {
+        (Some(a), Some(b)) => head + matmul(a.transpose(), b),
+        _ => head,
+    }
+}
+
+/// The sum over rows, in parts of [`ROWS_PER_PART`].
+///
+/// # Shapes
+/// - t: `[M, N]`
+/// - output: `[N]`
+pub fn sum_rows<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 1> {
+    let [m, n] = t.dims();
+    let parts = m / ROWS_PER_PART;
+    if parts < 2 {
+        return t.sum_dim(0).reshape([n]);
+    }
+    let (head, tail) = split_rows(t, parts * ROWS_PER_PART);
+    let head = head
+        .reshape([parts, ROWS_PER_PART, n])
+        .sum_dim(1)
+        .sum_dim(0)
+        .reshape([n]);
+    match tail {
+        Some(tail) => head + tail.sum_dim(0).reshape([n]),
+        None => head,
+    }
+}
+
+/// The first `split` rows, and the rest if any.
+fn split_rows<B: Backend>(t: Tensor<B, 2>, split: usize) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+    let m = t.dims()[0];
+    if split == m {
+        return (t, None);
+    }
+    (
+        t.clone().narrow(0, 0, split),
+        Some(t.narrow(0, split, m - split)),
+    )
+}
+
+/// The forward pass every backend runs: Burn's `linear` with the weight
+/// transposed from torch layout, or, for a product with a unit dimension
+/// (one row, input or output feature), [`matmul`] and a broadcast add.
+///
+/// # Shapes
+/// - x: `[M, K]`, weight: `[N, K]`, bias: `[N]`
+/// - output: `[M, N]`
+pub(crate) fn dense_forward<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    let [m, k] = x.dims();
+    let n = weight.dims()[0];
+    if m > 1 && k > 1 && n > 1 {
+        return burn::tensor::module::linear(x, weight.transpose(), bias);
+    }
+    let y = matmul(x, weight.transpose());
+    match bias {
+        Some(bias) => y + bias.unsqueeze(),
+        None => y,
+    }
+}
+
+/// `(dx, dw, db)` of [`dense_forward`] from its inputs and the output
+/// gradient, each only where `want` asks for it.
+///
+/// # Shapes
+/// - x: `[M, K]`, weight: `[N, K]`, dy: `[M, N]`
+/// - dx: `[M, K]`, dw: `[N, K]`, db: `[N]`
+pub(crate) fn dense_backward<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    dy: Tensor<B, 2>,
+    want: [bool; 3],
+) -> (
+    Option<Tensor<B, 2>>,
+    Option<Tensor<B, 2>>,
+    Option<Tensor<B, 1>>,
+) {
+    let dx = want[0].then(|| matmul(dy.clone(), weight));
+    let dw = want[1].then(|| row_product(dy.clone(), x));
+    let db = want[2].then(|| sum_rows(dy));
+    (dx, dw, db)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dense;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::{Distribution, Tolerance};
+
+    // f64, so that the only difference the split makes (the order of the
+    // additions) stays far below the tolerance, and any other shows.
+    type Ad = Autodiff<NdArray<f64>>;
+
+    /// `dense` against Burn's `linear`: value and the gradients of x, w and b,
+    /// for row counts below one split, at whole parts, and with a tail, with
+    /// one input or one output feature too.
+    #[test]
+    fn dense_equals_linear_with_and_without_split() {
+        let device = Default::default();
+        for (rows, bias) in [
+            (5, true),
+            (ROWS_PER_PART * 2, true),
+            (ROWS_PER_PART * 3 + 17, true),
+            (ROWS_PER_PART * 2 + 1, false),
+        ] {
+            for (k, n) in [(12, 9), (12, 1), (1, 9)] {
+                let x = Tensor::<Ad, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), &device);
+                let w = Tensor::<Ad, 2>::random([n, k], Distribution::Normal(0.0, 1.0), &device);
+                let b = Tensor::<Ad, 1>::random([n], Distribution::Normal(0.0, 1.0), &device);
+                // A non-uniform output gradient.
+                let dy =
+                    Tensor::<Ad, 2>::random([rows, n], Distribution::Normal(0.0, 1.0), &device);
+                let run = |ours: bool| {
+                    let (x, w, b) = (
+                        x.clone().require_grad(),
+                        w.clone().require_grad(),
+                        b.clone().require_grad(),
+                    );
+                    let bias = bias.then(|| b.clone());
+                    let y = if ours {
+                        dense(x.clone(), w.clone(), bias)
+                    } else {
+                        burn::tensor::module::linear(x.clone(), w.clone().transpose(), bias)
+                    };
+                    let grads = (y.clone() * dy.clone()).sum().backward();
+                    (
+                        y.into_data(),
+                        x.grad(&grads).unwrap().into_data(),
+                        w.grad(&grads).unwrap().into_data(),
+                        b.grad(&grads).map(|g| g.into_data()),
+                    )
+                };
+                let (want, got) = (run(false), run(true));
+                let tol = Tolerance::<f64>::rel_abs(1e-9, 1e-9);
+                want.0.assert_approx_eq::<f64>(&got.0, tol);
+                want.1.assert_approx_eq::<f64>(&got.1, tol);
+                want.2.assert_approx_eq::<f64>(&got.2, tol);
+                assert_eq!(want.3.is_some(), bias, "rows {rows}");
+                assert_eq!(got.3.is_some(), bias, "rows {rows}");
+                if let (Some(want), Some(got)) = (want.3, got.3) {
+                    want.assert_approx_eq::<f64>(&got, tol);
+                }
+            }
+        }
+    }
+
+    /// The split sums against the one-shot ones on the inner backend.
+    #[test]
+    fn split_sums_equal_one_shot_sums() {
+        let device = Default::default();
+        let rows = ROWS_PER_PART * 4 + 3;
+        let a = Tensor::<NdArray<f64>, 2>::random([rows, 6], Distribution::Default, &device);
+        let b = Tensor::<NdArray<f64>, 2>::random([rows, 5], Distribution::Default, &device);
+        let tol = Tolerance::<f64>::rel_abs(1e-9, 1e-9);
+        row_product(a.clone(), b.clone())
+            .into_data()
+            .assert_approx_eq::<f64>(&a.clone().transpose().matmul(b).into_data(), tol);
+        sum_rows(a.clone())
+            .into_data()
+            .assert_approx_eq::<f64>(&a.sum_dim(0).reshape([6]).into_data(), tol);
+    }
+}
