@@ -31,6 +31,8 @@
 //! - `dense.rs`: the dense layer [`dense`], whose gradients sum over rows in
 //!   parts (CubeCL's matmul and reduction leave most of a GPU idle on one
 //!   long row axis), with [`row_product`] and [`sum_rows`].
+//! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
+//!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV).
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
@@ -47,6 +49,7 @@ use burn::tensor::TensorPrimitive;
 
 mod backward;
 mod dense;
+mod norm;
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
 #[cfg(feature = "cubecl")]
 mod forward;
@@ -98,8 +101,8 @@ impl AttentionDropout {
 }
 
 /// The backend extensions of aam-rs: masked attention as one fused kernel
-/// (where the backend has it), exact GELU with a lean backward, and a dense
-/// layer whose gradients sum over rows in parts.
+/// (where the backend has it), exact GELU and LayerNorm with lean backwards,
+/// and a dense layer whose gradients sum over rows in parts.
 pub trait AttentionBackend: Backend {
     /// Whether [`AttentionBackend::fused_masked_attention`] runs a kernel here.
     fn has_fused_attention() -> bool {
@@ -166,6 +169,27 @@ pub trait AttentionBackend: Backend {
         )
         .into_primitive()
         .tensor()
+    }
+
+    /// LayerNorm over the last axis of rows (biased variance, as
+    /// `torch.nn.LayerNorm`), with optional shift.
+    ///
+    /// A backend extension for its gradient, not its value: `Autodiff<B>`
+    /// overrides it with one node whose backward is the closed form (see
+    /// `norm.rs`), instead of the backward of each op of Burn's decomposed
+    /// `layer_norm`.
+    ///
+    /// # Shapes
+    /// - x: `[M, D]`, gamma / beta: `[D]`
+    /// - output: `[M, D]`
+    fn lean_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        // Burn's op: backends may fuse it.
+        Self::layer_norm(x, gamma, beta, eps)
     }
 
     /// Fused masked attention.
@@ -272,6 +296,27 @@ pub fn dense<B: AttentionBackend>(
         x.into_primitive().tensor(),
         weight.into_primitive().tensor(),
         bias.map(|b| b.into_primitive().tensor()),
+    )))
+}
+
+/// LayerNorm over the last axis of rows, through
+/// [`AttentionBackend::lean_layer_norm`]: Burn's `layer_norm` in value, and
+/// under autodiff one node with the closed-form backward.
+///
+/// # Shapes
+/// - x: `[M, D]`, gamma / beta: `[D]`
+/// - output: `[M, D]`
+pub fn layer_norm<B: AttentionBackend>(
+    x: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    beta: Option<Tensor<B, 1>>,
+    eps: f64,
+) -> Tensor<B, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::lean_layer_norm(
+        x.into_primitive().tensor(),
+        gamma.into_primitive().tensor(),
+        beta.map(|b| b.into_primitive().tensor()),
+        eps,
     )))
 }
 

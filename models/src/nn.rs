@@ -150,18 +150,23 @@ impl LayerNormConfig {
     }
 }
 
-impl<B: Backend> LayerNorm<B> {
+impl<B: AttentionBackend> LayerNorm<B> {
+    /// Biased variance, as `torch.nn.LayerNorm`; through
+    /// [`aam_kernels::layer_norm`], whose autodiff node has the closed-form
+    /// backward.
+    ///
     /// # Shapes
     /// - input / output: `[..., d_model]`
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        // Burn's layer_norm op (biased variance, as torch.nn.LayerNorm); backends
-        // may fuse it, and Autodiff has its backward.
-        Tensor::from_primitive(TensorPrimitive::Float(B::layer_norm(
-            input.into_primitive().tensor(),
-            self.weight.val().into_primitive().tensor(),
-            Some(self.bias.val().into_primitive().tensor()),
+        let dims = input.dims();
+        let rows = dims[..D - 1].iter().product::<usize>();
+        aam_kernels::layer_norm(
+            input.reshape([rows, dims[D - 1]]),
+            self.weight.val(),
+            Some(self.bias.val()),
             self.eps,
-        )))
+        )
+        .reshape(dims)
     }
 }
 

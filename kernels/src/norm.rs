@@ -1,0 +1,132 @@
+//! LayerNorm on rows as one autodiff node with a hand-written backward.
+//!
+//! Why: Burn 0.21's autodiff differentiates LayerNorm through its
+//! decomposition (mean, centre, variance, square root, divide, scale, shift),
+//! so a training step records each of those ops, keeps several of their
+//! outputs, and in the backward pass runs the backward of each, with a
+//! reduction for every broadcast operand. A step of the default model holds
+//! ~28 LayerNorms over up to ~63,000 rows, and on the H100 the step is bound by
+//! the host's work per op (`benches/RESULTS.md`, eighth session). As one node
+//! the backward is the closed form, from the normalised rows `x̂` and the
+//! reciprocal standard deviations `r`:
+//!
+//! - `g = dy·γ`,
+//! - `dx = r·(g − mean(g) − x̂·mean(g·x̂))` (means over the row),
+//! - `dγ = Σ_rows dy·x̂`, `dβ = Σ_rows dy`, summed in parts ([`crate::sum_rows`]).
+//!
+//! The node keeps `x̂` and `r` from the forward pass: as much memory as
+//! keeping its input, which nothing else keeps. Under gradient
+//! checkpointing `Autodiff` runs Burn's decomposition instead, whose
+//! memory-bound ops the strategy recomputes rather than keeps: this node's
+//! state took the H100's live peak on a real-sized batch from 3.6 to
+//! 4.3 GiB there, and checkpointing its input instead still to 3.9 GiB
+//! (`benches/RESULTS.md`, eighth session).
+
+use burn::prelude::*;
+
+use crate::sum_rows;
+
+/// `(x̂, r)`: the normalised rows and each row's reciprocal standard
+/// deviation (biased variance, as `torch.nn.LayerNorm`).
+///
+/// # Shapes
+/// - x: `[M, D]`
+/// - x̂: `[M, D]`, r: `[M, 1]`
+pub(crate) fn normalise<B: Backend>(x: Tensor<B, 2>, eps: f64) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let mean = x.clone().mean_dim(1);
+    let centred = x - mean;
+    let var = centred.clone().square().mean_dim(1);
+    let r = (var + eps).sqrt().recip();
+    (centred * r.clone(), r)
+}
+
+/// `(dx, dγ, dβ)` of LayerNorm from its normalised rows `x̂`, reciprocal
+/// standard deviations `r`, `γ` and the output gradient.
+///
+/// # Shapes
+/// - normalised, dy: `[M, D]`, r: `[M, 1]`, gamma: `[D]`
+/// - dx: `[M, D]`, dγ / dβ: `[D]`
+pub(crate) fn layer_norm_backward<B: Backend>(
+    normalised: Tensor<B, 2>,
+    r: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    dy: Tensor<B, 2>,
+) -> (Tensor<B, 2>, Tensor<B, 1>, Tensor<B, 1>) {
+    let g = dy.clone() * gamma.unsqueeze();
+    let mean_g = g.clone().mean_dim(1);
+    let mean_gx = (g.clone() * normalised.clone()).mean_dim(1);
+    let dx = (g - mean_g - normalised.clone() * mean_gx) * r;
+    let dgamma = sum_rows(dy.clone() * normalised);
+    let dbeta = sum_rows(dy);
+    (dx, dgamma, dbeta)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::layer_norm;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, TensorPrimitive, Tolerance};
+
+    use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+
+    /// `layer_norm` against Burn's `layer_norm` op (differentiated through its
+    /// decomposition): value and the gradients of x, γ and β, with and
+    /// without β, at row counts below and above one split of the sums; and
+    /// under gradient checkpointing (Burn's decomposition then).
+    #[test]
+    fn layer_norm_equals_burns() {
+        check::<Autodiff<NdArray<f64>>>();
+        check::<Autodiff<NdArray<f64>, BalancedCheckpointing>>();
+    }
+
+    fn check<Ad>()
+    where
+        Ad: crate::AttentionBackend<Device = burn::backend::ndarray::NdArrayDevice>
+            + burn::tensor::backend::AutodiffBackend,
+    {
+        let device = Default::default();
+        for (rows, with_beta) in [(7, true), (crate::ROWS_PER_PART * 2 + 5, true), (9, false)] {
+            let d = 12;
+            // Rows with an offset and a spread, as activations have.
+            let x = Tensor::<Ad, 2>::random([rows, d], Distribution::Normal(0.5, 2.0), &device);
+            let gamma = Tensor::<Ad, 1>::random([d], Distribution::Normal(1.0, 0.5), &device);
+            let beta = Tensor::<Ad, 1>::random([d], Distribution::Normal(0.0, 0.5), &device);
+            let dy = Tensor::<Ad, 2>::random([rows, d], Distribution::Normal(0.0, 1.0), &device);
+            let run = |ours: bool| {
+                let (x, gamma, beta) = (
+                    x.clone().require_grad(),
+                    gamma.clone().require_grad(),
+                    beta.clone().require_grad(),
+                );
+                let b = with_beta.then(|| beta.clone());
+                let y = if ours {
+                    layer_norm(x.clone(), gamma.clone(), b, 1e-5)
+                } else {
+                    Tensor::from_primitive(TensorPrimitive::Float(Ad::layer_norm(
+                        x.clone().into_primitive().tensor(),
+                        gamma.clone().into_primitive().tensor(),
+                        b.map(|b| b.into_primitive().tensor()),
+                        1e-5,
+                    )))
+                };
+                let grads = (y.clone() * dy.clone()).sum().backward();
+                (
+                    y.into_data(),
+                    x.grad(&grads).unwrap().into_data(),
+                    gamma.grad(&grads).unwrap().into_data(),
+                    beta.grad(&grads).map(|g| g.into_data()),
+                )
+            };
+            let (want, got) = (run(false), run(true));
+            let tol = Tolerance::<f64>::rel_abs(1e-9, 1e-9);
+            want.0.assert_approx_eq::<f64>(&got.0, tol);
+            want.1.assert_approx_eq::<f64>(&got.1, tol);
+            want.2.assert_approx_eq::<f64>(&got.2, tol);
+            assert_eq!(got.3.is_some(), with_beta, "rows {rows}");
+            if let (Some(want), Some(got)) = (want.3, got.3) {
+                want.assert_approx_eq::<f64>(&got, tol);
+            }
+        }
+    }
+}
