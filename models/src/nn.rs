@@ -101,6 +101,9 @@ impl<B: AttentionBackend> Linear<B> {
 /// wrong on CUDA (the parity suite's count-embedding and predictor cases,
 /// 0.66-1.1 relative;
 /// `benches/results/h100_backend_parity_cuda_fusion_batched_linear.log`).
+/// The cost: CubeCL's matmul autotune key holds the row count's bucket,
+/// which for packed ASVs changes from batch to batch, so a cold machine
+/// autotunes tens of shapes (minutes, once; the results are cached).
 ///
 /// # Shapes
 /// - x: `[..., d_input]`, weight: `[d_output, d_input]`, bias: `[d_output]`
