@@ -3,7 +3,9 @@
 //! Job: multi-head attention `softmax(q·kᵀ·scale + mask)·v` with a per-sequence
 //! key padding mask, forward and backward, as a Burn backend extension. It knows
 //! nothing of AAM: it takes `[N, H, T, Dh]` tensors and an `[N, Tk]` mask, and
-//! depends on no `aam-*` crate.
+//! depends on no `aam-*` crate. The same extension trait carries the other ops
+//! whose Burn autodiff costs a training step dearly: exact GELU, LayerNorm and
+//! the dense layer, each one node with a lean backward.
 //!
 //! Why it exists: AAM attention is almost always masked (ASVs padded to 151
 //! tokens, samples padded to 1024 ASV slots), and the PyTorch reference's fast
