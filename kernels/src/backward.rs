@@ -12,7 +12,7 @@ use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::prelude::*;
-use burn::tensor::ops::{BoolTensor, FloatTensor, ModuleOps};
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
 use crate::{AttentionBackend, AttentionDropout};
@@ -150,24 +150,44 @@ impl<B: AttentionBackend> Backward<B, 2> for DenseBackward {
     }
 }
 
-/// LayerNorm's closed-form backward (`norm.rs`) from the kept normalised
-/// rows and reciprocal standard deviations. `N` is 3 with a shift, 2 without.
+/// LayerNorm's closed-form backward (`norm.rs`). `N` is 3 with a shift, 2
+/// without.
 #[derive(Debug)]
 struct LayerNormBackward;
 
-/// `x̂`, `r` and γ.
-type LayerNormState<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+/// What the LayerNorm node keeps for its backward (`norm.rs` says why).
+#[derive(Debug, Clone)]
+enum LayerNormSaved<B: AttentionBackend> {
+    /// Without gradient checkpointing: `x̂` and `r` from the forward pass.
+    Normalised(FloatTensor<B>, FloatTensor<B>),
+    /// With it: the input's checkpoint and ε, to recompute them.
+    Input(NodeId, f64),
+}
+
+/// What the node keeps, and γ.
+type LayerNormState<B> = (LayerNormSaved<B>, FloatTensor<B>);
 
 impl LayerNormBackward {
     fn run<B: AttentionBackend, const N: usize>(
         ops: Ops<LayerNormState<B>, N>,
         grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
     ) {
         let dy = grads.consume::<B>(&ops.node);
-        let (normalised, r, gamma) = ops.state;
+        let (saved, gamma) = ops.state;
+        let (normalised, r) = match saved {
+            LayerNormSaved::Normalised(normalised, r) => (
+                Tensor::from_primitive(TensorPrimitive::Float(normalised)),
+                Tensor::from_primitive(TensorPrimitive::Float(r)),
+            ),
+            LayerNormSaved::Input(x_state, eps) => {
+                let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
+                crate::norm::normalise(Tensor::from_primitive(TensorPrimitive::Float(x)), eps)
+            }
+        };
         let (dx, dgamma, dbeta) = crate::norm::layer_norm_backward::<B>(
-            Tensor::from_primitive(TensorPrimitive::Float(normalised)),
-            Tensor::from_primitive(TensorPrimitive::Float(r)),
+            normalised,
+            r,
             Tensor::from_primitive(TensorPrimitive::Float(gamma)),
             Tensor::from_primitive(TensorPrimitive::Float(dy)),
         );
@@ -184,12 +204,16 @@ impl LayerNormBackward {
     }
 }
 
-/// The tracked LayerNorm forward: the output and the node's state.
+/// The tracked LayerNorm forward: the output and what the node keeps. The
+/// output is computed the same way with and without checkpointing, and the
+/// recomputed `x̂`, `r` equal the kept ones, so both train the same model.
 fn layer_norm_tracked<B: AttentionBackend>(
     x: FloatTensor<B>,
+    x_state: impl FnOnce() -> NodeId,
     gamma: FloatTensor<B>,
     beta: Option<FloatTensor<B>>,
     eps: f64,
+    checkpointed: bool,
 ) -> (FloatTensor<B>, LayerNormState<B>) {
     let float = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
     let (normalised, r) =
@@ -199,27 +223,40 @@ fn layer_norm_tracked<B: AttentionBackend>(
         Some(beta) => y + float(beta).unsqueeze(),
         None => y,
     };
-    let state = (
-        normalised.into_primitive().tensor(),
-        r.into_primitive().tensor(),
-        gamma,
-    );
-    (y.into_primitive().tensor(), state)
+    let saved = if checkpointed {
+        LayerNormSaved::Input(x_state(), eps)
+    } else {
+        LayerNormSaved::Normalised(
+            normalised.into_primitive().tensor(),
+            r.into_primitive().tensor(),
+        )
+    };
+    (y.into_primitive().tensor(), (saved, gamma))
 }
 
 impl<B: AttentionBackend> Backward<B, 3> for LayerNormBackward {
     type State = LayerNormState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        Self::run::<B, 3>(ops, grads);
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 3>(ops, grads, checkpointer);
     }
 }
 
 impl<B: AttentionBackend> Backward<B, 2> for LayerNormBackward {
     type State = LayerNormState<B>;
 
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        Self::run::<B, 2>(ops, grads);
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 2>(ops, grads, checkpointer);
     }
 }
 
@@ -300,25 +337,22 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         beta: Option<FloatTensor<Self>>,
         eps: f64,
     ) -> FloatTensor<Self> {
-        // Under gradient checkpointing, Burn's decomposition: its ops are
-        // memory-bound, so the strategy recomputes them rather than keep
-        // them, where this node would keep `x̂` (on the H100 that took a
-        // real-sized batch's live peak from 3.6 to 4.3 GiB; `norm.rs`).
-        if core::any::TypeId::of::<C>() != core::any::TypeId::of::<NoCheckpointing>() {
-            return <Self as ModuleOps<Self>>::layer_norm(x, gamma, beta, eps);
-        }
+        let checkpointed =
+            core::any::TypeId::of::<C>() != core::any::TypeId::of::<NoCheckpointing>();
         match beta {
             Some(beta) => match LayerNormBackward
                 .prepare::<C>([x.node.clone(), gamma.node.clone(), beta.node.clone()])
                 .compute_bound()
                 .stateful()
             {
-                OpsKind::Tracked(prep) => {
+                OpsKind::Tracked(mut prep) => {
                     let (y, state) = layer_norm_tracked::<B>(
-                        x.primitive,
+                        x.primitive.clone(),
+                        || prep.checkpoint(&x),
                         gamma.primitive,
                         Some(beta.primitive),
                         eps,
+                        checkpointed,
                     );
                     prep.finish(state, y)
                 }
@@ -334,9 +368,15 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                 .compute_bound()
                 .stateful()
             {
-                OpsKind::Tracked(prep) => {
-                    let (y, state) =
-                        layer_norm_tracked::<B>(x.primitive, gamma.primitive, None, eps);
+                OpsKind::Tracked(mut prep) => {
+                    let (y, state) = layer_norm_tracked::<B>(
+                        x.primitive.clone(),
+                        || prep.checkpoint(&x),
+                        gamma.primitive,
+                        None,
+                        eps,
+                        checkpointed,
+                    );
                     prep.finish(state, y)
                 }
                 OpsKind::UnTracked(prep) => {

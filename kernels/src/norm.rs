@@ -14,13 +14,15 @@
 //! - `dx = r·(g − mean(g) − x̂·mean(g·x̂))` (means over the row),
 //! - `dγ = Σ_rows dy·x̂`, `dβ = Σ_rows dy`, summed in parts ([`crate::sum_rows`]).
 //!
-//! The node keeps `x̂` and `r` from the forward pass: as much memory as
-//! keeping its input, which nothing else keeps. Under gradient
-//! checkpointing `Autodiff` runs Burn's decomposition instead, whose
-//! memory-bound ops the strategy recomputes rather than keeps: this node's
-//! state took the H100's live peak on a real-sized batch from 3.6 to
-//! 4.3 GiB there, and checkpointing its input instead still to 3.9 GiB
-//! (`benches/RESULTS.md`, eighth session).
+//! Without gradient checkpointing the node keeps `x̂` and `r` from the
+//! forward pass (as much memory as keeping its input, which nothing else
+//! keeps). With it, the node keeps its input as a checkpoint and recomputes
+//! `x̂` and `r` from it with the same code, so a checkpointed run trains the
+//! same model bit for bit (`gradient_checkpointing_trains_the_same_model`).
+//! The cost: on the H100 a real-sized batch's checkpointed live peak was
+//! 3,944 MiB, against 3,601 with Burn's decomposition, whose memory-bound ops
+//! the strategy recomputes (`benches/RESULTS.md`, eighth session). Making the
+//! node memory-bound with a retro-forward would recover that.
 
 use burn::prelude::*;
 
@@ -72,8 +74,8 @@ mod tests {
 
     /// `layer_norm` against Burn's `layer_norm` op (differentiated through its
     /// decomposition): value and the gradients of x, γ and β, with and
-    /// without β, at row counts below and above one split of the sums; and
-    /// under gradient checkpointing (Burn's decomposition then).
+    /// without β, at row counts below and above one split of the sums; with
+    /// the statistics kept (no checkpointing) and recomputed (checkpointing).
     #[test]
     fn layer_norm_equals_burns() {
         check::<Autodiff<NdArray<f64>>>();
