@@ -13,7 +13,8 @@
 #                              first step skips the JIT
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: VARIANTS (default "auto auto:ckpt math": the attention path, then options, each after
-#      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision),
+#      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision,
+#      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
@@ -48,11 +49,12 @@ if [ "${PROFILE:-0}" = 1 ]; then
 fi
 for bin in $BINS; do
 for variant in ${VARIANTS:-auto auto:ckpt math}; do
-  attn=${variant%%:*}; flags=""
+  attn=${variant%%:*}; flags=""; vars=""
   for opt in $(echo "${variant#"$attn"}" | tr ':' ' '); do
     case $opt in
       ckpt) flags="$flags --gradient-checkpointing" ;;
       bf16|fp16) flags="$flags --mixed-precision $opt" ;;
+      burndrop) vars="AAM_DROPOUT=burn" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac
   done
@@ -60,9 +62,9 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
   echo "== $bin diagnose step --attn-implementation $attn$flags"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
   smi=$!
-  timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" diagnose step --backend "$BACKEND" \
+  env $vars timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" diagnose step --backend "$BACKEND" \
     --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" $STEP_ARGS 2>&1 \
-    | tee "$OUT/step_$name.log" | tail -3
+    | tee "$OUT/step_$name.log" | tail -4
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1
   kill $smi
   echo "rc=$rc peak nvidia-smi MiB: $(sort -n "$OUT/gpu_mem_$name.csv" | tail -1)"

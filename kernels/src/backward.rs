@@ -2,8 +2,8 @@
 //! and row statistics, and the backward runs the dQ and dK/dV kernels, so a
 //! training step never materialises the `[T, T]` attention matrix. Exact GELU
 //! is one node that keeps only its input, LayerNorm one with the closed-form
-//! backward, and the dense layer one whose backward sums its weight and bias
-//! gradients over rows in parts.
+//! backward, the dense layer one whose backward sums its weight and bias
+//! gradients over rows in parts, and seeded dropout one that keeps nothing.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
@@ -85,6 +85,27 @@ impl<B: AttentionBackend> Backward<B, 1> for GeluExactBackward {
             );
             let derivative = B::float_add(crate::normal_cdf::<B>(x.clone()), B::float_mul(x, pdf));
             B::float_mul(grad, derivative)
+        });
+    }
+}
+
+/// Seeded dropout's backward: the same mask on the output gradient, drawn
+/// again from the seed (nothing kept).
+#[derive(Debug)]
+struct SeededDropoutBackward;
+
+impl<B: AttentionBackend> Backward<B, 1> for SeededDropoutBackward {
+    type State = AttentionDropout;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let dropout = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::seeded_dropout(grad, dropout)
         });
     }
 }
@@ -289,6 +310,21 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
 
     fn memory_in_use(device: &Self::Device) -> Option<u64> {
         B::memory_in_use(device)
+    }
+
+    fn has_seeded_dropout() -> bool {
+        B::has_seeded_dropout()
+    }
+
+    fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        match SeededDropoutBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(dropout, B::seeded_dropout(x.primitive, dropout)),
+            OpsKind::UnTracked(prep) => prep.finish(B::seeded_dropout(x.primitive, dropout)),
+        }
     }
 
     fn dense(

@@ -10,7 +10,9 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::{CubeCount, CubeDim};
 
-use crate::kernel::{attention_backward_dkdv, attention_backward_dq, attention_forward};
+use crate::kernel::{
+    attention_backward_dkdv, attention_backward_dq, attention_forward, dropout_elements,
+};
 use crate::{AttentionBackend, AttentionDropout};
 
 /// How the kernels split one call's work: shared-memory tiles, and the
@@ -298,6 +300,41 @@ where
 {
     fn has_fused_attention() -> bool {
         true
+    }
+
+    fn has_seeded_dropout() -> bool {
+        true
+    }
+
+    fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
+        if !use_dropout {
+            return x;
+        }
+        let x = into_contiguous(x);
+        let shape = x.meta.shape().clone();
+        let elements = shape.num_elements();
+        // The hash is keyed by a u32 index.
+        assert!(
+            elements <= u32::MAX as usize,
+            "dropout: {elements} elements exceed the kernel's u32 index"
+        );
+        let client = x.client.clone();
+        let out =
+            empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype);
+        let cube_dim = CubeDim::new_1d(256);
+        dropout_elements::launch::<R>(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cube_dim,
+            x.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            threshold,
+            scale,
+            seed,
+            x.dtype.into(),
+        );
+        out
     }
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {

@@ -5,7 +5,8 @@
 //! (and their reductions) into single kernels. The attention kernels cannot be
 //! fused into anything; they are registered as custom operations, which end
 //! the fused run before them and execute on the inner backend `B` with the
-//! real tensors. The forward and the backward are one custom op each.
+//! real tensors. The forward and the backward are one custom op each; seeded
+//! dropout is one too (its hash has no element-wise IR op to fuse into).
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Shape};
@@ -71,6 +72,23 @@ impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for Backwa
     }
 }
 
+/// Seeded dropout: input `x`, output the dropped `x` (or, in the backward
+/// pass, the gradient through the same mask).
+#[derive(Debug)]
+struct DropoutOp<B> {
+    desc: CustomOpIr,
+    dropout: AttentionDropout,
+    _backend: core::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for DropoutOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let x = handles.get_float_tensor::<B>(&self.desc.inputs[0]);
+        let out = B::seeded_dropout(x, self.dropout);
+        handles.register_float_tensor::<B>(&self.desc.outputs[0].id, out);
+    }
+}
+
 /// An output of a custom op: a fresh tensor id with its shape and type.
 fn output<B: FusionBackend>(like: &FloatTensor<Fusion<B>>, shape: Shape, dtype: DType) -> TensorIr {
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
@@ -91,6 +109,27 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
 
     fn memory_in_use(device: &Self::Device) -> Option<u64> {
         B::memory_in_use(device)
+    }
+
+    fn has_seeded_dropout() -> bool {
+        B::has_seeded_dropout()
+    }
+
+    fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        let client = x.client.clone();
+        let out = output::<B>(&x, x.shape.clone(), x.dtype);
+        let streams = OperationStreams::with_inputs([&x]);
+        let desc = CustomOpIr::new("aam_seeded_dropout", &[x.into_ir()], &[out]);
+        let op = DropoutOp::<B> {
+            desc: desc.clone(),
+            dropout,
+            _backend: core::marker::PhantomData,
+        };
+        client
+            .register(streams, OperationIr::Custom(desc), op)
+            .into_iter()
+            .next()
+            .expect("dropout output")
     }
 
     fn fused_attention_forward(

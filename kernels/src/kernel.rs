@@ -774,3 +774,31 @@ pub fn attention_backward_dkdv<F: Float>(
         }
     }
 }
+
+/// Whether element `index` of a tensor survives [`dropout_elements`] with
+/// `seed`: the attention kernels' hash, keyed by the flat index, so the
+/// backward pass draws the same mask without storing it.
+#[cube]
+fn element_keep(seed: u32, index: u32, threshold: u32) -> bool {
+    mix(mix(mix(seed) ^ index)) >= threshold
+}
+
+/// Dropout of a contiguous tensor, or the gradient of one (the same mask):
+/// `output[i] = input[i]·scale` where element `i` is kept, else 0.
+///
+/// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
+#[cube(launch)]
+pub fn dropout_elements<F: Float>(
+    input: &Tensor<F>,
+    output: &mut Tensor<F>,
+    threshold: u32,
+    scale: f32,
+    seed: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < output.len() {
+        let keep = element_keep(seed, i as u32, threshold);
+        output[i] = select(keep, input[i] * F::cast_from(scale), F::new(0.0));
+    }
+}

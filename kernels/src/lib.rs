@@ -88,7 +88,8 @@ pub fn persist_compiled_kernels() {
     });
 }
 
-/// Attention dropout settings for one call.
+/// Dropout settings for one call: of attention probabilities in the
+/// attention kernels, of elements in [`dropout`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDropout {
     /// Probability of dropping an attention probability (0 = off).
@@ -194,6 +195,25 @@ pub trait AttentionBackend: Backend {
         Self::layer_norm(x, gamma, beta, eps)
     }
 
+    /// Whether [`AttentionBackend::seeded_dropout`] runs a kernel here.
+    fn has_seeded_dropout() -> bool {
+        false
+    }
+
+    /// Dropout whose mask is a hash of `(seed, element index)`: element `i`
+    /// of the contiguous tensor is kept, scaled by `1/(1−p)`, where the hash
+    /// is at least `p·2³²`. The same seed gives the same mask, so the backward
+    /// pass is this op again on the output gradient, and `Autodiff<B>` keeps
+    /// no mask (Burn's `Dropout` keeps its f32 mask for the backward pass: on
+    /// a real-sized batch ~190 MiB per ASV-level layer).
+    ///
+    /// # Panics
+    /// When [`AttentionBackend::has_seeded_dropout`] is false.
+    fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        let _ = (x, dropout);
+        panic!("this backend has no seeded dropout kernel; use aam_kernels::dropout")
+    }
+
     /// Fused masked attention.
     ///
     /// # Shapes
@@ -279,6 +299,39 @@ pub fn fused_attention<B: AttentionBackend>(
         scale,
         dropout,
     )))
+}
+
+/// Dropout with probability `dropout.prob` (the caller decides whether it
+/// is training). Where the backend has the kernel
+/// ([`AttentionBackend::has_seeded_dropout`]: the CubeCL backends) the mask
+/// is a hash of `(dropout.seed, element index)` and autodiff keeps none;
+/// elsewhere it is Burn's `Dropout` (a Bernoulli mask from the backend's
+/// RNG, `seed` unused), so CPU runs are unchanged (and on every backend with
+/// `AAM_DROPOUT=burn`).
+pub fn dropout<B: AttentionBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dropout: AttentionDropout,
+) -> Tensor<B, D> {
+    if dropout.prob <= 0.0 {
+        return x;
+    }
+    if B::has_seeded_dropout() && seeded_dropout_enabled() {
+        return Tensor::from_primitive(TensorPrimitive::Float(B::seeded_dropout(
+            x.into_primitive().tensor(),
+            dropout,
+        )));
+    }
+    let keep = 1.0 - dropout.prob;
+    let mask = x.random_like(burn::tensor::Distribution::Bernoulli(keep));
+    x * mask * (1.0 / keep)
+}
+
+/// `AAM_DROPOUT=burn` turns [`dropout`]'s kernel off (Burn's masks
+/// everywhere), for measuring what the seeded masks save and cost; anything
+/// else, or unset, keeps it on.
+fn seeded_dropout_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("AAM_DROPOUT").map_or(true, |v| v != "burn"))
 }
 
 /// A dense layer on rows, `y = x·wᵀ + b` with `weight` in torch layout

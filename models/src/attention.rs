@@ -71,9 +71,16 @@ impl AttnImplementation {
 /// reproducible training), so no device→host read is needed per call.
 static DROPOUT_SEED: AtomicU32 = AtomicU32::new(0x5eed_0001);
 
-/// Sets the counter behind fused-attention dropout masks.
+/// Sets the counter behind the seeded dropout masks: fused attention's, and
+/// the transformer layers' on backends with the seeded dropout kernel
+/// ([`crate::nn::dropout`]).
 pub fn set_attention_dropout_seed(seed: u64) {
     DROPOUT_SEED.store((seed ^ (seed >> 32)) as u32, Ordering::Relaxed);
+}
+
+/// The next seed of a seeded dropout mask (one per call).
+pub(crate) fn next_dropout_seed() -> u32 {
+    DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed)
 }
 
 /// Fill value for masked scores before the softmax. Finite so that a fully
@@ -110,7 +117,7 @@ pub fn attention<B: AttentionBackend>(
     let attn_dropout = if training && dropout.prob > 0.0 {
         AttentionDropout {
             prob: dropout.prob,
-            seed: DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed),
+            seed: next_dropout_seed(),
         }
     } else {
         AttentionDropout::NONE

@@ -210,6 +210,27 @@ pub fn gelu<B: AttentionBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D
     )))
 }
 
+/// `dropout.forward(x)` (active only while autodiff is on, as Burn's),
+/// through [`aam_kernels::dropout`]: on the CubeCL backends the mask is a
+/// hash of a per-call seed and the element index, which the backward pass
+/// draws again instead of keeping the mask (Burn's `Dropout` keeps an f32
+/// mask as large as `x` for the backward pass); elsewhere it is Burn's.
+pub fn dropout<B: AttentionBackend, const D: usize>(
+    dropout: &burn::nn::Dropout,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    if !B::ad_enabled(&x.device()) || dropout.prob == 0.0 {
+        return x;
+    }
+    aam_kernels::dropout(
+        x,
+        aam_kernels::AttentionDropout {
+            prob: dropout.prob,
+            seed: crate::attention::next_dropout_seed(),
+        },
+    )
+}
+
 /// `torch.nn.functional.softplus(x, beta=1, threshold=20)`: `ln(1 + eˣ)`, and `x`
 /// itself where `x > 20` (Burn's `softplus` has no threshold and overflows).
 pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {

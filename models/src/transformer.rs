@@ -11,7 +11,7 @@ use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
-use crate::nn::{Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use crate::nn::{dropout, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use crate::precision::{cast_to, compute_dtype};
 
 /// Configuration of one [`TransformerEncoderLayer`].
@@ -94,13 +94,13 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
         let attn = self
             .self_attn
             .self_attention(low(self.norm1.forward(x.clone())), key_padding_mask);
-        let x = x + back(self.dropout1.forward(attn));
+        let x = x + back(dropout(&self.dropout1, attn));
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
         let h = self
             .activation
             .forward(self.linear1.forward(low(self.norm2.forward(x.clone()))));
-        let ff = self.linear2.forward(self.dropout.forward(h));
-        x + back(self.dropout2.forward(ff))
+        let ff = self.linear2.forward(dropout(&self.dropout, h));
+        x + back(dropout(&self.dropout2, ff))
     }
 }
 

@@ -10,6 +10,8 @@
 
 mod backend;
 mod convert;
+#[cfg(feature = "cpu-profile")]
+mod cpu_profile;
 mod diagnose;
 mod forward;
 mod inspect;

@@ -74,6 +74,11 @@ pub struct StepArgs {
     /// Also write the result as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json_out: Option<std::path::PathBuf>,
+    /// Sample the host's call stacks during the timed steps and write them
+    /// to this file, folded (`thread;outer;…;inner count` per line, for
+    /// flamegraph tools). Needs a binary built with the `cpu-profile` feature.
+    #[arg(long, value_name = "FILE")]
+    cpu_profile: Option<std::path::PathBuf>,
 }
 
 /// What `diagnose step` measured.
@@ -106,6 +111,43 @@ struct StepReport {
     /// pass and the optimiser, and waiting for the device at the end
     /// (`final_sync`). Where the waits are short, the host bounds the step.
     phase_ms: BTreeMap<&'static str, f64>,
+    /// CPU time per timed step of each of the process's threads, by thread
+    /// name (Linux; empty elsewhere), busiest first. Burn's fusion backend
+    /// and CubeCL run their work on device threads (`DSU-*`: the fusion
+    /// stream, `DSD-*`: the CubeCL server) fed by the caller's thread
+    /// through a bounded queue: the busiest thread bounds a host-bound step.
+    thread_cpu_ms: Vec<(String, f64)>,
+}
+
+/// CPU time (user + system) of each thread of this process, by thread id:
+/// `(name, seconds)`. Empty where `/proc` is missing.
+fn thread_cpu_times() -> BTreeMap<u64, (String, f64)> {
+    let mut out = BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    // Clock ticks per second: 100 on every Linux this runs on (USER_HZ).
+    const TICKS: f64 = 100.0;
+    for task in tasks.flatten() {
+        let Ok(tid) = task.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: comm may hold spaces, so split at the
+        // last ')'; utime and stime are fields 14 and 15.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+        if let (Some(user), Some(system)) = (ticks(11), ticks(12)) {
+            out.insert(tid, (name, (user + system) / TICKS));
+        }
+    }
+    out
 }
 
 pub fn run(args: StepArgs) -> Result<()> {
@@ -121,6 +163,10 @@ pub fn run(args: StepArgs) -> Result<()> {
         args.token_limit
     );
     ensure!(args.steps >= 1, "--steps must be at least 1");
+    ensure!(
+        args.cpu_profile.is_none() || cfg!(feature = "cpu-profile"),
+        "--cpu-profile: this binary was built without the `cpu-profile` feature"
+    );
     let config = ModelConfig::SequenceEncoder(base_config(
         &args.model,
         args.max_bp,
@@ -162,6 +208,15 @@ pub fn run(args: StepArgs) -> Result<()> {
         .map(|(name, ms)| format!("{} {ms:.1}", &name[2..]))
         .collect();
     println!("phases (median ms): {}", phases.join(", "));
+    if !report.thread_cpu_ms.is_empty() {
+        let threads: Vec<String> = report
+            .thread_cpu_ms
+            .iter()
+            .take(6)
+            .map(|(name, ms)| format!("{name} {ms:.1}"))
+            .collect();
+        println!("thread CPU (ms per step): {}", threads.join(", "));
+    }
     if let Some(path) = &args.json_out {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing --json-out {}", path.display()))?;
@@ -250,7 +305,19 @@ where
     let mut peak_in_use: Option<u64> = None;
     let mut first_step_s = 0.0;
     let mut phases: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    let mut cpu_before = BTreeMap::new();
+    #[cfg(feature = "cpu-profile")]
+    let mut cpu_profile = None;
     for step in 0..args.warmup + args.steps {
+        #[cfg(feature = "cpu-profile")]
+        if step == args.warmup {
+            if let Some(path) = &args.cpu_profile {
+                cpu_profile = Some(crate::cpu_profile::CpuProfile::start(path)?);
+            }
+        }
+        if step == args.warmup {
+            cpu_before = thread_cpu_times();
+        }
         let started = Instant::now();
         let mut last = started;
         let mut phase = |name: &'static str| {
@@ -302,6 +369,20 @@ where
             peak = Some(peak.map_or(bytes, |p| p.max(bytes)));
         }
     }
+    let mut thread_cpu_ms: Vec<(String, f64)> = thread_cpu_times()
+        .into_iter()
+        .map(|(tid, (name, seconds))| {
+            let before = cpu_before.get(&tid).map_or(0.0, |(_, s)| *s);
+            (name, (seconds - before) * 1e3 / args.steps as f64)
+        })
+        .filter(|(_, ms)| *ms > 0.0)
+        .collect();
+    thread_cpu_ms.sort_by(|a, b| b.1.total_cmp(&a.1));
+    #[cfg(feature = "cpu-profile")]
+    if let Some(profile) = cpu_profile {
+        let samples = profile.write()?;
+        tracing::info!("--cpu-profile: {samples} samples of the timed steps");
+    }
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let step_ms = sorted[sorted.len() / 2];
@@ -327,5 +408,6 @@ where
                 (name, ms[ms.len() / 2])
             })
             .collect(),
+        thread_cpu_ms,
     })
 }

@@ -1,0 +1,146 @@
+//! Seeded dropout (`aam_kernels::dropout` on a CubeCL backend): each element
+//! is either dropped or scaled by exactly `1/(1−p)`, about `p` of them are
+//! dropped, the same seed draws the same mask and another seed another, and
+//! the backward pass (which keeps no mask) drops the gradient with the
+//! forward's mask.
+//!
+//! Runs on CUDA when built with `--features cuda` (the device machine), else on
+//! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+mod common;
+
+use aam_kernels::{dropout, AttentionBackend, AttentionDropout};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use common::*;
+
+/// `(x, dropout(x))` on the host for a fresh normal `x`.
+fn run(shape: [usize; 2], drop: AttentionDropout, data_seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let device = Default::default();
+    <Gpu as Backend>::seed(&device, data_seed);
+    let x = Tensor::<Gpu, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+    let y = dropout(x.clone(), drop);
+    (values(x), values(y))
+}
+
+/// The kept positions of `y = dropout(x)`, checking that every element is
+/// 0 or `x·scale` (as the kernel computes it, in f32).
+fn kept(x: &[f32], y: &[f32], prob: f64) -> Vec<bool> {
+    let scale = (1.0 / (1.0 - prob)) as f32;
+    x.iter()
+        .zip(y)
+        .enumerate()
+        .map(|(i, (&x, &y))| {
+            assert!(
+                y == 0.0 || y == x * scale,
+                "element {i}: {y} is neither 0 nor {x}·{scale}"
+            );
+            y != 0.0
+        })
+        .collect()
+}
+
+fn kept_fraction(mask: &[bool]) -> f64 {
+    mask.iter().filter(|&&k| k).count() as f64 / mask.len() as f64
+}
+
+#[test]
+fn drops_about_p_and_scales_the_rest() {
+    assert!(
+        Gpu::has_seeded_dropout(),
+        "the CubeCL backends have the kernel"
+    );
+    for (shape, prob) in [([1, 1], 0.5), ([37, 131], 0.1), ([1000, 129], 0.3)] {
+        let drop = AttentionDropout { prob, seed: 77 };
+        let (x, y) = run(shape, drop, 1);
+        let mask = kept(&x, &y, prob);
+        let n = mask.len() as f64;
+        if n >= 1000.0 {
+            // Binomial: 5 standard deviations.
+            let tolerance = 5.0 * (prob * (1.0 - prob) / n).sqrt();
+            let fraction = kept_fraction(&mask);
+            assert!(
+                (fraction - (1.0 - prob)).abs() < tolerance,
+                "{shape:?}, p = {prob}: kept {fraction}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_seed_alone_draws_the_mask() {
+    let drop = AttentionDropout {
+        prob: 0.25,
+        seed: 0x5eed,
+    };
+    let shape = [513, 67];
+    // Different data, same seed: the same positions are dropped.
+    let (x1, y1) = run(shape, drop, 2);
+    let (x2, y2) = run(shape, drop, 3);
+    let (m1, m2) = (kept(&x1, &y1, drop.prob), kept(&x2, &y2, drop.prob));
+    assert_eq!(m1, m2, "same seed, same mask");
+    // Another seed: about a fraction 2p(1−p) of the positions differ.
+    let (x3, y3) = run(
+        shape,
+        AttentionDropout {
+            seed: 0x5eee,
+            ..drop
+        },
+        2,
+    );
+    let m3 = kept(&x3, &y3, drop.prob);
+    let differ = m1.iter().zip(&m3).filter(|(a, b)| a != b).count() as f64 / m1.len() as f64;
+    let expected = 2.0 * drop.prob * (1.0 - drop.prob);
+    assert!(
+        (differ - expected).abs() < 0.05,
+        "another seed changed {differ} of the mask, expected ~{expected}"
+    );
+    // Neighbouring elements are independent: the mask of the odd elements
+    // agrees with that of the even ones about as often as chance says.
+    let pairs = m1.chunks_exact(2).filter(|p| p[0] == p[1]).count() as f64;
+    let agree = pairs / (m1.len() / 2) as f64;
+    let chance = drop.prob.powi(2) + (1.0 - drop.prob).powi(2);
+    assert!(
+        (agree - chance).abs() < 0.05,
+        "neighbours agree {agree}, chance {chance}"
+    );
+}
+
+#[test]
+fn large_tensors_use_every_element_index() {
+    // More elements than one grid dimension of 256-unit cubes holds
+    // (65,535 · 256), as the feed-forward activation of a real batch.
+    let drop = AttentionDropout { prob: 0.1, seed: 9 };
+    let (x, y) = run([65_600, 257], drop, 4);
+    let mask = kept(&x, &y, drop.prob);
+    // The last rows are dropped at the same rate as the first.
+    let tail = &mask[mask.len() - 257 * 1000..];
+    for part in [&mask[..257 * 1000], tail] {
+        let fraction = kept_fraction(part);
+        assert!((fraction - 0.9).abs() < 0.01, "kept {fraction}");
+    }
+}
+
+#[test]
+fn the_backward_pass_drops_the_gradient_with_the_forwards_mask() {
+    let device = Default::default();
+    <Gpu as Backend>::seed(&device, 5);
+    let drop = AttentionDropout {
+        prob: 0.4,
+        seed: 31,
+    };
+    let shape = [301, 45];
+    let x =
+        Tensor::<GpuAd, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device).require_grad();
+    let w = Tensor::<GpuAd, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+    let y = dropout(x.clone(), drop);
+    let grads = (y.clone() * w.clone()).sum().backward();
+    let dx = values(x.grad(&grads).expect("x has a gradient"));
+    let mask = kept(&values(x.inner()), &values(y.inner()), drop.prob);
+    let scale = (1.0 / (1.0 - drop.prob)) as f32;
+    for (i, ((&dx, &w), &keep)) in dx.iter().zip(&values(w.inner())).zip(&mask).enumerate() {
+        let want = if keep { w * scale } else { 0.0 };
+        assert_eq!(dx, want, "element {i}");
+    }
+}
