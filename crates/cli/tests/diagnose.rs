@@ -189,6 +189,38 @@ fn step_times_training_steps_on_a_fixed_batch() {
         losses[5] < losses[0],
         "the fixed batch's loss should fall: {losses:?}"
     );
+    // The host's threads' CPU time per step (Linux: /proc, in 10 ms ticks,
+    // so only threads that ran a tick are listed), busiest first.
+    let threads = r["thread_cpu_ms"].as_array().unwrap();
+    let ms: Vec<f64> = threads.iter().map(|t| t[1].as_f64().unwrap()).collect();
+    assert!(ms.iter().all(|&m| m > 0.0) && ms.windows(2).all(|w| w[0] >= w[1]));
+    let timed_ms: f64 = r["step_times_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .sum();
+    if cfg!(target_os = "linux") && timed_ms > 100.0 {
+        assert!(!threads.is_empty(), "no thread CPU time: {r}");
+        assert!(stdout.contains("thread CPU (ms per step)"), "{stdout}");
+    }
+
+    // A binary built without the sampler says so, before running anything.
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(tiny)
+        .arg("--cpu-profile")
+        .arg(dir.path().join("cpu.folded"))
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "cpu-profile") {
+        assert!(out.status.success(), "{stderr}");
+        let folded = std::fs::read_to_string(dir.path().join("cpu.folded")).unwrap();
+        assert!(folded.lines().all(|l| l.rsplit_once(' ').is_some()));
+    } else {
+        assert!(!out.status.success());
+        assert!(stderr.contains("--cpu-profile") && stderr.contains("cpu-profile` feature"));
+    }
 
     let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
         .args(["diagnose", "step", "--asvs-per-sample", "5"])
