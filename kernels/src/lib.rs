@@ -5,7 +5,9 @@
 //! nothing of AAM: it takes `[N, H, T, Dh]` tensors and an `[N, Tk]` mask, and
 //! depends on no `aam-*` crate. The same extension trait carries the other ops
 //! whose Burn autodiff costs a training step dearly: exact GELU, LayerNorm and
-//! the dense layer, each one node with a lean backward.
+//! the dense layer, each one node with a lean backward, and dropout whose
+//! mask is a hash of a seed and the element index (redrawn in the backward
+//! pass, never stored).
 //!
 //! Why it exists: AAM attention is almost always masked (ASVs padded to 151
 //! tokens, samples padded to 1024 ASV slots), and the PyTorch reference's fast
@@ -35,7 +37,8 @@
 //!   long row axis), with [`row_product`] and [`sum_rows`].
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
-//! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV).
+//! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, and the
+//!   element-wise seeded dropout behind [`dropout`]).
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
