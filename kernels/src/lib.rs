@@ -95,7 +95,7 @@ pub fn persist_compiled_kernels() {
 /// attention kernels, of elements in [`dropout`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDropout {
-    /// Probability of dropping an attention probability (0 = off).
+    /// Probability of dropping an element (0 = off).
     pub prob: f64,
     /// Seed of the counter-based mask; the same seed gives the same mask.
     pub seed: u32,
