@@ -5,8 +5,9 @@
 #   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-benches --features cuda \
 #     --bin attention-bench
 #   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-kernels --features cuda,ndarray \
-#     --test fused_parity --test fused_native_layout --no-run   # prints the test binaries' paths
-#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_native_layout}.xz
+#     --test fused_parity --test fused_native_layout --test half_precision --no-run   # prints the
+#     test binaries' paths
+#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_native_layout,half_precision}.xz
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_LANES ("default 1": the default layout, which splits the tests' small
 # calls over lanes, and AAM_KERNEL_LANES=1, the ASV level's layout), PARITY_TIMEOUT (s per
@@ -16,12 +17,16 @@
 # filter), WGPU_PARITY (1: also run fused_parity, fused_lanes and fused_native_layout built with --features
 # wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the H100 through
 # Vulkan; carry .gl too, device README), REGISTERS (1: after the timings, registers and spills
-# of each compiled CUDA kernel, from CubeCL's PTX cache, by benches/ptx_registers.py).
+# of each compiled CUDA kernel, from CubeCL's PTX cache, by benches/ptx_registers.py), TC_COMPARE
+# (1: also time bf16 alone, one process each, with AAM_KERNEL_TC=auto, forward and 0: tensor
+# cores both ways, forward only, CUDA cores), TC_PLANES (e.g. "4 8": also bf16 with each
+# AAM_KERNEL_TC_PLANES cap).
 # Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_native_layout{,_wgpu}.log, fused_lanes_wgpu.log,
-# rs_attention{,_lanes1}.jsonl, pt_attention.jsonl, registers.jsonl.
+# half_precision.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_{auto,forward,0}.jsonl,
+# rs_attention_tc_planes<N>.jsonl, pt_attention.jsonl, registers.jsonl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
-for b in attention-bench fused_parity fused_native_layout fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
+for b in attention-bench fused_parity fused_native_layout half_precision fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
   [ -f ".carry/gpu/$b.xz" ] && xz -dc ".carry/gpu/$b.xz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -41,6 +46,13 @@ if [ "${PARITY:-1}" = 1 ]; then
     timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_native_layout --nocapture > "$OUT/fused_native_layout.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
     grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_native_layout.log" | cut -c1-200
+    echo "rc=$rc"
+  fi
+  if [ -x /tmp/gpu/half_precision ]; then
+    echo "== half_precision (cuda: tensor-core forward against the f32 kernel)"
+    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/half_precision --nocapture > "$OUT/half_precision.log" 2>&1
+    rc=$?; [ $rc -eq 0 ] || status=1
+    grep -E "^test .*(ok|FAILED)$|panicked|test result|BF16 \(151" "$OUT/half_precision.log" | cut -c1-200
     echo "rc=$rc"
   fi
 fi
@@ -65,6 +77,18 @@ if [ "${LANES_COMPARE:-1}" = 1 ]; then
   echo "== attention-bench, AAM_KERNEL_LANES=1"
   AAM_KERNEL_LANES=1 /tmp/gpu/attention-bench > "$OUT/rs_attention_lanes1.jsonl" 2>&1 || status=1
   grep '"fused"' "$OUT/rs_attention_lanes1.jsonl"
+fi
+if [ "${TC_COMPARE:-0}" = 1 ]; then
+  for tc in auto forward 0; do
+    echo "== attention-bench, bf16 alone, AAM_KERNEL_TC=$tc"
+    AAM_BENCH_DTYPES=bf16 AAM_KERNEL_TC=$tc /tmp/gpu/attention-bench > "$OUT/rs_attention_tc_$tc.jsonl" 2>&1 || status=1
+    grep '"fused"' "$OUT/rs_attention_tc_$tc.jsonl"
+  done
+  for planes in ${TC_PLANES:-}; do
+    echo "== attention-bench, bf16 alone, AAM_KERNEL_TC_PLANES=$planes"
+    AAM_BENCH_DTYPES=bf16 AAM_KERNEL_TC_PLANES=$planes /tmp/gpu/attention-bench > "$OUT/rs_attention_tc_planes$planes.jsonl" 2>&1 || status=1
+    grep '"fused"' "$OUT/rs_attention_tc_planes$planes.jsonl"
+  done
 fi
 echo "== PyTorch SDPA (pt_attention.py)"
 PYTHONUNBUFFERED=1 python3 benches/pt_attention.py > "$OUT/pt_attention.jsonl" 2>&1 || status=1

@@ -2,7 +2,8 @@
 # Why the attention kernels take the time they take, on the device machine: registers and
 # spills of each kernel (ptxas -v on CubeCL's cached PTX, benches/ptx_registers.py) and Nsight
 # Compute's view of the ASV-shape launches (the first forward, dQ and dK/dV launches of
-# `attention-bench`: its accuracy check at the ASV shape), f32.
+# `attention-bench`: its accuracy check at the ASV shape), f32 (PROFILE_DTYPE=bf16: the bf16
+# launches, on tensor cores by default).
 # Carry .carry/gpu/attention-bench.xz (see benches/attention_device.sh for the build).
 # Env: NCU_SECTIONS (default: SpeedOfLight, Occupancy, LaunchStats, WarpStateStats,
 # MemoryWorkloadAnalysis, ComputeWorkloadAnalysis, SchedulerStats, InstructionStats).
@@ -10,7 +11,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
 xz -dc .carry/gpu/attention-bench.xz > /tmp/gpu/attention-bench && chmod +x /tmp/gpu/attention-bench
-export AAM_BENCH_DTYPES=f32
+export AAM_BENCH_DTYPES=${PROFILE_DTYPE:-f32}
 sections=${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats MemoryWorkloadAnalysis ComputeWorkloadAnalysis SchedulerStats InstructionStats}
 args=(); for s in $sections; do args+=(--section "$s"); done
 ncu=/usr/local/cuda/bin/ncu

@@ -13,6 +13,10 @@ use cubecl::{CubeCount, CubeDim};
 use crate::kernel::{
     attention_backward_dkdv, attention_backward_dq, attention_forward, dropout_elements,
 };
+use crate::tensor_core::{
+    TC_TILE, attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc,
+    shared_bytes,
+};
 use crate::{AttentionBackend, AttentionDropout};
 
 /// How the kernels split one call's work: shared-memory tiles, and the
@@ -219,6 +223,302 @@ fn unroll_loops() -> bool {
             .unwrap_or(true)
     })
 }
+/// How the tensor-core forward ([`attention_forward_tc`]) runs a call, when
+/// it can: f16 or bf16 storage, a head dim that is a multiple of 16, a
+/// runtime with 16×16×16 `cmma` for that type into f32 and one plane size
+/// of 32 or 64 (CUDA, HIP; wgpu's WGSL has no cooperative matrices), and
+/// `AAM_KERNEL_TC` not `0`. f32 stays on the CUDA-core kernel: TF32 tiles
+/// would lose the f32 precision the parity tests hold it to.
+#[derive(Clone, Copy, Debug)]
+struct TensorCorePlan {
+    head_dim: usize,
+    /// Planes per cube, each 16 query rows.
+    planes: usize,
+    /// 16-key blocks a cube loads into shared memory at a time.
+    blocks: usize,
+    plane_size: usize,
+}
+
+impl TensorCorePlan {
+    /// The plan for `rows` rows a launch (query rows, or keys for dK/dV).
+    fn new<R: CubeRuntime>(
+        client: &cubecl::client::ComputeClient<R>,
+        dtype: DType,
+        head_dim: usize,
+        rows: usize,
+        pass: Pass,
+    ) -> Option<Self> {
+        let wanted = match tensor_core_setting() {
+            TensorCoreSetting::Auto => true,
+            TensorCoreSetting::ForwardOnly => pass == Pass::Forward,
+            TensorCoreSetting::Off => false,
+        };
+        if !wanted || !matches!(dtype, DType::F16 | DType::BF16) {
+            return None;
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(TC_TILE) || head_dim > MAX_HEAD_DIM {
+            return None;
+        }
+        let hardware = &client.properties().hardware;
+        let plane_size = hardware.plane_size_max as usize;
+        if hardware.plane_size_min as usize != plane_size || !matches!(plane_size, 32 | 64) {
+            return None;
+        }
+        let storage: cubecl::ir::StorageType = dtype.into();
+        let tile = TC_TILE as u32;
+        let config = cubecl::features::MmaConfig {
+            a_type: storage,
+            b_type: storage,
+            cd_type: cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(
+                cubecl::ir::FloatKind::F32,
+            )),
+            m: tile,
+            n: tile,
+            k: tile,
+        };
+        if !client.features().matmul.cmma.contains(&config) {
+            return None;
+        }
+        // As many planes as the shared memory holds (a cube's static limit
+        // is 48 KiB; see `shared_bytes`), at most 16 (512 units), or the
+        // `AAM_KERNEL_TC_PLANES` cap: tiles of 4 blocks of the other side
+        // (2 for head dims over 64).
+        let blocks = if head_dim <= 64 { 4 } else { 2 };
+        let (own_blocks, f32_per_row) = match pass {
+            Pass::Forward => (1, 1),
+            Pass::Backward => (2, 2),
+        };
+        let storage_bytes = dtype.size();
+        let fits = |planes| {
+            shared_bytes(head_dim, blocks, planes, own_blocks, f32_per_row, storage_bytes)
+                <= SHARED_BUDGET
+        };
+        let most_planes = (1..=16)
+            .take_while(|&planes| fits(planes))
+            .last()
+            .unwrap_or(1)
+            .min(tensor_core_planes_cap());
+        // The row blocks spread evenly over as few cubes as hold them (the
+        // ASV level's 10 blocks of 16 rows: one cube of 10 planes forward).
+        let row_blocks = rows.div_ceil(TC_TILE).max(1);
+        let cubes = row_blocks.div_ceil(most_planes);
+        let planes = row_blocks.div_ceil(cubes);
+        Some(TensorCorePlan {
+            head_dim,
+            planes,
+            blocks,
+            plane_size,
+        })
+    }
+
+    /// Launches the forward; returns `(out, lse)` as the CUDA-core one.
+    fn launch<R, F, I, BT>(
+        self,
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        key_padding_mask: Option<BoolTensor<CubeBackend<R, F, I, BT>>>,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (CubeTensor<R>, CubeTensor<R>)
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        let [n, h, tq, dh] = dims4(&q);
+        let tk = dims4(&k)[2];
+        let client = q.client.clone();
+        let (key_valid, block_valid) =
+            validity::<R, F, I, BT>(key_padding_mask, n, tk, TC_TILE, &q.device);
+        let out = empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([n, h, tq, dh]),
+            q.dtype,
+        );
+        let lse = empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([n, h, tq]),
+            DType::F32,
+        );
+        let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
+        let rows_per_cube = self.planes * TC_TILE;
+        for (offset, count) in bh_chunks(n * h) {
+            attention_forward_tc::launch::<R>(
+                &client,
+                CubeCount::Static(count, tq.div_ceil(rows_per_cube) as u32, 1),
+                CubeDim::new_2d(self.plane_size as u32, self.planes as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                block_valid.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                threshold,
+                drop_scale,
+                seed,
+                self.head_dim,
+                self.blocks,
+                self.planes,
+                self.plane_size,
+                use_dropout,
+                q.dtype.into(),
+            );
+        }
+        (out, lse)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TensorCoreSetting {
+    Auto,
+    ForwardOnly,
+    Off,
+}
+
+/// The backward on tensor cores: the dQ kernel (which writes `Δ`), then
+/// the dK/dV kernel, as the CUDA-core pair. Inputs contiguous.
+fn tensor_core_backward<R, F, I, BT>(
+    plan_q: TensorCorePlan,
+    plan_k: TensorCorePlan,
+    [q, k, v, out, lse, dout]: [CubeTensor<R>; 6],
+    key_padding_mask: Option<BoolTensor<CubeBackend<R, F, I, BT>>>,
+    scale: f64,
+    dropout: AttentionDropout,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let [n, h, tq, dh] = dims4(&q);
+    let tk = dims4(&k)[2];
+    let client = q.client.clone();
+    let (key_valid, block_valid) =
+        validity::<R, F, I, BT>(key_padding_mask, n, tk, TC_TILE, &q.device);
+    let out = into_contiguous(out);
+    let lse = into_contiguous(lse);
+    let delta = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        q.device.clone(),
+        Shape::new([n, h, tq]),
+        DType::F32,
+    );
+    let alloc = |t: usize| {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            q.device.clone(),
+            Shape::new([n, h, t, dh]),
+            q.dtype,
+        )
+    };
+    let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
+    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
+    for (offset, count) in bh_chunks(n * h) {
+        attention_backward_dq_tc::launch::<R>(
+            &client,
+            CubeCount::Static(count, tq.div_ceil(plan_q.planes * TC_TILE) as u32, 1),
+            CubeDim::new_2d(plan_q.plane_size as u32, plan_q.planes as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            key_valid.clone().into_tensor_arg(),
+            block_valid.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            scale as f32,
+            h as u32,
+            offset,
+            threshold,
+            drop_scale,
+            seed,
+            dh,
+            plan_q.blocks,
+            plan_q.planes,
+            plan_q.plane_size,
+            use_dropout,
+            q.dtype.into(),
+        );
+        attention_backward_dkdv_tc::launch::<R>(
+            &client,
+            CubeCount::Static(count, tk.div_ceil(plan_k.planes * TC_TILE) as u32, 1),
+            CubeDim::new_2d(plan_k.plane_size as u32, plan_k.planes as u32),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            key_valid.clone().into_tensor_arg(),
+            block_valid.clone().into_tensor_arg(),
+            dk.clone().into_tensor_arg(),
+            dv.clone().into_tensor_arg(),
+            scale as f32,
+            h as u32,
+            offset,
+            threshold,
+            drop_scale,
+            seed,
+            dh,
+            plan_k.blocks,
+            plan_k.planes,
+            plan_k.plane_size,
+            use_dropout,
+            q.dtype.into(),
+        );
+    }
+    (dq, dk, dv)
+}
+
+/// `AAM_KERNEL_TC`: unset or `auto` runs f16/bf16 attention (forward and
+/// backward) on tensor cores where the runtime has them (see
+/// [`TensorCorePlan`]); `forward` only the forward; `0` neither (the
+/// CUDA-core kernels, for comparisons).
+fn tensor_core_setting() -> TensorCoreSetting {
+    static TC: std::sync::OnceLock<TensorCoreSetting> = std::sync::OnceLock::new();
+    *TC.get_or_init(|| match std::env::var("AAM_KERNEL_TC").as_deref() {
+        Ok("0") => TensorCoreSetting::Off,
+        Ok("forward") => TensorCoreSetting::ForwardOnly,
+        Ok("auto") | Err(_) => TensorCoreSetting::Auto,
+        Ok(other) => panic!("AAM_KERNEL_TC must be auto, forward or 0, not {other:?}"),
+    })
+}
+
+/// `AAM_KERNEL_TC_PLANES`: the most planes (16 rows each) a tensor-core
+/// cube may have, below what its shared memory allows; a tuning knob,
+/// unset by default.
+fn tensor_core_planes_cap() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("AAM_KERNEL_TC_PLANES") {
+        Err(_) => usize::MAX,
+        Ok(value) => match value.parse::<usize>() {
+            Ok(cap) if cap > 0 => cap,
+            _ => panic!("AAM_KERNEL_TC_PLANES must be a positive integer, not {value:?}"),
+        },
+    })
+}
+
+/// Shared memory a tensor-core cube may use: under the 48 KiB static
+/// limit, with room for the compiler's own.
+const SHARED_BUDGET: usize = 46 * 1024;
+
 /// The largest head dimension the kernels take (registers per unit).
 pub const MAX_HEAD_DIM: usize = 128;
 /// wgpu's (and WebGPU's) limit on cubes per grid dimension.
@@ -369,6 +669,9 @@ where
             "fused attention: head dim {dh} > {MAX_HEAD_DIM}"
         );
         let client = q.client.clone();
+        if let Some(plan) = TensorCorePlan::new(&client, q.dtype, dh, tq, Pass::Forward) {
+            return plan.launch::<R, F, I, BT>(q, k, v, key_padding_mask, scale, dropout);
+        }
         let layout = Layout::new(&client, dh);
         let lanes = layout.lanes(n * h * tq);
         let parts = layout.parts(lanes);
@@ -444,6 +747,20 @@ where
         let dout = into_contiguous(dout);
         let [n, h, tq, dh] = dims4(&q);
         let tk = dims4(&k)[2];
+        let plans = (
+            TensorCorePlan::new(&q.client, q.dtype, dh, tq, Pass::Backward),
+            TensorCorePlan::new(&q.client, q.dtype, dh, tk, Pass::Backward),
+        );
+        if let (Some(plan_q), Some(plan_k)) = plans {
+            return tensor_core_backward::<R, F, I, BT>(
+                plan_q,
+                plan_k,
+                [q, k, v, out, lse, dout],
+                key_padding_mask,
+                scale,
+                dropout,
+            );
+        }
         let layout = Layout::new(&q.client, dh);
         let (key_valid, tile_valid) =
             validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);

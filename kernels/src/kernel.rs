@@ -43,7 +43,7 @@ use cubecl::prelude::*;
 /// `expf` is a dozen instructions per probability). Only these two change:
 /// division stays exact. Arguments are finite (masked scores are `-1e30`),
 /// and `__expf` of a large negative argument is 0. Other targets ignore it.
-const FAST_EXP: enumset::EnumSet<FastMath> =
+pub(crate) const FAST_EXP: enumset::EnumSet<FastMath> =
     enumset::enum_set!(FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf);
 
 /// Four floats: the element of the shared-memory tiles (one 16-byte load).
@@ -65,7 +65,7 @@ fn mix(value: u32) -> u32 {
 /// counter-based hash, so forward and backward draw the same mask without
 /// storing it. Kept when the hash is at least `threshold = p·2³²`.
 #[cube]
-fn dropout_keep(seed: u32, bh: u32, row: u32, col: u32, threshold: u32) -> bool {
+pub(crate) fn dropout_keep(seed: u32, bh: u32, row: u32, col: u32, threshold: u32) -> bool {
     let x = mix(mix(mix(seed ^ bh) ^ row) ^ col);
     x >= threshold
 }

@@ -62,6 +62,8 @@ mod forward;
 mod fusion;
 #[cfg(feature = "cubecl")]
 mod kernel;
+#[cfg(feature = "cubecl")]
+mod tensor_core;
 
 /// Keeps compiled CUDA/HIP kernels on disk between runs.
 ///
