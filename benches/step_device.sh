@@ -14,7 +14,8 @@
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: VARIANTS (default "auto auto:ckpt math": the attention path, then options, each after
 #      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision,
-#      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel),
+#      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel,
+#      tc0 = AAM_KERNEL_TC=0: f16/bf16 attention on CUDA cores instead of tensor cores),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
@@ -54,7 +55,8 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
     case $opt in
       ckpt) flags="$flags --gradient-checkpointing" ;;
       bf16|fp16) flags="$flags --mixed-precision $opt" ;;
-      burndrop) vars="AAM_DROPOUT=burn" ;;
+      burndrop) vars="$vars AAM_DROPOUT=burn" ;;
+      tc0) vars="$vars AAM_KERNEL_TC=0" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac
   done

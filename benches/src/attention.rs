@@ -8,8 +8,9 @@
 //!
 //! Prints one JSON object per measurement: median ms over `ITERS` runs after
 //! `WARMUP`, for forward and forward+backward, f32 and bf16, and the relative
-//! error of the fused output against the f32 math path. `AAM_BENCH_DTYPES=f32`
-//! (or `bf16`) measures one type only.
+//! error of the fused output against the math path in the same type. `AAM_BENCH_DTYPES=f32`
+//! (or `bf16`) measures one type only; with both, each runs in its own process (Burn fixes
+//! a device's float type the first time a backend touches it).
 
 use std::time::Instant;
 
@@ -134,6 +135,13 @@ where
     let sync = || B::sync(device).unwrap();
     for shape in shapes() {
         let [q, k, v, w] = inputs::<B>(&shape, device);
+        // Burn fixes a device's default float type the first time a backend touches it, so a
+        // second backend type in the same process silently gets the first one's tensors.
+        assert_eq!(
+            q.dtype(),
+            <B::FloatElem as burn::tensor::Element>::dtype(),
+            "{dtype}: the device already holds another float type; time one type per process"
+        );
         let m = mask::<B>(&shape, device);
         // accuracy of the fused output against the math path (f32 math for reference)
         let fused = fused_attention(
@@ -236,11 +244,23 @@ fn main() {
         // As `aam-rs` does: compiled kernels kept on disk between runs.
         aam_kernels::persist_compiled_kernels();
         let device = burn::backend::cuda::CudaDevice::default();
-        if wanted("f32") {
-            bench::<Cuda<f32>>("f32", &device);
-        }
-        if wanted("bf16") {
-            bench::<Cuda<bf16>>("bf16", &device);
+        // One float type per process: Burn keeps the first backend's default float type for
+        // the device (`burn_backend::get_device_settings`), so `Cuda<bf16>` after `Cuda<f32>`
+        // in the same process would time f32 tensors under the bf16 label.
+        let dtypes: Vec<&str> = ["f32", "bf16"].into_iter().filter(|d| wanted(d)).collect();
+        match dtypes.as_slice() {
+            ["f32"] => bench::<Cuda<f32>>("f32", &device),
+            ["bf16"] => bench::<Cuda<bf16>>("bf16", &device),
+            several => {
+                let exe = std::env::current_exe().expect("the bench's own path");
+                for dtype in several {
+                    let status = std::process::Command::new(&exe)
+                        .env("AAM_BENCH_DTYPES", dtype)
+                        .status()
+                        .expect("re-running the bench for one float type");
+                    assert!(status.success(), "the {dtype} run failed: {status}");
+                }
+            }
         }
     }
     #[cfg(all(feature = "wgpu", not(feature = "cuda")))]

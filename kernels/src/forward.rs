@@ -223,9 +223,9 @@ fn unroll_loops() -> bool {
             .unwrap_or(true)
     })
 }
-/// How the tensor-core forward ([`attention_forward_tc`]) runs a call, when
-/// it can: f16 or bf16 storage, a head dim that is a multiple of 16, a
-/// runtime with 16×16×16 `cmma` for that type into f32 and one plane size
+/// How the tensor-core kernels ([`attention_forward_tc`] and the backward's
+/// `attention_backward_{dq,dkdv}_tc`) run a call, when they can: f16 or
+/// bf16 storage, a head dim that is a multiple of 16, a runtime with 16×16×16 `cmma` for that type into f32 and one plane size
 /// of 32 or 64 (CUDA, HIP; wgpu's WGSL has no cooperative matrices), and
 /// `AAM_KERNEL_TC` not `0`. f32 stays on the CUDA-core kernel: TF32 tiles
 /// would lose the f32 precision the parity tests hold it to.

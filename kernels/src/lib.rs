@@ -39,6 +39,10 @@
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, and the
 //!   element-wise seeded dropout behind [`dropout`]).
+//! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
+//!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
+//!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
+//!   statistics, so either backward follows either forward.
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the

@@ -1,12 +1,16 @@
-//! The forward on tensor cores, for f16 and bf16 (`cmma`, 16×16×16 tiles
-//! with f32 accumulators). No Burn imports here.
+//! Attention on tensor cores, for f16 and bf16 (`cmma`, 16×16×16 tiles with
+//! f32 accumulators): the forward and both backward kernels (dQ; dK and dV).
+//! No Burn imports here.
 //!
-//! Why a second forward: the CUDA-core kernel of `kernel.rs` runs every
-//! product on FMA units and feeds them from shared memory, which bounds it
-//! (ASV forward 1.46 ms in bf16 on the H100, against 1.07 ms for PyTorch's
-//! tensor-core `mem_efficient`). Here a plane owns 16 query rows and does
-//! `S = Q·Kᵀ` and `P·V` for 16 keys at a time as cooperative matrix
-//! products; its units only do the online softmax, a few values each.
+//! Why a second set of kernels: the CUDA-core kernels of `kernel.rs` run
+//! every product on FMA units and feed them from shared memory, which bounds
+//! them (bf16 at the ASV shape on the H100: forward 1.40 ms and
+//! forward+backward 6.13 ms, against 0.94 and 3.26 ms for PyTorch's best
+//! tensor-core kernels). Here a plane owns 16 rows (queries, or keys for
+//! dK/dV) and does the products for 16 rows of the other side at a time as
+//! cooperative matrix products; its units only do the softmax and its
+//! gradient, a few values each (forward 0.82 ms, forward+backward 3.97 ms;
+//! `benches/RESULTS.md`).
 //!
 //! The accumulator's element-to-unit layout is opaque (it differs between
 //! CUDA, HIP and Vulkan), so the scores go through shared memory: the plane
@@ -34,10 +38,11 @@
 //! Semantics are those of `attention_forward` exactly: the same masked
 //! score (`-1e30`), zero probabilities for masked keys, zero output and
 //! log-sum-exp for a row with no valid key, the same dropout hash of
-//! `(seed, bh, row, key)`, so the CUDA-core backward reproduces the mask
-//! and recomputes `P` from the log-sum-exp written here. The difference is
-//! precision: `P` is rounded to the storage type before `P·V`, as every
-//! tensor-core attention does (well inside the f16/bf16 tolerance).
+//! `(seed, bh, row, key)`, so either backward (these or the CUDA-core ones)
+//! reproduces the mask and recomputes `P` from the log-sum-exp written here.
+//! The difference is precision: `P` (and `dS` in the backward) is rounded to
+//! the storage type before its product, as every tensor-core attention does
+//! (well inside the f16/bf16 tolerance; `kernels/tests/half_precision.rs`).
 //!
 //! Blocks of 16 keys that are all padding are skipped one by one (per-block
 //! valid counts computed before launch); a cube loads `blocks` of them at a
