@@ -49,7 +49,7 @@ if [ "${PARITY:-1}" = 1 ]; then
     echo "rc=$rc"
   fi
   if [ -x /tmp/gpu/half_precision ]; then
-    echo "== half_precision (cuda: tensor-core forward against the f32 kernel)"
+    echo "== half_precision (cuda: tensor-core forward and gradients against the f32 kernel)"
     timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/half_precision --nocapture > "$OUT/half_precision.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
     grep -E "^test .*(ok|FAILED)$|panicked|test result|BF16 \(151" "$OUT/half_precision.log" | cut -c1-200

@@ -143,7 +143,7 @@ where
             "{dtype}: the device already holds another float type; time one type per process"
         );
         let m = mask::<B>(&shape, device);
-        // accuracy of the fused output against the math path (f32 math for reference)
+        // accuracy of the fused output against the math path in the same float type
         let fused = fused_attention(
             q.clone(),
             k.clone(),

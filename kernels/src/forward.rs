@@ -14,8 +14,8 @@ use crate::kernel::{
     attention_backward_dkdv, attention_backward_dq, attention_forward, dropout_elements,
 };
 use crate::tensor_core::{
-    TC_TILE, attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc,
-    shared_bytes,
+    attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
+    TC_TILE,
 };
 use crate::{AttentionBackend, AttentionDropout};
 
@@ -225,16 +225,18 @@ fn unroll_loops() -> bool {
 }
 /// How the tensor-core kernels ([`attention_forward_tc`] and the backward's
 /// `attention_backward_{dq,dkdv}_tc`) run a call, when they can: f16 or
-/// bf16 storage, a head dim that is a multiple of 16, a runtime with 16×16×16 `cmma` for that type into f32 and one plane size
-/// of 32 or 64 (CUDA, HIP; wgpu's WGSL has no cooperative matrices), and
-/// `AAM_KERNEL_TC` not `0`. f32 stays on the CUDA-core kernel: TF32 tiles
+/// bf16 storage, a head dim that is a multiple of 16, a runtime with
+/// 16×16×16 `cmma` for that type into f32 and one plane size of 32 or 64
+/// (CUDA, HIP; wgpu's WGSL has no cooperative matrices), and `AAM_KERNEL_TC`
+/// allowing the pass (see [`tensor_core_setting`]). f32 stays on the CUDA-core kernel: TF32 tiles
 /// would lose the f32 precision the parity tests hold it to.
 #[derive(Clone, Copy, Debug)]
 struct TensorCorePlan {
     head_dim: usize,
-    /// Planes per cube, each 16 query rows.
+    /// Planes per cube, each owning 16 rows (queries, or keys for dK/dV).
     planes: usize,
-    /// 16-key blocks a cube loads into shared memory at a time.
+    /// 16-row blocks of the other side (keys, or queries for dK/dV) a cube
+    /// loads into shared memory at a time.
     blocks: usize,
     plane_size: usize,
 }
@@ -290,8 +292,14 @@ impl TensorCorePlan {
         };
         let storage_bytes = dtype.size();
         let fits = |planes| {
-            shared_bytes(head_dim, blocks, planes, own_blocks, f32_per_row, storage_bytes)
-                <= SHARED_BUDGET
+            shared_bytes(
+                head_dim,
+                blocks,
+                planes,
+                own_blocks,
+                f32_per_row,
+                storage_bytes,
+            ) <= SHARED_BUDGET
         };
         let most_planes = (1..=16)
             .take_while(|&planes| fits(planes))

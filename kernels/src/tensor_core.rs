@@ -51,7 +51,7 @@
 use cubecl::cmma::{self, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
 
-use crate::kernel::{FAST_EXP, dropout_keep};
+use crate::kernel::{dropout_keep, FAST_EXP};
 
 /// Side of a tensor-core tile: 16 rows, 16 keys, 16 head dims.
 pub const TC_TILE: usize = 16;
@@ -153,7 +153,16 @@ pub fn attention_forward_tc<F: Float>(
         SharedMemory::<F>::new_aligned(comptime!(planes * TC_TILE * WEIGHT_LD), 32usize);
 
     let rows_at = plane * comptime!(TC_TILE * ld);
-    load_plane_rows::<F>(q, &mut q_block, rows_at, q_base, first_row, tq, head_dim, plane_size);
+    load_plane_rows::<F>(
+        q,
+        &mut q_block,
+        rows_at,
+        q_base,
+        first_row,
+        tq,
+        head_dim,
+        plane_size,
+    );
     sync_plane();
 
     let o_acc = zero_accumulators(head_dim);
@@ -653,7 +662,16 @@ pub fn attention_backward_dq_tc<F: Float>(
         SharedMemory::<F>::new_aligned(comptime!(planes * TC_TILE * WEIGHT_LD), 32usize);
 
     let rows_at = plane * comptime!(TC_TILE * ld);
-    load_plane_rows::<F>(q, &mut q_block, rows_at, q_base, first_row, tq, head_dim, plane_size);
+    load_plane_rows::<F>(
+        q,
+        &mut q_block,
+        rows_at,
+        q_base,
+        first_row,
+        tq,
+        head_dim,
+        plane_size,
+    );
     load_plane_rows::<F>(
         dout,
         &mut do_block,
@@ -877,8 +895,26 @@ pub fn attention_backward_dkdv_tc<F: Float>(
         SharedMemory::<F>::new_aligned(comptime!(planes * TC_TILE * WEIGHT_LD), 32usize);
 
     let rows_at = plane * comptime!(TC_TILE * ld);
-    load_plane_rows::<F>(k, &mut k_block, rows_at, kv_base, first_key, tk, head_dim, plane_size);
-    load_plane_rows::<F>(v, &mut v_block, rows_at, kv_base, first_key, tk, head_dim, plane_size);
+    load_plane_rows::<F>(
+        k,
+        &mut k_block,
+        rows_at,
+        kv_base,
+        first_key,
+        tk,
+        head_dim,
+        plane_size,
+    );
+    load_plane_rows::<F>(
+        v,
+        &mut v_block,
+        rows_at,
+        kv_base,
+        first_key,
+        tk,
+        head_dim,
+        plane_size,
+    );
     sync_plane();
 
     let dk_acc = zero_accumulators(head_dim);
@@ -975,9 +1011,8 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                                 dropout_keep(seed, bh as u32, i, key as u32, dropout_threshold);
                             dp = select(keep, dp * dropout_scale, 0.0f32);
                         }
-                        w_block[my_weights + j * units_per_row] = F::cast_from(
-                            probs[j] * (dp - delta_tile[first_q + j * units_per_row]),
-                        );
+                        w_block[my_weights + j * units_per_row] =
+                            F::cast_from(probs[j] * (dp - delta_tile[first_q + j * units_per_row]));
                     }
                     sync_plane();
                     accumulate_weighted_rows::<F>(

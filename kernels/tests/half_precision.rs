@@ -106,7 +106,10 @@ fn half_forward_draws_the_f32_dropout_mask() {
                 let half = values(half.cast(DType::F32));
                 let e = rel(&half, &full);
                 eprintln!("{dtype:?} {shape:?} p={prob}: rel err {e:e} against f32");
-                assert!(e <= RTOL_HALF, "{dtype:?} {shape:?} p={prob}: rel err {e:e}");
+                assert!(
+                    e <= RTOL_HALF,
+                    "{dtype:?} {shape:?} p={prob}: rel err {e:e}"
+                );
                 if case.n > 2 {
                     let first = case.h * case.tq * case.dh;
                     assert!(
