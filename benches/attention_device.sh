@@ -18,11 +18,12 @@
 # wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the H100 through
 # Vulkan; carry .gl too, device README), REGISTERS (1: after the timings, registers and spills
 # of each compiled CUDA kernel, from CubeCL's PTX cache, by benches/ptx_registers.py), TC_COMPARE
-# (1: also time bf16 alone, one process each, with AAM_KERNEL_TC=auto, forward and 0: tensor
-# cores both ways, forward only, CUDA cores), TC_PLANES (e.g. "4 8": also bf16 with each
+# (1: also time each of TC_DTYPES, default "bf16", alone, one process each, with each of
+# TC_MODES, default "auto forward 0", as AAM_KERNEL_TC: tensor cores both ways, forward only,
+# CUDA cores), TC_PLANES (e.g. "4 8": also bf16 with each
 # AAM_KERNEL_TC_PLANES cap).
 # Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_native_layout{,_wgpu}.log, fused_lanes_wgpu.log,
-# half_precision.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_{auto,forward,0}.jsonl,
+# half_precision.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_<dtype>_<mode>.jsonl,
 # rs_attention_tc_planes<N>.jsonl, pt_attention.jsonl, registers.jsonl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
@@ -79,10 +80,12 @@ if [ "${LANES_COMPARE:-1}" = 1 ]; then
   grep '"fused"' "$OUT/rs_attention_lanes1.jsonl"
 fi
 if [ "${TC_COMPARE:-0}" = 1 ]; then
-  for tc in auto forward 0; do
-    echo "== attention-bench, bf16 alone, AAM_KERNEL_TC=$tc"
-    AAM_BENCH_DTYPES=bf16 AAM_KERNEL_TC=$tc /tmp/gpu/attention-bench > "$OUT/rs_attention_tc_$tc.jsonl" 2>&1 || status=1
-    grep '"fused"' "$OUT/rs_attention_tc_$tc.jsonl"
+  for dt in ${TC_DTYPES:-bf16}; do
+    for tc in ${TC_MODES:-auto forward 0}; do
+      echo "== attention-bench, $dt alone, AAM_KERNEL_TC=$tc"
+      AAM_BENCH_DTYPES=$dt AAM_KERNEL_TC=$tc /tmp/gpu/attention-bench > "$OUT/rs_attention_tc_${dt}_$tc.jsonl" 2>&1 || status=1
+      grep '"fused"' "$OUT/rs_attention_tc_${dt}_$tc.jsonl"
+    done
   done
   for planes in ${TC_PLANES:-}; do
     echo "== attention-bench, bf16 alone, AAM_KERNEL_TC_PLANES=$planes"
