@@ -11,13 +11,14 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
-    attention_backward_dkdv, attention_backward_dq, attention_forward, dropout_elements,
+    adam_step_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
+    dropout_elements,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
 };
-use crate::{AttentionBackend, AttentionDropout};
+use crate::{AdamStep, AttentionBackend, AttentionDropout};
 
 /// How the kernels split one call's work: shared-memory tiles, and the
 /// lanes (units) that share a row (see `kernel.rs`).
@@ -643,6 +644,69 @@ where
             x.dtype.into(),
         );
         out
+    }
+
+    fn adam_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        first: FloatTensor<Self>,
+        second: FloatTensor<Self>,
+        step: AdamStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let dtype = param.dtype;
+        for (name, t) in [("grad", &grad), ("first", &first), ("second", &second)] {
+            assert_eq!(
+                t.dtype, dtype,
+                "adam_step: {name} is not of the parameter's type"
+            );
+            assert_eq!(
+                t.meta.shape(),
+                param.meta.shape(),
+                "adam_step: {name}'s shape"
+            );
+        }
+        let [param, grad, first, second] = [param, grad, first, second].map(into_contiguous);
+        let shape = param.meta.shape().clone();
+        let elements = shape.num_elements();
+        let client = param.client.clone();
+        let empty = || {
+            empty_device_contiguous_dtype::<R>(
+                client.clone(),
+                param.device.clone(),
+                shape.clone(),
+                dtype,
+            )
+        };
+        let (param_out, first_out, second_out) = (empty(), empty(), empty());
+        let cube_dim = CubeDim::new_1d(256);
+        // As `Tensor * f64` does: the coefficient rounded to f32 (and then,
+        // in the kernel, to the element type).
+        let f = |x: f64| x as f32;
+        adam_step_elements::launch::<R>(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cube_dim,
+            param.into_tensor_arg(),
+            grad.into_tensor_arg(),
+            first.into_tensor_arg(),
+            second.into_tensor_arg(),
+            param_out.clone().into_tensor_arg(),
+            first_out.clone().into_tensor_arg(),
+            second_out.clone().into_tensor_arg(),
+            f(step.decay),
+            f(step.l2),
+            f(step.beta1),
+            f(1.0 - step.beta1),
+            f(step.beta2),
+            f(1.0 - step.beta2),
+            f(step.bias2_sqrt),
+            f(step.eps),
+            f(step.step_size),
+            step.decay != 1.0,
+            step.l2 != 0.0,
+            dtype.into(),
+        );
+        (param_out, first_out, second_out)
     }
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {

@@ -6,7 +6,9 @@
 //! fused into anything; they are registered as custom operations, which end
 //! the fused run before them and execute on the inner backend `B` with the
 //! real tensors. The forward and the backward are one custom op each; seeded
-//! dropout is one too (its hash has no element-wise IR op to fuse into).
+//! dropout is one too (its hash has no element-wise IR op to fuse into), and
+//! so is an Adam step of one parameter (a dozen ops that fusion would make
+//! one kernel anyway, recorded and fused by the host one by one).
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Shape};
@@ -14,7 +16,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use crate::{AttentionBackend, AttentionDropout};
+use crate::{AdamStep, AttentionBackend, AttentionDropout};
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -89,6 +91,27 @@ impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for Dropou
     }
 }
 
+/// One Adam/AdamW step: inputs `param, grad, first, second`, outputs the
+/// three after the step.
+#[derive(Debug)]
+struct AdamOp<B> {
+    desc: CustomOpIr,
+    step: AdamStep,
+    _backend: core::marker::PhantomData<B>,
+}
+
+impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for AdamOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let mut float = |i: usize| handles.get_float_tensor::<B>(&self.desc.inputs[i]);
+        let (param, grad, first, second) = (float(0), float(1), float(2), float(3));
+        let (param, first, second) = B::adam_step(param, grad, first, second, self.step);
+        let outputs = &self.desc.outputs;
+        handles.register_float_tensor::<B>(&outputs[0].id, param);
+        handles.register_float_tensor::<B>(&outputs[1].id, first);
+        handles.register_float_tensor::<B>(&outputs[2].id, second);
+    }
+}
+
 /// An output of a custom op: a fresh tensor id with its shape and type.
 fn output<B: FusionBackend>(like: &FloatTensor<Fusion<B>>, shape: Shape, dtype: DType) -> TensorIr {
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
@@ -130,6 +153,31 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             .into_iter()
             .next()
             .expect("dropout output")
+    }
+
+    fn adam_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        first: FloatTensor<Self>,
+        second: FloatTensor<Self>,
+        step: AdamStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let client = param.client.clone();
+        let out = || output::<B>(&param, param.shape.clone(), param.dtype);
+        let outputs = [out(), out(), out()];
+        let streams = OperationStreams::with_inputs([&param, &grad, &first, &second]);
+        let inputs = [param, grad, first, second].map(|t| t.into_ir());
+        let desc = CustomOpIr::new("aam_adam_step", &inputs, &outputs);
+        let op = AdamOp::<B> {
+            desc: desc.clone(),
+            step,
+            _backend: core::marker::PhantomData,
+        };
+        let mut outputs = client
+            .register(streams, OperationIr::Custom(desc), op)
+            .into_iter();
+        let mut next = || outputs.next().expect("adam step output");
+        (next(), next(), next())
     }
 
     fn fused_attention_forward(

@@ -802,3 +802,49 @@ pub fn dropout_elements<F: Float>(
         output[i] = select(keep, input[i] * F::cast_from(scale), F::new(0.0));
     }
 }
+
+/// One Adam/AdamW step per element ([`crate::AdamStep`]), op for op as
+/// [`crate::adam_step_ops`] computes it, each coefficient rounded to `F`.
+///
+/// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_elements<F: Float>(
+    param: &Tensor<F>,
+    grad: &Tensor<F>,
+    first: &Tensor<F>,
+    second: &Tensor<F>,
+    param_out: &mut Tensor<F>,
+    first_out: &mut Tensor<F>,
+    second_out: &mut Tensor<F>,
+    decay: f32,
+    l2: f32,
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    bias2_sqrt: f32,
+    eps: f32,
+    step_size: f32,
+    #[comptime] with_decay: bool,
+    #[comptime] with_l2: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < param_out.len() {
+        let mut p = param[i];
+        let mut g = grad[i];
+        if with_l2 {
+            g += p * F::cast_from(l2);
+        }
+        if with_decay {
+            p *= F::cast_from(decay);
+        }
+        let m = first[i] * F::cast_from(beta1) + g * F::cast_from(one_minus_beta1);
+        let v = second[i] * F::cast_from(beta2) + g * g * F::cast_from(one_minus_beta2);
+        let denom = F::sqrt(v) / F::cast_from(bias2_sqrt) + F::cast_from(eps);
+        param_out[i] = p - m / denom * F::cast_from(step_size);
+        first_out[i] = m;
+        second_out[i] = v;
+    }
+}

@@ -35,6 +35,8 @@
 //! - `dense.rs`: the dense layer [`dense`], whose gradients sum over rows in
 //!   parts (CubeCL's matmul and reduction leave most of a GPU idle on one
 //!   long row axis), with [`row_product`] and [`sum_rows`].
+//! - `adam.rs`: one Adam/AdamW step of a parameter as one op
+//!   ([`AttentionBackend::adam_step`]; a kernel on the CubeCL backends).
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, and the
@@ -56,9 +58,11 @@ use burn::tensor::activation;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
+mod adam;
 mod backward;
 mod dense;
 mod norm;
+pub use adam::{adam_step_ops, AdamStep};
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
 #[cfg(feature = "cubecl")]
 mod forward;
@@ -202,6 +206,28 @@ pub trait AttentionBackend: Backend {
     ) -> FloatTensor<Self> {
         // Burn's op: backends may fuse it.
         Self::layer_norm(x, gamma, beta, eps)
+    }
+
+    /// One Adam or AdamW step of one parameter: `(param, first, second)`
+    /// after it (see [`AdamStep`] for the formulas).
+    ///
+    /// The default is [`adam_step_ops`], a dozen element-wise ops; the CubeCL
+    /// backends run one kernel, and Burn's fusion backend one custom op, so
+    /// the host queues one op per parameter instead of a dozen.
+    ///
+    /// # Shapes
+    /// - param, grad, first, second: `[n]`, one float type; outputs the same
+    fn adam_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        first: FloatTensor<Self>,
+        second: FloatTensor<Self>,
+        step: AdamStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let wrap = |t| Tensor::<Self, 1>::from_primitive(TensorPrimitive::Float(t));
+        let (p, m, v) = adam_step_ops(wrap(param), wrap(grad), wrap(first), wrap(second), step);
+        let unwrap = |t: Tensor<Self, 1>| t.into_primitive().tensor();
+        (unwrap(p), unwrap(m), unwrap(v))
     }
 
     /// Whether [`AttentionBackend::seeded_dropout`] runs a kernel here.

@@ -11,9 +11,11 @@
 
 use std::collections::BTreeMap;
 
+use aam_models::{AdamStep, AttentionBackend};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorPrimitive;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -245,7 +247,7 @@ impl<B: Backend> GradientBuffer<B> {
     }
 }
 
-impl<B: Backend> Optimizer<B> {
+impl<B: AttentionBackend> Optimizer<B> {
     /// A fresh optimiser.
     pub fn new(config: OptimizerConfig) -> Self {
         Self {
@@ -552,7 +554,7 @@ fn flat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
 impl OptimizerConfig {
     /// The PyTorch update of flattened parameters `p` with gradients `g`;
     /// advances `state` (its step and moments) and returns the new values.
-    fn update<B: Backend>(
+    fn update<B: AttentionBackend>(
         &self,
         state: &mut ParamState<B>,
         p: Tensor<B, 1>,
@@ -565,25 +567,25 @@ impl OptimizerConfig {
         state.step += 1;
         match c.kind {
             OptimizerKind::Adamw | OptimizerKind::Adam => {
-                let (p, g) = if c.kind == OptimizerKind::Adamw {
-                    (if wd != 0.0 { p * (1.0 - lr * wd) } else { p }, g)
-                } else {
-                    let g = if wd != 0.0 { g + p.clone() * wd } else { g };
-                    (p, g)
-                };
-                let b1 = beta1.unwrap_or(c.beta1);
-                let b2 = c.beta2;
-                let m = state.first.clone() * b1 + g.clone() * (1.0 - b1);
-                let v =
-                    state.second.take().expect("adam state") * b2 + g.powi_scalar(2) * (1.0 - b2);
-                let t = state.step as i32;
-                let bias1 = 1.0 - b1.powi(t);
-                let bias2 = 1.0 - b2.powi(t);
-                let denom = v.clone().sqrt() / bias2.sqrt() + c.eps;
-                let p = p - m.clone() / denom * (lr / bias1);
-                state.first = m;
-                state.second = Some(v);
-                p
+                let step = AdamStep::new(
+                    lr,
+                    beta1.unwrap_or(c.beta1),
+                    c.beta2,
+                    c.eps,
+                    wd,
+                    c.kind == OptimizerKind::Adamw,
+                    state.step as i32,
+                );
+                // One op where the backend has the kernel (the CubeCL
+                // backends), else the same formulas as a dozen tensor ops.
+                let second = state.second.take().expect("adam state");
+                let [p, g, m, v] =
+                    [p, g, state.first.clone(), second].map(|t| t.into_primitive().tensor());
+                let (p, m, v) = B::adam_step(p, g, m, v, step);
+                let wrap = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
+                state.first = wrap(m);
+                state.second = Some(wrap(v));
+                wrap(p)
             }
             OptimizerKind::Sgd => {
                 let g = if wd != 0.0 { g + p.clone() * wd } else { g };

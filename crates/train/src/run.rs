@@ -27,6 +27,7 @@ use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPr
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
@@ -272,10 +273,7 @@ pub fn batch_tensors<B: Backend>(
     classifier: bool,
 ) -> (ModelInput<B>, LossTargets<B>) {
     let b = batch.batch_size();
-    let tokens = Tensor::<B, 3, Int>::from_data(
-        TensorData::new(batch.tokens.clone(), batch.tokens_shape()),
-        device,
-    );
+    let tokens = token_tensor::<B>(&batch.tokens, batch.tokens_shape(), device);
     let counts = Tensor::<B, 3>::from_data(
         TensorData::new(batch.counts.clone(), batch.counts_shape()),
         device,
@@ -319,6 +317,31 @@ pub fn batch_tensors<B: Backend>(
         sample_weights: None,
     };
     (input, targets)
+}
+
+/// Token ids `[B, S, L]` as an int tensor of the device's int type.
+///
+/// Built in that type here because Burn converts other types element by
+/// element through its generic `elem()`: for a real-sized batch's 1.2 M u8
+/// ids that took ~6 ms of the host every step on the H100 machine, a tenth of
+/// a step bound by the host (`benches/RESULTS.md`, fourteenth session).
+fn token_tensor<B: Backend>(
+    tokens: &[u8],
+    shape: [usize; 3],
+    device: &B::Device,
+) -> Tensor<B, 3, Int> {
+    let data = match DType::from(burn::tensor::get_device_settings::<B>(device).int_dtype) {
+        DType::I32 => TensorData::new(
+            tokens.iter().map(|&t| i32::from(t)).collect::<Vec<_>>(),
+            shape,
+        ),
+        DType::I64 => TensorData::new(
+            tokens.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
+            shape,
+        ),
+        _ => TensorData::new(tokens.to_vec(), shape),
+    };
+    Tensor::from_data(data, device)
 }
 
 /// A 64-bit mix (splitmix64) so neighbouring counters give unrelated seeds.
@@ -831,14 +854,18 @@ where
     })
 }
 
-fn step_model<AB: AutodiffBackend>(
+fn step_model<AB>(
     optimizer: &mut Optimizer<AB::InnerBackend>,
     model: AamModel<AB>,
     grads: GradientBuffer<AB::InnerBackend>,
     name: &dyn Fn(&str) -> String,
     lr: &dyn Fn(&str) -> f64,
     beta1: Option<f64>,
-) -> AamModel<AB> {
+) -> AamModel<AB>
+where
+    AB: AutodiffBackend,
+    AB::InnerBackend: AttentionBackend,
+{
     match model {
         AamModel::SequenceEncoder(m) => {
             AamModel::SequenceEncoder(optimizer.step::<AB, _>(m, grads, name, lr, beta1))

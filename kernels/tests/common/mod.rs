@@ -23,6 +23,10 @@ pub const GRAD_RTOL_F32: f32 = 1e-4;
 /// xorshift64*: fresh, reproducible random inputs without a dependency.
 pub struct Rng(u64);
 impl Rng {
+    /// A generator from a seed (any value; 0 is remapped).
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
     fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
@@ -32,7 +36,7 @@ impl Rng {
     fn uniform(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32
     }
-    fn normal(&mut self) -> f32 {
+    pub fn normal(&mut self) -> f32 {
         let (u1, u2) = (self.uniform().max(1e-7), self.uniform());
         (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
     }

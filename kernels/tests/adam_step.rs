@@ -1,0 +1,131 @@
+//! The Adam/AdamW kernel (`AttentionBackend::adam_step` on a CubeCL backend,
+//! one op per parameter) against the same step as Burn tensor ops
+//! (`adam_step_ops`), on the same backend and on ndarray, over several steps
+//! whose moments feed the next: AdamW with decoupled decay, Adam with the L2
+//! term, no decay, a changing β₁ (one-cycle), sizes around a cube's 256 units.
+//!
+//! Runs on CUDA when built with `--features cuda` (the device machine), else on
+//! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver). With `fusion`
+//! the kernel runs as a custom op of Burn's fusion stream.
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+mod common;
+
+use aam_kernels::{adam_step_ops, AdamStep, AttentionBackend};
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use common::*;
+
+fn tensor<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+}
+
+fn host<B: Backend>(t: &Tensor<B, 1>) -> Vec<f32> {
+    t.to_data().to_vec().expect("f32 values")
+}
+
+/// `|a − b| ≤ rtol·max(|a|, |b|)` element by element (plus a floor for
+/// zeros).
+fn assert_close(what: &str, a: &[f32], b: &[f32], rtol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        assert!(x.is_finite() && y.is_finite(), "{what}[{i}]: {x} vs {y}");
+        let bound = rtol * x.abs().max(y.abs()) + 1e-30;
+        assert!(
+            (x - y).abs() <= bound,
+            "{what}[{i}]: {x} vs {y} (rtol {rtol})"
+        );
+    }
+}
+
+/// Steps 1..=3 of one optimiser setting on `n` elements; the kernel's state
+/// feeds its next step, the ops' state theirs.
+fn check(n: usize, decoupled: bool, weight_decay: f64, seed: u64) {
+    let gpu = Default::default();
+    let cpu = Default::default();
+    let mut rng = Rng::new(seed);
+    let param: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+    let zeros = vec![0.0f32; n];
+    let mut kernel = [&param, &zeros, &zeros].map(|v| tensor::<Gpu>(v, &gpu));
+    let mut ops = kernel.clone();
+    let mut cpu_ops = [&param, &zeros, &zeros].map(|v| tensor::<Cpu>(v, &cpu));
+    for t in 1..=3 {
+        // Gradients of mixed scales, some exactly zero.
+        let grad: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 17 == 3 {
+                    0.0
+                } else {
+                    rng.normal() * 10f32.powi(i as i32 % 5 - 2)
+                }
+            })
+            .collect();
+        // One-cycle moves β₁ between steps.
+        let beta1 = [0.9, 0.85, 0.95][t as usize - 1];
+        let step = AdamStep::new(1e-3, beta1, 0.999, 1e-8, weight_decay, decoupled, t);
+        let before = host(&kernel[0]);
+        let [p, m, v] = kernel.map(|x| x.into_primitive().tensor());
+        let g = tensor::<Gpu>(&grad, &gpu).into_primitive().tensor();
+        let (p, m, v) = Gpu::adam_step(p, g, m, v, step);
+        kernel = [p, m, v].map(|x| Tensor::from_primitive(TensorPrimitive::Float(x)));
+        let [p, m, v] = ops;
+        let (p, m, v) = adam_step_ops(p, tensor::<Gpu>(&grad, &gpu), m, v, step);
+        ops = [p, m, v];
+        let [p, m, v] = cpu_ops;
+        let (p, m, v) = adam_step_ops(p, tensor::<Cpu>(&grad, &cpu), m, v, step);
+        cpu_ops = [p, m, v];
+        for (i, name) in ["param", "first moment", "second moment"]
+            .iter()
+            .enumerate()
+        {
+            let what = format!("n {n}, decoupled {decoupled}, wd {weight_decay}, step {t}: {name}");
+            let k = host(&kernel[i]);
+            // The same arithmetic in the same order on the same device: only
+            // the compiler's contractions may differ.
+            assert_close(&format!("{what} (kernel vs ops)"), &k, &host(&ops[i]), 1e-6);
+            // Another device's sqrt and division may differ by a few ulps.
+            assert_close(
+                &format!("{what} (kernel vs ndarray)"),
+                &k,
+                &host(&cpu_ops[i]),
+                1e-5,
+            );
+        }
+        // The update itself (~lr, small beside the parameter, so the
+        // comparison of parameters above hardly sees it), to 0.1% and the
+        // rounding of the parameters subtracted.
+        let (k, o) = (host(&kernel[0]), host(&ops[0]));
+        for i in 0..n {
+            let (dk, dop) = (
+                k[i] as f64 - before[i] as f64,
+                o[i] as f64 - before[i] as f64,
+            );
+            let bound = 1e-3 * dop.abs() + 4.0 * f32::EPSILON as f64 * (before[i] as f64).abs();
+            assert!(
+                (dk - dop).abs() <= bound,
+                "n {n}, step {t}: update [{i}] {dk} vs {dop}"
+            );
+        }
+    }
+    // The parameter moved: the step is not a no-op.
+    let moved = host(&kernel[0])
+        .iter()
+        .zip(&param)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(moved > n / 2, "only {moved} of {n} elements changed");
+}
+
+#[test]
+fn adamw_kernel_matches_the_ops() {
+    for (n, seed) in [(1, 1), (255, 2), (257, 3), (10_007, 4)] {
+        check(n, true, 0.01, seed);
+    }
+}
+
+#[test]
+fn adam_l2_and_no_decay_match_the_ops() {
+    check(1_001, false, 0.01, 5);
+    check(513, true, 0.0, 6);
+    check(513, false, 0.0, 7);
+}
