@@ -197,30 +197,23 @@ impl LayerNormBackward {
         let dy = grads.consume::<B>(&ops.node);
         let (saved, gamma) = ops.state;
         let (normalised, r) = match saved {
-            LayerNormSaved::Normalised(normalised, r) => (
-                Tensor::from_primitive(TensorPrimitive::Float(normalised)),
-                Tensor::from_primitive(TensorPrimitive::Float(r)),
-            ),
+            LayerNormSaved::Normalised(normalised, r) => (normalised, r),
             LayerNormSaved::Input(x_state, eps) => {
                 let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
-                crate::norm::normalise(Tensor::from_primitive(TensorPrimitive::Float(x)), eps)
+                let (_, normalised, r) = B::layer_norm_with_stats(x, gamma.clone(), None, eps);
+                (normalised, r)
             }
         };
-        let (dx, dgamma, dbeta) = crate::norm::layer_norm_backward::<B>(
-            normalised,
-            r,
-            Tensor::from_primitive(TensorPrimitive::Float(gamma)),
-            Tensor::from_primitive(TensorPrimitive::Float(dy)),
-        );
+        let (dx, dgamma, dbeta) = B::layer_norm_backward(normalised, r, gamma, dy);
         let parents = &ops.parents;
         if let Some(node) = &parents[0] {
-            grads.register::<B>(node.id, dx.into_primitive().tensor());
+            grads.register::<B>(node.id, dx);
         }
         if let Some(node) = &parents[1] {
-            grads.register::<B>(node.id, dgamma.into_primitive().tensor());
+            grads.register::<B>(node.id, dgamma);
         }
         if let Some(Some(node)) = parents.get(2) {
-            grads.register::<B>(node.id, dbeta.into_primitive().tensor());
+            grads.register::<B>(node.id, dbeta);
         }
     }
 }
@@ -236,23 +229,13 @@ fn layer_norm_tracked<B: AttentionBackend>(
     eps: f64,
     checkpointed: bool,
 ) -> (FloatTensor<B>, LayerNormState<B>) {
-    let float = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
-    let (normalised, r) =
-        crate::norm::normalise::<B>(Tensor::from_primitive(TensorPrimitive::Float(x)), eps);
-    let y = normalised.clone() * float(gamma.clone()).unsqueeze();
-    let y = match beta {
-        Some(beta) => y + float(beta).unsqueeze(),
-        None => y,
-    };
+    let (y, normalised, r) = B::layer_norm_with_stats(x, gamma.clone(), beta, eps);
     let saved = if checkpointed {
         LayerNormSaved::Input(x_state(), eps)
     } else {
-        LayerNormSaved::Normalised(
-            normalised.into_primitive().tensor(),
-            r.into_primitive().tensor(),
-        )
+        LayerNormSaved::Normalised(normalised, r)
     };
-    (y.into_primitive().tensor(), (saved, gamma))
+    (y, (saved, gamma))
 }
 
 impl<B: AttentionBackend> Backward<B, 3> for LayerNormBackward {

@@ -119,7 +119,7 @@ pub(crate) fn dense_forward<B: Backend>(
 /// # Shapes
 /// - x: `[M, K]`, weight: `[N, K]`, dy: `[M, N]`
 /// - dx: `[M, K]`, dw: `[N, K]`, db: `[N]`
-pub(crate) fn dense_backward<B: Backend>(
+pub(crate) fn dense_backward<B: crate::AttentionBackend>(
     x: Tensor<B, 2>,
     weight: Tensor<B, 2>,
     dy: Tensor<B, 2>,
@@ -131,7 +131,11 @@ pub(crate) fn dense_backward<B: Backend>(
 ) {
     let dx = want[0].then(|| matmul(dy.clone(), weight));
     let dw = want[1].then(|| row_product(dy.clone(), x));
-    let db = want[2].then(|| sum_rows(dy));
+    let db = want[2].then(|| {
+        Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::column_sum(
+            dy.into_primitive().tensor(),
+        )))
+    });
     (dx, dw, db)
 }
 

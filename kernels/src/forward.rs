@@ -11,7 +11,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
-    adam_step_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
+    adam_step_elements, column_partial_sums, layer_norm_backward_rows, layer_norm_rows, sum_partials, attention_backward_dkdv, attention_backward_dq, attention_forward,
     dropout_elements,
 };
 use crate::tensor_core::{
@@ -709,6 +709,75 @@ where
         (param_out, first_out, second_out)
     }
 
+    fn layer_norm_with_stats(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let x = into_contiguous(x);
+        let gamma = into_contiguous(gamma);
+        let beta = beta.map(into_contiguous);
+        let dims = x.meta.shape().clone();
+        let [rows, width] = [dims[0], dims[1]];
+        assert_eq!(gamma.meta.shape().num_elements(), width, "layer norm: γ's width");
+        let client = x.client.clone();
+        let empty = |shape: Shape| {
+            empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype)
+        };
+        let (y, normalised, r) = (empty(dims.clone()), empty(dims.clone()), empty(Shape::new([rows, 1])));
+        let cube_dim = CubeDim::new_1d(128);
+        let with_beta = beta.is_some();
+        layer_norm_rows::launch::<R>(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, rows, cube_dim),
+            cube_dim,
+            x.clone().into_tensor_arg(),
+            gamma.clone().into_tensor_arg(),
+            beta.unwrap_or(gamma).into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            normalised.clone().into_tensor_arg(),
+            r.clone().into_tensor_arg(),
+            eps as f32,
+            with_beta,
+            x.dtype.into(),
+        );
+        (y, normalised, r)
+    }
+
+    fn layer_norm_backward(
+        normalised: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let [normalised, r, gamma, dy] = [normalised, r, gamma, dy].map(into_contiguous);
+        let dims = dy.meta.shape().clone();
+        let rows = dims[0];
+        let client = dy.client.clone();
+        let dx =
+            empty_device_contiguous_dtype::<R>(client.clone(), dy.device.clone(), dims, dy.dtype);
+        let cube_dim = CubeDim::new_1d(128);
+        layer_norm_backward_rows::launch::<R>(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, rows, cube_dim),
+            cube_dim,
+            normalised.clone().into_tensor_arg(),
+            r.into_tensor_arg(),
+            gamma.into_tensor_arg(),
+            dy.clone().into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            dy.dtype.into(),
+        );
+        let dgamma = column_sums::<R>(&dy, Some(&normalised));
+        let dbeta = column_sums::<R>(&dy, None);
+        (dx, dgamma, dbeta)
+    }
+
+    fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        column_sums::<R>(&into_contiguous(t), None)
+    }
+
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         R::client(device)
             .memory_usage()
@@ -933,4 +1002,53 @@ where
         }
         (dq, dk, dv)
     }
+}
+
+/// Rows per part of [`column_sums`]: short parts make many units (a real-sized
+/// batch's 62,967 ASV-level rows × 128 columns give ~31,000), and the sum of
+/// the ~250 parts per column is cheap.
+const COLUMN_ROWS_PER_PART: usize = 256;
+
+/// `Σ_m a[m, c]·b[m, c]` (or `Σ_m a[m, c]`) over the rows of contiguous
+/// `[M, N]` tensors: partial sums over parts of rows, then their sum, each
+/// in f32 (two launches, one op for the host).
+fn column_sums<R: CubeRuntime>(a: &CubeTensor<R>, b: Option<&CubeTensor<R>>) -> CubeTensor<R> {
+    let dims = a.meta.shape();
+    let [rows, columns] = [dims[0], dims[1]];
+    let parts = rows.div_ceil(COLUMN_ROWS_PER_PART).max(1);
+    let client = a.client.clone();
+    let partial = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        a.device.clone(),
+        Shape::new([parts, columns]),
+        DType::F32,
+    );
+    let out = empty_device_contiguous_dtype::<R>(
+        client.clone(),
+        a.device.clone(),
+        Shape::new([columns]),
+        a.dtype,
+    );
+    let cube_dim = CubeDim::new_1d(256);
+    column_partial_sums::launch::<R>(
+        &client,
+        cubecl::calculate_cube_count_elemwise(&client, parts * columns, cube_dim),
+        cube_dim,
+        a.clone().into_tensor_arg(),
+        b.unwrap_or(a).clone().into_tensor_arg(),
+        partial.clone().into_tensor_arg(),
+        columns as u32,
+        COLUMN_ROWS_PER_PART as u32,
+        b.is_some(),
+        a.dtype.into(),
+    );
+    sum_partials::launch::<R>(
+        &client,
+        cubecl::calculate_cube_count_elemwise(&client, columns, cube_dim),
+        cube_dim,
+        partial.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        a.dtype.into(),
+    );
+    out
 }

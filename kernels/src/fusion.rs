@@ -8,7 +8,9 @@
 //! real tensors. The forward and the backward are one custom op each; seeded
 //! dropout is one too (its hash has no element-wise IR op to fuse into), and
 //! so is an Adam step of one parameter (a dozen ops that fusion would make
-//! one kernel anyway, recorded and fused by the host one by one).
+//! one kernel anyway, recorded and fused by the host one by one), and so are
+//! LayerNorm's forward and backward and the sum over rows (each a chain of
+//! ops that fusion splits at its reductions).
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Shape};
@@ -91,25 +93,62 @@ impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for Dropou
     }
 }
 
-/// One Adam/AdamW step: inputs `param, grad, first, second`, outputs the
-/// three after the step.
-#[derive(Debug)]
-struct AdamOp<B> {
+/// The inner backend's function behind a [`FloatOp`].
+type InnerFn<B> = dyn Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync;
+
+/// A custom op on float tensors only: `run` maps the inputs' inner tensors to
+/// the outputs' (the LayerNorm, column-sum and Adam kernels).
+struct FloatOp<B: FusionBackend> {
     desc: CustomOpIr,
-    step: AdamStep,
-    _backend: core::marker::PhantomData<B>,
+    run: Box<InnerFn<B>>,
 }
 
-impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for AdamOp<B> {
-    fn execute(&self, handles: &mut Handles<B>) {
-        let mut float = |i: usize| handles.get_float_tensor::<B>(&self.desc.inputs[i]);
-        let (param, grad, first, second) = (float(0), float(1), float(2), float(3));
-        let (param, first, second) = B::adam_step(param, grad, first, second, self.step);
-        let outputs = &self.desc.outputs;
-        handles.register_float_tensor::<B>(&outputs[0].id, param);
-        handles.register_float_tensor::<B>(&outputs[1].id, first);
-        handles.register_float_tensor::<B>(&outputs[2].id, second);
+impl<B: FusionBackend> core::fmt::Debug for FloatOp<B> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("FloatOp").field("desc", &self.desc).finish()
     }
+}
+
+impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for FloatOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let inputs = self
+            .desc
+            .inputs
+            .iter()
+            .map(|t| handles.get_float_tensor::<B>(t))
+            .collect();
+        let outputs = (self.run)(inputs);
+        assert_eq!(outputs.len(), self.desc.outputs.len(), "{}", self.desc.id);
+        for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
+            handles.register_float_tensor::<B>(&ir.id, tensor);
+        }
+    }
+}
+
+/// Registers `run` as the custom op `name` on `inputs` (at least one), with
+/// outputs of the given shapes and types.
+fn float_op<B: FusionBackend + AttentionBackend>(
+    name: &'static str,
+    inputs: Vec<FloatTensor<Fusion<B>>>,
+    outputs: Vec<(Shape, DType)>,
+    run: impl Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    let client = inputs[0].client.clone();
+    let outputs: Vec<TensorIr> = outputs
+        .into_iter()
+        .map(|(shape, dtype)| output::<B>(&inputs[0], shape, dtype))
+        .collect();
+    let mut streams = OperationStreams::default();
+    for t in &inputs {
+        streams.tensor(t);
+    }
+    let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+    let desc = CustomOpIr::new(name, &inputs, &outputs);
+    let op = FloatOp::<B> {
+        desc: desc.clone(),
+        run: Box::new(run),
+    };
+    client.register(streams, OperationIr::Custom(desc), op)
 }
 
 /// An output of a custom op: a fresh tensor id with its shape and type.
@@ -162,22 +201,79 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         second: FloatTensor<Self>,
         step: AdamStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let client = param.client.clone();
-        let out = || output::<B>(&param, param.shape.clone(), param.dtype);
-        let outputs = [out(), out(), out()];
-        let streams = OperationStreams::with_inputs([&param, &grad, &first, &second]);
-        let inputs = [param, grad, first, second].map(|t| t.into_ir());
-        let desc = CustomOpIr::new("aam_adam_step", &inputs, &outputs);
-        let op = AdamOp::<B> {
-            desc: desc.clone(),
-            step,
-            _backend: core::marker::PhantomData,
-        };
-        let mut outputs = client
-            .register(streams, OperationIr::Custom(desc), op)
-            .into_iter();
-        let mut next = || outputs.next().expect("adam step output");
+        let like = (param.shape.clone(), param.dtype);
+        let mut out = float_op::<B>(
+            "aam_adam_step",
+            vec![param, grad, first, second],
+            vec![like.clone(), like.clone(), like],
+            move |inputs| {
+                let [p, g, m, v] = <[_; 4]>::try_from(inputs).expect("four inputs");
+                let (p, m, v) = B::adam_step(p, g, m, v, step);
+                vec![p, m, v]
+            },
+        )
+        .into_iter();
+        let mut next = || out.next().expect("adam step output");
         (next(), next(), next())
+    }
+
+    fn layer_norm_with_stats(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let rows = x.shape[0];
+        let like = (x.shape.clone(), x.dtype);
+        let stats = (Shape::new([rows, 1]), x.dtype);
+        let mut inputs = vec![x, gamma];
+        inputs.extend(beta);
+        let mut out = float_op::<B>(
+            "aam_layer_norm",
+            inputs,
+            vec![like.clone(), like, stats],
+            move |inputs| {
+                let mut inputs = inputs.into_iter();
+                let (x, gamma) = (inputs.next().expect("x"), inputs.next().expect("γ"));
+                let (y, normalised, r) = B::layer_norm_with_stats(x, gamma, inputs.next(), eps);
+                vec![y, normalised, r]
+            },
+        )
+        .into_iter();
+        let mut next = || out.next().expect("layer norm output");
+        (next(), next(), next())
+    }
+
+    fn layer_norm_backward(
+        normalised: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let like = (dy.shape.clone(), dy.dtype);
+        let column = (gamma.shape.clone(), gamma.dtype);
+        let mut out = float_op::<B>(
+            "aam_layer_norm_backward",
+            vec![normalised, r, gamma, dy],
+            vec![like, column.clone(), column],
+            |inputs| {
+                let [normalised, r, gamma, dy] = <[_; 4]>::try_from(inputs).expect("four inputs");
+                let (dx, dgamma, dbeta) = B::layer_norm_backward(normalised, r, gamma, dy);
+                vec![dx, dgamma, dbeta]
+            },
+        )
+        .into_iter();
+        let mut next = || out.next().expect("layer norm gradient");
+        (next(), next(), next())
+    }
+
+    fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        let column = (Shape::new([t.shape[1]]), t.dtype);
+        float_op::<B>("aam_column_sum", vec![t], vec![column], |inputs| {
+            vec![B::column_sum(inputs.into_iter().next().expect("one input"))]
+        })
+        .pop()
+        .expect("column sum")
     }
 
     fn fused_attention_forward(

@@ -848,3 +848,150 @@ pub fn adam_step_elements<F: Float>(
         second_out[i] = v;
     }
 }
+
+/// LayerNorm of rows with its statistics: `y = x̂·γ (+ β)`, the normalised
+/// rows `x̂ = (x − mean)·r` and `r = 1/√(var + ε)` (biased variance), in f32.
+///
+/// Launch: one unit per row, cubes from `calculate_cube_count_elemwise` over
+/// the rows; `x`, `y`, `normalised` `[M, D]` contiguous, `r` `[M, 1]`. Without
+/// a shift `beta` is any tensor (unread).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_rows<F: Float>(
+    x: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    y: &mut Tensor<F>,
+    normalised: &mut Tensor<F>,
+    r: &mut Tensor<F>,
+    eps: f32,
+    #[comptime] with_beta: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = ABSOLUTE_POS;
+    let rows = r.len();
+    if row < rows {
+        let d = gamma.len();
+        let base = row * d;
+        let width = f32::cast_from(d);
+        let mut sum = 0.0f32;
+        for i in 0..d {
+            sum += f32::cast_from(x[base + i]);
+        }
+        let mean = sum / width;
+        let mut squares = 0.0f32;
+        for i in 0..d {
+            let centred = f32::cast_from(x[base + i]) - mean;
+            squares += centred * centred;
+        }
+        let rs = 1.0f32 / f32::sqrt(squares / width + eps);
+        r[row] = F::cast_from(rs);
+        for i in 0..d {
+            let n = (f32::cast_from(x[base + i]) - mean) * rs;
+            normalised[base + i] = F::cast_from(n);
+            let mut out = n * f32::cast_from(gamma[i]);
+            if with_beta {
+                out += f32::cast_from(beta[i]);
+            }
+            y[base + i] = F::cast_from(out);
+        }
+    }
+}
+
+/// LayerNorm's input gradient per row, `dx = r·(g − mean(g) − x̂·mean(g·x̂))`
+/// with `g = dy·γ` (`norm.rs`), in f32.
+///
+/// Launch: one unit per row; `normalised`, `dy`, `dx` `[M, D]` contiguous,
+/// `r` `[M, 1]`.
+#[cube(launch)]
+pub fn layer_norm_backward_rows<F: Float>(
+    normalised: &Tensor<F>,
+    r: &Tensor<F>,
+    gamma: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = ABSOLUTE_POS;
+    let rows = r.len();
+    if row < rows {
+        let d = gamma.len();
+        let base = row * d;
+        let width = f32::cast_from(d);
+        let mut sum_g = 0.0f32;
+        let mut sum_gx = 0.0f32;
+        for i in 0..d {
+            let g = f32::cast_from(dy[base + i]) * f32::cast_from(gamma[i]);
+            sum_g += g;
+            sum_gx += g * f32::cast_from(normalised[base + i]);
+        }
+        let mean_g = sum_g / width;
+        let mean_gx = sum_gx / width;
+        let rs = f32::cast_from(r[row]);
+        for i in 0..d {
+            let g = f32::cast_from(dy[base + i]) * f32::cast_from(gamma[i]);
+            let n = f32::cast_from(normalised[base + i]);
+            dx[base + i] = F::cast_from((g - mean_g - n * mean_gx) * rs);
+        }
+    }
+}
+
+/// Column sums of `[M, N]` rows in parts: `partial[p, c] = Σ a[m, c]·b[m, c]`
+/// (or of `a` alone) over rows `m` of part `p`, `rows_per_part` rows each
+/// (the last part may be short), in f32. Many parts keep the GPU busy where
+/// one sum per column would give each column to one unit (`dense.rs`).
+///
+/// Launch: one unit per `(part, column)`, index `p·N + c`; `partial`
+/// `[P, N]` f32.
+#[cube(launch)]
+pub fn column_partial_sums<F: Float>(
+    a: &Tensor<F>,
+    b: &Tensor<F>,
+    partial: &mut Tensor<f32>,
+    columns: u32,
+    rows_per_part: u32,
+    #[comptime] with_b: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let unit = ABSOLUTE_POS;
+    if unit < partial.len() {
+        let n = columns as usize;
+        let part = unit / n;
+        let column = unit % n;
+        let rows = a.len() / n;
+        let start = part * (rows_per_part as usize);
+        let stop = start + (rows_per_part as usize);
+        let end = select(stop < rows, stop, rows);
+        let mut sum = 0.0f32;
+        for m in start..end {
+            let at = m * n + column;
+            if with_b {
+                sum += f32::cast_from(a[at]) * f32::cast_from(b[at]);
+            } else {
+                sum += f32::cast_from(a[at]);
+            }
+        }
+        partial[unit] = sum;
+    }
+}
+
+/// The sum over parts of [`column_partial_sums`]: `out[c] = Σ_p partial[p, c]`.
+///
+/// Launch: one unit per column.
+#[cube(launch)]
+pub fn sum_partials<F: Float>(
+    partial: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let column = ABSOLUTE_POS;
+    let n = out.len();
+    if column < n {
+        let parts = partial.len() / n;
+        let mut sum = 0.0f32;
+        for p in 0..parts {
+            sum += partial[p * n + column];
+        }
+        out[column] = F::cast_from(sum);
+    }
+}

@@ -230,6 +230,75 @@ pub trait AttentionBackend: Backend {
         (unwrap(p), unwrap(m), unwrap(v))
     }
 
+    /// LayerNorm over the last axis of rows with the statistics its backward
+    /// needs: `(y, x̂, r)`, `x̂ = (x − mean)·r`, `r = 1/√(var + ε)` (biased
+    /// variance), `y = x̂·γ (+ β)`.
+    ///
+    /// The default is a dozen tensor ops (`norm.rs`); the CubeCL backends run
+    /// one kernel, and Burn's fusion backend one custom op: on a GPU the
+    /// training step is bound by the host's work per op.
+    ///
+    /// # Shapes
+    /// - x: `[M, D]`, gamma / beta: `[D]`
+    /// - y, x̂: `[M, D]`, r: `[M, 1]`
+    fn layer_norm_with_stats(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, normalised, r) = norm::layer_norm_with_stats_ops::<Self>(
+            Tensor::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::from_primitive(TensorPrimitive::Float(gamma)),
+            beta.map(|b| Tensor::from_primitive(TensorPrimitive::Float(b))),
+            eps,
+        );
+        (
+            y.into_primitive().tensor(),
+            normalised.into_primitive().tensor(),
+            r.into_primitive().tensor(),
+        )
+    }
+
+    /// LayerNorm's backward from [`AttentionBackend::layer_norm_with_stats`]'s
+    /// `x̂` and `r`: `(dx, dγ, dβ)` (the closed form of `norm.rs`; dγ and dβ
+    /// summed over the rows in parts). One kernel launch sequence and one
+    /// custom op where the backend has them, else tensor ops.
+    ///
+    /// # Shapes
+    /// - normalised, dy: `[M, D]`, r: `[M, 1]`, gamma: `[D]`
+    /// - dx: `[M, D]`, dγ / dβ: `[D]`
+    fn layer_norm_backward(
+        normalised: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dgamma, dbeta) = norm::layer_norm_backward_ops::<Self>(
+            Tensor::from_primitive(TensorPrimitive::Float(normalised)),
+            Tensor::from_primitive(TensorPrimitive::Float(r)),
+            Tensor::from_primitive(TensorPrimitive::Float(gamma)),
+            Tensor::from_primitive(TensorPrimitive::Float(dy)),
+        );
+        (
+            dx.into_primitive().tensor(),
+            dgamma.into_primitive().tensor(),
+            dbeta.into_primitive().tensor(),
+        )
+    }
+
+    /// The sum over the rows, in parts ([`sum_rows`]): one op where the
+    /// backend has the kernel (instead of a split, reshapes and two sums).
+    ///
+    /// # Shapes
+    /// - t: `[M, N]`
+    /// - output: `[N]`
+    fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {
+        sum_rows::<Self>(Tensor::from_primitive(TensorPrimitive::Float(t)))
+            .into_primitive()
+            .tensor()
+    }
+
     /// Whether [`AttentionBackend::seeded_dropout`] runs a kernel here.
     fn has_seeded_dropout() -> bool {
         false

@@ -42,13 +42,33 @@ pub(crate) fn normalise<B: Backend>(x: Tensor<B, 2>, eps: f64) -> (Tensor<B, 2>,
     (centred * r.clone(), r)
 }
 
+/// `(y, x̂, r)` as tensor ops: [`normalise`], then the scale and shift.
+///
+/// # Shapes
+/// - x: `[M, D]`, gamma / beta: `[D]`
+/// - y, x̂: `[M, D]`, r: `[M, 1]`
+pub(crate) fn layer_norm_with_stats_ops<B: Backend>(
+    x: Tensor<B, 2>,
+    gamma: Tensor<B, 1>,
+    beta: Option<Tensor<B, 1>>,
+    eps: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>) {
+    let (normalised, r) = normalise(x, eps);
+    let y = normalised.clone() * gamma.unsqueeze();
+    let y = match beta {
+        Some(beta) => y + beta.unsqueeze(),
+        None => y,
+    };
+    (y, normalised, r)
+}
+
 /// `(dx, dγ, dβ)` of LayerNorm from its normalised rows `x̂`, reciprocal
-/// standard deviations `r`, `γ` and the output gradient.
+/// standard deviations `r`, `γ` and the output gradient, as tensor ops.
 ///
 /// # Shapes
 /// - normalised, dy: `[M, D]`, r: `[M, 1]`, gamma: `[D]`
 /// - dx: `[M, D]`, dγ / dβ: `[D]`
-pub(crate) fn layer_norm_backward<B: Backend>(
+pub(crate) fn layer_norm_backward_ops<B: Backend>(
     normalised: Tensor<B, 2>,
     r: Tensor<B, 2>,
     gamma: Tensor<B, 1>,
