@@ -11,9 +11,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
-use burn::prelude::*;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
-use burn::tensor::TensorPrimitive;
 
 use crate::{AttentionBackend, AttentionDropout};
 
@@ -126,21 +124,16 @@ impl DenseBackward {
         let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
         let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
         let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
-        let (dx, dw, db) = crate::dense::dense_backward::<B>(
-            Tensor::from_primitive(TensorPrimitive::Float(x)),
-            Tensor::from_primitive(TensorPrimitive::Float(w)),
-            Tensor::from_primitive(TensorPrimitive::Float(dy)),
-            want,
-        );
+        let (dx, dw, db) = B::dense_backward(x, w, dy, want);
         let parents = &ops.parents;
         if let (Some(node), Some(dx)) = (&parents[0], dx) {
-            grads.register::<B>(node.id, dx.into_primitive().tensor());
+            grads.register::<B>(node.id, dx);
         }
         if let (Some(node), Some(dw)) = (&parents[1], dw) {
-            grads.register::<B>(node.id, dw.into_primitive().tensor());
+            grads.register::<B>(node.id, dw);
         }
         if let (Some(Some(node)), Some(db)) = (parents.get(2), db) {
-            grads.register::<B>(node.id, db.into_primitive().tensor());
+            grads.register::<B>(node.id, db);
         }
     }
 }

@@ -217,6 +217,41 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         (next(), next(), next())
     }
 
+    fn dense_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        want: [bool; 3],
+    ) -> (
+        Option<FloatTensor<Self>>,
+        Option<FloatTensor<Self>>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let shapes = [
+            (x.shape.clone(), x.dtype),
+            (weight.shape.clone(), weight.dtype),
+            (Shape::new([weight.shape[0]]), weight.dtype),
+        ];
+        let outputs = shapes
+            .into_iter()
+            .zip(want)
+            .filter_map(|(shape, wanted)| wanted.then_some(shape))
+            .collect();
+        let mut out = float_op::<B>(
+            "aam_dense_backward",
+            vec![x, weight, dy],
+            outputs,
+            move |inputs| {
+                let [x, weight, dy] = <[_; 3]>::try_from(inputs).expect("three inputs");
+                let (dx, dw, db) = B::dense_backward(x, weight, dy, want);
+                [dx, dw, db].into_iter().flatten().collect()
+            },
+        )
+        .into_iter();
+        let mut next = |wanted: bool| wanted.then(|| out.next().expect("dense gradient"));
+        (next(want[0]), next(want[1]), next(want[2]))
+    }
+
     fn layer_norm_with_stats(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,

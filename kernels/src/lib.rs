@@ -187,6 +187,38 @@ pub trait AttentionBackend: Backend {
         .tensor()
     }
 
+    /// The gradients `(dx, dw, db)` of [`AttentionBackend::dense`] from its
+    /// input, weight and output gradient, each only where `want` asks
+    /// (`dense.rs`: `dx = dy·w`, and `dw`, `db` summed over the rows in parts).
+    ///
+    /// The default is tensor ops on this backend; Burn's fusion backend runs
+    /// them on its inner backend as one custom op (a dozen fewer ops for the
+    /// host to record and fuse per layer: matmuls and reductions, which
+    /// fusion would not merge anyway).
+    ///
+    /// # Shapes
+    /// - x: `[M, K]`, weight: `[N, K]`, dy: `[M, N]`
+    /// - dx: `[M, K]`, dw: `[N, K]`, db: `[N]`
+    #[allow(clippy::type_complexity)]
+    fn dense_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        want: [bool; 3],
+    ) -> (
+        Option<FloatTensor<Self>>,
+        Option<FloatTensor<Self>>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let wrap = |t| Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(t));
+        let (dx, dw, db) = dense::dense_backward::<Self>(wrap(x), wrap(weight), wrap(dy), want);
+        (
+            dx.map(|t| t.into_primitive().tensor()),
+            dw.map(|t| t.into_primitive().tensor()),
+            db.map(|t| t.into_primitive().tensor()),
+        )
+    }
+
     /// LayerNorm over the last axis of rows (biased variance, as
     /// `torch.nn.LayerNorm`), with optional shift.
     ///
