@@ -11,8 +11,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
-    adam_step_elements, column_partial_sums, layer_norm_backward_rows, layer_norm_rows, sum_partials, attention_backward_dkdv, attention_backward_dq, attention_forward,
-    dropout_elements,
+    adam_step_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
+    column_partial_sums, dropout_elements, layer_norm_backward_rows, layer_norm_rows, sum_partials,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -720,12 +720,20 @@ where
         let beta = beta.map(into_contiguous);
         let dims = x.meta.shape().clone();
         let [rows, width] = [dims[0], dims[1]];
-        assert_eq!(gamma.meta.shape().num_elements(), width, "layer norm: γ's width");
+        assert_eq!(
+            gamma.meta.shape().num_elements(),
+            width,
+            "layer norm: γ's width"
+        );
         let client = x.client.clone();
         let empty = |shape: Shape| {
             empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype)
         };
-        let (y, normalised, r) = (empty(dims.clone()), empty(dims.clone()), empty(Shape::new([rows, 1])));
+        let (y, normalised, r) = (
+            empty(dims.clone()),
+            empty(dims.clone()),
+            empty(Shape::new([rows, 1])),
+        );
         let cube_dim = CubeDim::new_1d(128);
         let with_beta = beta.is_some();
         layer_norm_rows::launch::<R>(
@@ -769,13 +777,12 @@ where
             dx.clone().into_tensor_arg(),
             dy.dtype.into(),
         );
-        let dgamma = column_sums::<R>(&dy, Some(&normalised));
-        let dbeta = column_sums::<R>(&dy, None);
-        (dx, dgamma, dbeta)
+        let (dbeta, dgamma) = column_sums::<R>(&dy, Some(&normalised));
+        (dx, dgamma.expect("Σ dy·x̂ was asked for"), dbeta)
     }
 
     fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {
-        column_sums::<R>(&into_contiguous(t), None)
+        column_sums::<R>(&into_contiguous(t), None).0
     }
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
@@ -1009,30 +1016,38 @@ where
 /// the ~250 parts per column is cheap.
 const COLUMN_ROWS_PER_PART: usize = 256;
 
-/// `Σ_m a[m, c]·b[m, c]` (or `Σ_m a[m, c]`) over the rows of contiguous
-/// `[M, N]` tensors: partial sums over parts of rows, then their sum, each
-/// in f32 (two launches, one op for the host).
-fn column_sums<R: CubeRuntime>(a: &CubeTensor<R>, b: Option<&CubeTensor<R>>) -> CubeTensor<R> {
+/// `(Σ_m a[m, c], Σ_m a[m, c]·b[m, c])` (the second only with `b`) over the
+/// rows of contiguous `[M, N]` tensors: partial sums over parts of rows,
+/// then their sums, in f32 (two launches for both, one op for the host).
+fn column_sums<R: CubeRuntime>(
+    a: &CubeTensor<R>,
+    b: Option<&CubeTensor<R>>,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
     let dims = a.meta.shape();
     let [rows, columns] = [dims[0], dims[1]];
-    let parts = rows.div_ceil(COLUMN_ROWS_PER_PART).max(1);
+    let parts = rows.div_ceil(COLUMN_ROWS_PER_PART);
     let client = a.client.clone();
+    let sums = if b.is_some() { 2 } else { 1 };
     let partial = empty_device_contiguous_dtype::<R>(
         client.clone(),
         a.device.clone(),
-        Shape::new([parts, columns]),
+        Shape::new([sums, parts.max(1), columns]),
         DType::F32,
     );
-    let out = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        a.device.clone(),
-        Shape::new([columns]),
-        a.dtype,
-    );
+    let column = || {
+        empty_device_contiguous_dtype::<R>(
+            client.clone(),
+            a.device.clone(),
+            Shape::new([columns]),
+            a.dtype,
+        )
+    };
+    let sum = column();
+    let sum_ab = b.map(|_| column());
     let cube_dim = CubeDim::new_1d(256);
     column_partial_sums::launch::<R>(
         &client,
-        cubecl::calculate_cube_count_elemwise(&client, parts * columns, cube_dim),
+        cubecl::calculate_cube_count_elemwise(&client, (parts * columns).max(1), cube_dim),
         cube_dim,
         a.clone().into_tensor_arg(),
         b.unwrap_or(a).clone().into_tensor_arg(),
@@ -1047,8 +1062,11 @@ fn column_sums<R: CubeRuntime>(a: &CubeTensor<R>, b: Option<&CubeTensor<R>>) -> 
         cubecl::calculate_cube_count_elemwise(&client, columns, cube_dim),
         cube_dim,
         partial.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
+        sum.clone().into_tensor_arg(),
+        sum_ab.as_ref().unwrap_or(&sum).clone().into_tensor_arg(),
+        parts as u32,
+        b.is_some(),
         a.dtype.into(),
     );
-    out
+    (sum, sum_ab)
 }

@@ -936,13 +936,14 @@ pub fn layer_norm_backward_rows<F: Float>(
     }
 }
 
-/// Column sums of `[M, N]` rows in parts: `partial[p, c] = Σ a[m, c]·b[m, c]`
-/// (or of `a` alone) over rows `m` of part `p`, `rows_per_part` rows each
-/// (the last part may be short), in f32. Many parts keep the GPU busy where
-/// one sum per column would give each column to one unit (`dense.rs`).
+/// Column sums of `[M, N]` rows in parts: `partial[0, p, c] = Σ a[m, c]`
+/// and, with `b`, `partial[1, p, c] = Σ a[m, c]·b[m, c]`, over rows `m` of
+/// part `p` (`rows_per_part` rows each, the last part may be short), in f32.
+/// Many parts keep the GPU busy where one sum per column would give each
+/// column to one unit (`dense.rs`).
 ///
 /// Launch: one unit per `(part, column)`, index `p·N + c`; `partial`
-/// `[P, N]` f32.
+/// `[1 or 2, P, N]` f32.
 #[cube(launch)]
 pub fn column_partial_sums<F: Float>(
     a: &Tensor<F>,
@@ -954,44 +955,60 @@ pub fn column_partial_sums<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let unit = ABSOLUTE_POS;
-    if unit < partial.len() {
-        let n = columns as usize;
+    let n = columns as usize;
+    let rows = a.len() / n;
+    let parts = rows.div_ceil(rows_per_part as usize);
+    if unit < parts * n {
         let part = unit / n;
         let column = unit % n;
-        let rows = a.len() / n;
         let start = part * (rows_per_part as usize);
         let stop = start + (rows_per_part as usize);
         let end = select(stop < rows, stop, rows);
         let mut sum = 0.0f32;
+        let mut sum_ab = 0.0f32;
         for m in start..end {
             let at = m * n + column;
+            let x = f32::cast_from(a[at]);
+            sum += x;
             if with_b {
-                sum += f32::cast_from(a[at]) * f32::cast_from(b[at]);
-            } else {
-                sum += f32::cast_from(a[at]);
+                sum_ab += x * f32::cast_from(b[at]);
             }
         }
         partial[unit] = sum;
+        if with_b {
+            partial[parts * n + unit] = sum_ab;
+        }
     }
 }
 
-/// The sum over parts of [`column_partial_sums`]: `out[c] = Σ_p partial[p, c]`.
+/// The sums over parts of [`column_partial_sums`]: `sum[c] = Σ_p
+/// partial[0, p, c]` and, with `b`, `sum_ab[c] = Σ_p partial[1, p, c]`.
 ///
 /// Launch: one unit per column.
 #[cube(launch)]
 pub fn sum_partials<F: Float>(
     partial: &Tensor<f32>,
-    out: &mut Tensor<F>,
+    sum: &mut Tensor<F>,
+    sum_ab: &mut Tensor<F>,
+    parts: u32,
+    #[comptime] with_b: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let column = ABSOLUTE_POS;
-    let n = out.len();
+    let n = sum.len();
     if column < n {
-        let parts = partial.len() / n;
-        let mut sum = 0.0f32;
+        let parts = parts as usize;
+        let mut total = 0.0f32;
+        let mut total_ab = 0.0f32;
         for p in 0..parts {
-            sum += partial[p * n + column];
+            total += partial[p * n + column];
+            if with_b {
+                total_ab += partial[(parts + p) * n + column];
+            }
         }
-        out[column] = F::cast_from(sum);
+        sum[column] = F::cast_from(total);
+        if with_b {
+            sum_ab[column] = F::cast_from(total_ab);
+        }
     }
 }

@@ -40,7 +40,12 @@ fn run_layer_norm<Ad: AutodiffBackend + AttentionBackend>(
     let gamma = tensor::<Ad, 1>(&inputs[1], [width]).require_grad();
     let beta = tensor::<Ad, 1>(&inputs[2], [width]).require_grad();
     let dy = tensor::<Ad, 2>(&inputs[3], [rows, width]);
-    let y = layer_norm(x.clone(), gamma.clone(), with_beta.then(|| beta.clone()), 1e-5);
+    let y = layer_norm(
+        x.clone(),
+        gamma.clone(),
+        with_beta.then(|| beta.clone()),
+        1e-5,
+    );
     let grads = (y.clone() * dy).sum().backward();
     let mut out = vec![
         values(y),
@@ -97,7 +102,11 @@ fn dense_bias_gradient_is_the_column_sum() {
             [rows, k, n]: [usize; 3],
         ) -> Vec<f32> {
             let bias = tensor::<Ad, 1>(b, [n]).require_grad();
-            let y = dense(tensor::<Ad, 2>(x, [rows, k]), tensor(w, [n, k]), Some(bias.clone()));
+            let y = dense(
+                tensor::<Ad, 2>(x, [rows, k]),
+                tensor(w, [n, k]),
+                Some(bias.clone()),
+            );
             let grads = (y * tensor::<Ad, 2>(dy, [rows, n])).sum().backward();
             values(bias.grad(&grads).expect("db"))
         }
