@@ -73,16 +73,7 @@ impl<B: AttentionBackend> Backward<B, 1> for GeluExactBackward {
     ) {
         let x: FloatTensor<B> = checkpointer.retrieve_node_output(ops.state);
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            // φ(x) = exp(−x²/2)/√(2π)
-            let pdf = B::float_mul_scalar(
-                B::float_exp(B::float_mul_scalar(
-                    B::float_powi_scalar(x.clone(), 2.into()),
-                    (-0.5).into(),
-                )),
-                (1.0 / (2.0 * std::f64::consts::PI).sqrt()).into(),
-            );
-            let derivative = B::float_add(crate::normal_cdf::<B>(x.clone()), B::float_mul(x, pdf));
-            B::float_mul(grad, derivative)
+            B::gelu_exact_backward(x, grad)
         });
     }
 }

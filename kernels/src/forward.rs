@@ -12,7 +12,8 @@ use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
     adam_step_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
-    column_partial_sums, dropout_elements, layer_norm_backward_rows, layer_norm_rows, sum_partials,
+    column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements,
+    layer_norm_backward_rows, layer_norm_rows, sum_partials,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -707,6 +708,45 @@ where
             dtype.into(),
         );
         (param_out, first_out, second_out)
+    }
+
+    fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let x = into_contiguous(x);
+        let shape = x.meta.shape().clone();
+        let elements = shape.num_elements();
+        let client = x.client.clone();
+        let y =
+            empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype);
+        let cube_dim = CubeDim::new_1d(256);
+        gelu_elements::launch::<R>(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cube_dim,
+            x.clone().into_tensor_arg(),
+            y.clone().into_tensor_arg(),
+            x.dtype.into(),
+        );
+        y
+    }
+
+    fn gelu_exact_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        let [x, dy] = [x, dy].map(into_contiguous);
+        let shape = dy.meta.shape().clone();
+        let elements = shape.num_elements();
+        let client = dy.client.clone();
+        let dx =
+            empty_device_contiguous_dtype::<R>(client.clone(), dy.device.clone(), shape, dy.dtype);
+        let cube_dim = CubeDim::new_1d(256);
+        gelu_backward_elements::launch::<R>(
+            &client,
+            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cube_dim,
+            x.into_tensor_arg(),
+            dy.clone().into_tensor_arg(),
+            dx.clone().into_tensor_arg(),
+            dy.dtype.into(),
+        );
+        dx
     }
 
     fn layer_norm_with_stats(

@@ -252,6 +252,25 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         (next(want[0]), next(want[1]), next(want[2]))
     }
 
+    fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let like = (x.shape.clone(), x.dtype);
+        float_op::<B>("aam_gelu", vec![x], vec![like], |inputs| {
+            vec![B::gelu_exact(inputs.into_iter().next().expect("x"))]
+        })
+        .pop()
+        .expect("gelu output")
+    }
+
+    fn gelu_exact_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        let like = (dy.shape.clone(), dy.dtype);
+        float_op::<B>("aam_gelu_backward", vec![x, dy], vec![like], |inputs| {
+            let [x, dy] = <[_; 2]>::try_from(inputs).expect("two inputs");
+            vec![B::gelu_exact_backward(x, dy)]
+        })
+        .pop()
+        .expect("gelu gradient")
+    }
+
     fn layer_norm_with_stats(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,

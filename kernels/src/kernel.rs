@@ -1012,3 +1012,36 @@ pub fn sum_partials<F: Float>(
         }
     }
 }
+
+/// Exact GELU per element, `y = x·Φ(x)`, `Φ(x) = ½·(1 + erf(x/√2))`, in f32.
+///
+/// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
+#[cube(launch)]
+pub fn gelu_elements<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
+    let i = ABSOLUTE_POS;
+    if i < y.len() {
+        let v = f32::cast_from(x[i]);
+        let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
+        y[i] = F::cast_from(v * cdf);
+    }
+}
+
+/// Exact GELU's input gradient per element, `dx = dy·(Φ(x) + x·φ(x))`,
+/// `φ(x) = exp(−x²/2)/√(2π)`, in f32.
+///
+/// Launch: one unit per element.
+#[cube(launch)]
+pub fn gelu_backward_elements<F: Float>(
+    x: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i < dx.len() {
+        let v = f32::cast_from(x[i]);
+        let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
+        let pdf = f32::exp(-0.5f32 * v * v) * 0.398_942_3f32;
+        dx[i] = F::cast_from(f32::cast_from(dy[i]) * (cdf + v * pdf));
+    }
+}

@@ -163,6 +163,23 @@ pub trait AttentionBackend: Backend {
         Self::float_mul(x, cdf)
     }
 
+    /// The input gradient of [`AttentionBackend::gelu_exact`] at `x`:
+    /// `dy·(Φ(x) + x·φ(x))`. Tensor ops by default; one kernel on the CubeCL
+    /// backends and one custom op under fusion (a dozen fewer host ops per
+    /// feed-forward layer).
+    fn gelu_exact_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        // φ(x) = exp(−x²/2)/√(2π)
+        let pdf = Self::float_mul_scalar(
+            Self::float_exp(Self::float_mul_scalar(
+                Self::float_powi_scalar(x.clone(), 2.into()),
+                (-0.5).into(),
+            )),
+            (1.0 / (2.0 * std::f64::consts::PI).sqrt()).into(),
+        );
+        let derivative = Self::float_add(normal_cdf::<Self>(x.clone()), Self::float_mul(x, pdf));
+        Self::float_mul(dy, derivative)
+    }
+
     /// A dense layer on rows, `y = x·wᵀ + b`, weight in torch layout.
     ///
     /// A backend extension for its gradient, not its value: `Autodiff<B>`

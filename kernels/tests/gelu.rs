@@ -1,0 +1,51 @@
+//! The exact-GELU kernels (`AttentionBackend::{gelu_exact,
+//! gelu_exact_backward}` on a CubeCL backend) against the tensor-op versions
+//! on ndarray, through autodiff as the feed-forward layer uses them: value and
+//! input gradient of `gelu_exact` under autodiff, over a range that covers both
+//! tails, at sizes around a cube's 256 units.
+//!
+//! Runs on CUDA when built with `--features cuda` (the device machine), else on
+//! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver). With `fusion`
+//! the kernels run as custom ops of Burn's fusion stream.
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+mod common;
+
+use aam_kernels::AttentionBackend;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorPrimitive;
+use common::*;
+
+fn run<Ad: AutodiffBackend + AttentionBackend>(x: &[f32], dy: &[f32]) -> [Vec<f32>; 2] {
+    let device = Default::default();
+    let n = x.len();
+    let x = Tensor::<Ad, 1>::from_data(TensorData::new(x.to_vec(), [n]), &device).require_grad();
+    let dy = Tensor::<Ad, 1>::from_data(TensorData::new(dy.to_vec(), [n]), &device);
+    let y: Tensor<Ad, 1> = Tensor::from_primitive(TensorPrimitive::Float(Ad::gelu_exact(
+        x.clone().into_primitive().tensor(),
+    )));
+    let grads = (y.clone() * dy).sum().backward();
+    [values(y), values(x.grad(&grads).expect("dx"))]
+}
+
+#[test]
+fn gelu_kernels_match_the_ops() {
+    let mut rng = Rng::new(13);
+    for n in [1, 255, 257, 10_000] {
+        // Mostly N(0, 2), with both tails (erf saturates) at the ends.
+        let mut x: Vec<f32> = (0..n).map(|_| 2.0 * rng.normal()).collect();
+        if n > 2 {
+            x[0] = -9.0;
+            x[n - 1] = 9.0;
+        }
+        let dy: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+        let got = run::<GpuAd>(&x, &dy);
+        let want = run::<CpuAd>(&x, &dy);
+        for (i, name) in ["y", "dx"].iter().enumerate() {
+            // erf as an f32 polynomial (CubeCL's, 1.5e-7) against libm's.
+            let err = rel(&got[i], &want[i]);
+            assert!(err <= 2e-6, "n {n}: {name} off by {err:e}");
+        }
+    }
+}
