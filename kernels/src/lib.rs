@@ -7,7 +7,11 @@
 //! whose Burn autodiff costs a training step dearly: exact GELU, LayerNorm and
 //! the dense layer, each one node with a lean backward, and dropout whose
 //! mask is a hash of a seed and the element index (redrawn in the backward
-//! pass, never stored).
+//! pass, never stored). On a GPU a training step is bound by the host's work
+//! per op, so on the CubeCL backends GELU, LayerNorm's forward and backward,
+//! the dense backward, the sum over rows and an Adam step are one op each
+//! too (a kernel, or one custom op of Burn's fusion stream), with the tensor
+//! ops as the default everywhere else.
 //!
 //! Why it exists: AAM attention is almost always masked (ASVs padded to 151
 //! tokens, samples padded to 1024 ASV slots), and the PyTorch reference's fast
@@ -39,8 +43,9 @@
 //!   ([`AttentionBackend::adam_step`]; a kernel on the CubeCL backends).
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
-//! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, and the
-//!   element-wise seeded dropout behind [`dropout`]).
+//! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
+//!   element-wise seeded dropout behind [`dropout`], and the one-op GELU,
+//!   LayerNorm, column-sum and Adam kernels).
 //! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and

@@ -14,6 +14,12 @@
 //! - `dx = r·(g − mean(g) − x̂·mean(g·x̂))` (means over the row),
 //! - `dγ = Σ_rows dy·x̂`, `dβ = Σ_rows dy`, summed in parts ([`crate::sum_rows`]).
 //!
+//! Here as tensor ops, the default of
+//! [`AttentionBackend::layer_norm_with_stats`](crate::AttentionBackend::layer_norm_with_stats)
+//! and [`AttentionBackend::layer_norm_backward`](crate::AttentionBackend::layer_norm_backward);
+//! the CubeCL backends compute the same in kernels (`kernel.rs`: one unit
+//! per row, f32 sums), one op for the host instead of a dozen or two.
+//!
 //! Without gradient checkpointing the node keeps `x̂` and `r` from the
 //! forward pass (as much memory as keeping its input, which nothing else
 //! keeps). With it, the node keeps its input as a checkpoint and recomputes
