@@ -323,7 +323,7 @@ pub fn batch_tensors<B: Backend>(
 ///
 /// Built in that type here because Burn converts other types element by
 /// element through its generic `elem()`: for a real-sized batch's 1.2 M u8
-/// ids that took ~6 ms of the host every step on the H100 machine, a tenth of
+/// ids that took ~3 ms of the host every step on the H100 machine, ~4% of
 /// a step bound by the host (`benches/RESULTS.md`, fourteenth session).
 fn token_tensor<B: Backend>(
     tokens: &[u8],
