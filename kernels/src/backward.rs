@@ -184,6 +184,8 @@ impl LayerNormBackward {
             LayerNormSaved::Normalised(normalised, r) => (normalised, r),
             LayerNormSaved::Input(x_state, eps) => {
                 let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
+                // The forward's own op, so `x̂` and `r` are bit for bit the
+                // kept ones (its `y`, unused here, is the price).
                 let (_, normalised, r) = B::layer_norm_with_stats(x, gamma.clone(), None, eps);
                 (normalised, r)
             }

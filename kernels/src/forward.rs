@@ -630,12 +630,11 @@ where
             "dropout: {elements} elements exceed the kernel's u32 index"
         );
         let client = x.client.clone();
-        let out =
-            empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype);
-        let cube_dim = CubeDim::new_1d(256);
+        let out = empty(&x, shape, x.dtype);
+        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
         dropout_elements::launch::<R>(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cubes,
             cube_dim,
             x.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -670,22 +669,15 @@ where
         let shape = param.meta.shape().clone();
         let elements = shape.num_elements();
         let client = param.client.clone();
-        let empty = || {
-            empty_device_contiguous_dtype::<R>(
-                client.clone(),
-                param.device.clone(),
-                shape.clone(),
-                dtype,
-            )
-        };
-        let (param_out, first_out, second_out) = (empty(), empty(), empty());
-        let cube_dim = CubeDim::new_1d(256);
+        let out = || empty(&param, shape.clone(), dtype);
+        let (param_out, first_out, second_out) = (out(), out(), out());
+        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
         // As `Tensor * f64` does: the coefficient rounded to f32 (and then,
         // in the kernel, to the element type).
         let f = |x: f64| x as f32;
         adam_step_elements::launch::<R>(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cubes,
             cube_dim,
             param.into_tensor_arg(),
             grad.into_tensor_arg(),
@@ -715,12 +707,11 @@ where
         let shape = x.meta.shape().clone();
         let elements = shape.num_elements();
         let client = x.client.clone();
-        let y =
-            empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype);
-        let cube_dim = CubeDim::new_1d(256);
+        let y = empty(&x, shape, x.dtype);
+        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
         gelu_elements::launch::<R>(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cubes,
             cube_dim,
             x.clone().into_tensor_arg(),
             y.clone().into_tensor_arg(),
@@ -734,12 +725,11 @@ where
         let shape = dy.meta.shape().clone();
         let elements = shape.num_elements();
         let client = dy.client.clone();
-        let dx =
-            empty_device_contiguous_dtype::<R>(client.clone(), dy.device.clone(), shape, dy.dtype);
-        let cube_dim = CubeDim::new_1d(256);
+        let dx = empty(&dy, shape, dy.dtype);
+        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
         gelu_backward_elements::launch::<R>(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, elements, cube_dim),
+            cubes,
             cube_dim,
             x.into_tensor_arg(),
             dy.clone().into_tensor_arg(),
@@ -766,19 +756,16 @@ where
             "layer norm: γ's width"
         );
         let client = x.client.clone();
-        let empty = |shape: Shape| {
-            empty_device_contiguous_dtype::<R>(client.clone(), x.device.clone(), shape, x.dtype)
-        };
         let (y, normalised, r) = (
-            empty(dims.clone()),
-            empty(dims.clone()),
-            empty(Shape::new([rows, 1])),
+            empty(&x, dims.clone(), x.dtype),
+            empty(&x, dims.clone(), x.dtype),
+            empty(&x, Shape::new([rows, 1]), x.dtype),
         );
-        let cube_dim = CubeDim::new_1d(128);
+        let (cubes, cube_dim) = one_unit_each(&client, rows, 128);
         let with_beta = beta.is_some();
         layer_norm_rows::launch::<R>(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, rows, cube_dim),
+            cubes,
             cube_dim,
             x.clone().into_tensor_arg(),
             gamma.clone().into_tensor_arg(),
@@ -803,12 +790,11 @@ where
         let dims = dy.meta.shape().clone();
         let rows = dims[0];
         let client = dy.client.clone();
-        let dx =
-            empty_device_contiguous_dtype::<R>(client.clone(), dy.device.clone(), dims, dy.dtype);
-        let cube_dim = CubeDim::new_1d(128);
+        let dx = empty(&dy, dims, dy.dtype);
+        let (cubes, cube_dim) = one_unit_each(&client, rows, 128);
         layer_norm_backward_rows::launch::<R>(
             &client,
-            cubecl::calculate_cube_count_elemwise(&client, rows, cube_dim),
+            cubes,
             cube_dim,
             normalised.clone().into_tensor_arg(),
             r.into_tensor_arg(),
@@ -1068,26 +1054,14 @@ fn column_sums<R: CubeRuntime>(
     let parts = rows.div_ceil(COLUMN_ROWS_PER_PART);
     let client = a.client.clone();
     let sums = if b.is_some() { 2 } else { 1 };
-    let partial = empty_device_contiguous_dtype::<R>(
-        client.clone(),
-        a.device.clone(),
-        Shape::new([sums, parts.max(1), columns]),
-        DType::F32,
-    );
-    let column = || {
-        empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            a.device.clone(),
-            Shape::new([columns]),
-            a.dtype,
-        )
-    };
+    let partial = empty(a, Shape::new([sums, parts.max(1), columns]), DType::F32);
+    let column = || empty(a, Shape::new([columns]), a.dtype);
     let sum = column();
     let sum_ab = b.map(|_| column());
-    let cube_dim = CubeDim::new_1d(256);
+    let (cubes, cube_dim) = one_unit_each(&client, (parts * columns).max(1), 256);
     column_partial_sums::launch::<R>(
         &client,
-        cubecl::calculate_cube_count_elemwise(&client, (parts * columns).max(1), cube_dim),
+        cubes,
         cube_dim,
         a.clone().into_tensor_arg(),
         b.unwrap_or(a).clone().into_tensor_arg(),
@@ -1097,9 +1071,10 @@ fn column_sums<R: CubeRuntime>(
         b.is_some(),
         a.dtype.into(),
     );
+    let (cubes, cube_dim) = one_unit_each(&client, columns, 256);
     sum_partials::launch::<R>(
         &client,
-        cubecl::calculate_cube_count_elemwise(&client, columns, cube_dim),
+        cubes,
         cube_dim,
         partial.into_tensor_arg(),
         sum.clone().into_tensor_arg(),
@@ -1109,4 +1084,23 @@ fn column_sums<R: CubeRuntime>(
         a.dtype.into(),
     );
     (sum, sum_ab)
+}
+
+/// Cubes of `cube` units covering `units` units, one unit per element or row
+/// (the launch of every element-wise and per-row kernel here).
+fn one_unit_each<R: CubeRuntime>(
+    client: &cubecl::client::ComputeClient<R>,
+    units: usize,
+    cube: u32,
+) -> (CubeCount, CubeDim) {
+    let cube_dim = CubeDim::new_1d(cube);
+    (
+        cubecl::calculate_cube_count_elemwise(client, units, cube_dim),
+        cube_dim,
+    )
+}
+
+/// A new contiguous tensor on `like`'s device.
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype::<R>(like.client.clone(), like.device.clone(), shape, dtype)
 }

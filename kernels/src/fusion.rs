@@ -76,28 +76,12 @@ impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for Backwa
     }
 }
 
-/// Seeded dropout: input `x`, output the dropped `x` (or, in the backward
-/// pass, the gradient through the same mask).
-#[derive(Debug)]
-struct DropoutOp<B> {
-    desc: CustomOpIr,
-    dropout: AttentionDropout,
-    _backend: core::marker::PhantomData<B>,
-}
-
-impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for DropoutOp<B> {
-    fn execute(&self, handles: &mut Handles<B>) {
-        let x = handles.get_float_tensor::<B>(&self.desc.inputs[0]);
-        let out = B::seeded_dropout(x, self.dropout);
-        handles.register_float_tensor::<B>(&self.desc.outputs[0].id, out);
-    }
-}
-
 /// The inner backend's function behind a [`FloatOp`].
 type InnerFn<B> = dyn Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync;
 
 /// A custom op on float tensors only: `run` maps the inputs' inner tensors to
-/// the outputs' (the LayerNorm, column-sum and Adam kernels).
+/// the outputs' (dropout, GELU, LayerNorm, the dense backward, the column
+/// sum, Adam).
 struct FloatOp<B: FusionBackend> {
     desc: CustomOpIr,
     run: Box<InnerFn<B>>,
@@ -151,6 +135,12 @@ fn float_op<B: FusionBackend + AttentionBackend>(
     client.register(streams, OperationIr::Custom(desc), op)
 }
 
+/// The three outputs of a [`float_op`] that has three.
+fn three<T>(outputs: Vec<T>, what: &str) -> (T, T, T) {
+    let [a, b, c] = <[T; 3]>::try_from(outputs).unwrap_or_else(|_| panic!("{what}: three outputs"));
+    (a, b, c)
+}
+
 /// An output of a custom op: a fresh tensor id with its shape and type.
 fn output<B: FusionBackend>(like: &FloatTensor<Fusion<B>>, shape: Shape, dtype: DType) -> TensorIr {
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
@@ -178,20 +168,16 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
     }
 
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
-        let client = x.client.clone();
-        let out = output::<B>(&x, x.shape.clone(), x.dtype);
-        let streams = OperationStreams::with_inputs([&x]);
-        let desc = CustomOpIr::new("aam_seeded_dropout", &[x.into_ir()], &[out]);
-        let op = DropoutOp::<B> {
-            desc: desc.clone(),
-            dropout,
-            _backend: core::marker::PhantomData,
-        };
-        client
-            .register(streams, OperationIr::Custom(desc), op)
-            .into_iter()
-            .next()
-            .expect("dropout output")
+        // The input, or in the backward pass the gradient, through the mask.
+        let like = (x.shape.clone(), x.dtype);
+        float_op::<B>("aam_seeded_dropout", vec![x], vec![like], move |inputs| {
+            vec![B::seeded_dropout(
+                inputs.into_iter().next().expect("x"),
+                dropout,
+            )]
+        })
+        .pop()
+        .expect("dropout output")
     }
 
     fn adam_step(
@@ -202,7 +188,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         step: AdamStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let like = (param.shape.clone(), param.dtype);
-        let mut out = float_op::<B>(
+        let out = float_op::<B>(
             "aam_adam_step",
             vec![param, grad, first, second],
             vec![like.clone(), like.clone(), like],
@@ -211,10 +197,8 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
                 let (p, m, v) = B::adam_step(p, g, m, v, step);
                 vec![p, m, v]
             },
-        )
-        .into_iter();
-        let mut next = || out.next().expect("adam step output");
-        (next(), next(), next())
+        );
+        three(out, "adam step output")
     }
 
     fn dense_backward(
@@ -282,7 +266,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         let stats = (Shape::new([rows, 1]), x.dtype);
         let mut inputs = vec![x, gamma];
         inputs.extend(beta);
-        let mut out = float_op::<B>(
+        let out = float_op::<B>(
             "aam_layer_norm",
             inputs,
             vec![like.clone(), like, stats],
@@ -292,10 +276,8 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
                 let (y, normalised, r) = B::layer_norm_with_stats(x, gamma, inputs.next(), eps);
                 vec![y, normalised, r]
             },
-        )
-        .into_iter();
-        let mut next = || out.next().expect("layer norm output");
-        (next(), next(), next())
+        );
+        three(out, "layer norm output")
     }
 
     fn layer_norm_backward(
@@ -306,7 +288,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let like = (dy.shape.clone(), dy.dtype);
         let column = (gamma.shape.clone(), gamma.dtype);
-        let mut out = float_op::<B>(
+        let out = float_op::<B>(
             "aam_layer_norm_backward",
             vec![normalised, r, gamma, dy],
             vec![like, column.clone(), column],
@@ -315,10 +297,8 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
                 let (dx, dgamma, dbeta) = B::layer_norm_backward(normalised, r, gamma, dy);
                 vec![dx, dgamma, dbeta]
             },
-        )
-        .into_iter();
-        let mut next = || out.next().expect("layer norm gradient");
-        (next(), next(), next())
+        );
+        three(out, "layer norm gradient")
     }
 
     fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {
