@@ -1,6 +1,7 @@
 //! [`AttentionBackend`] for `Autodiff<B>`: the fused forward saves its inputs
 //! and row statistics, and the backward runs the dQ and dK/dV kernels, so a
-//! training step never materialises the `[T, T]` attention matrix. Exact GELU
+//! training step never materialises the `[T, T]` attention matrix; on the
+//! packed projection `qkv` it is one node from `qkv` to the merged context. Exact GELU
 //! is one node that keeps only its input, LayerNorm one with the closed-form
 //! backward, the dense layer one whose backward sums its weight and bias
 //! gradients over rows in parts, and seeded dropout one that keeps nothing.
@@ -55,6 +56,39 @@ impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
         if let Some(node) = node_v {
             grads.register::<B>(node.id, dv);
         }
+    }
+}
+
+/// Packed self-attention's backward: `dqkv` in one op from the saved `qkv`
+/// (a checkpoint), mask, output and row statistics.
+#[derive(Debug)]
+struct PackedAttentionBackward;
+
+/// `qkv`'s checkpoint, the mask, `out`, `lse`, heads, scale and dropout.
+type PackedState<B> = (
+    NodeId,
+    Option<BoolTensor<B>>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    usize,
+    f64,
+    AttentionDropout,
+);
+
+impl<B: AttentionBackend> Backward<B, 1> for PackedAttentionBackward {
+    type State = PackedState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let (qkv_state, mask, out, lse, heads, scale, dropout) = ops.state;
+        let qkv: FloatTensor<B> = checkpointer.retrieve_node_output(qkv_state);
+        unary::<B, _>(ops.parents, ops.node, grads, |dout| {
+            B::packed_attention_backward(qkv, mask, out, lse, dout, heads, scale, dropout)
+        });
     }
 }
 
@@ -388,6 +422,48 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                     prep.finish(B::lean_layer_norm(x.primitive, gamma.primitive, None, eps))
                 }
             },
+        }
+    }
+
+    fn fused_packed_attention(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        match PackedAttentionBackward
+            .prepare::<C>([qkv.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let qkv_state = prep.checkpoint(&qkv);
+                let (out, lse) = B::packed_attention_forward(
+                    qkv.primitive,
+                    key_padding_mask.clone(),
+                    heads,
+                    scale,
+                    dropout,
+                );
+                let state = (
+                    qkv_state,
+                    key_padding_mask,
+                    out.clone(),
+                    lse,
+                    heads,
+                    scale,
+                    dropout,
+                );
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::fused_packed_attention(
+                qkv.primitive,
+                key_padding_mask,
+                heads,
+                scale,
+                dropout,
+            )),
         }
     }
 

@@ -5,7 +5,9 @@
 //! (and their reductions) into single kernels. The attention kernels cannot be
 //! fused into anything; they are registered as custom operations, which end
 //! the fused run before them and execute on the inner backend `B` with the
-//! real tensors. The forward and the backward are one custom op each; seeded
+//! real tensors. The forward and the backward are one custom op each (on
+//! split heads, or on the packed projection `qkv` from which the inner
+//! backend splits them, see `packed.rs`); seeded
 //! dropout is one too (its hash has no element-wise IR op to fuse into), and
 //! so is an Adam step of one parameter (a dozen ops that fusion would make
 //! one kernel anyway, recorded and fused by the host one by one), and so are
@@ -23,85 +25,41 @@ use crate::{AdamStep, AttentionBackend, AttentionDropout};
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
 
-/// The forward kernel: inputs `q, k, v[, mask]`, outputs `out, lse`.
-#[derive(Debug)]
-struct ForwardOp<B> {
+/// The inner backend's function behind a [`CustomOp`]: the float inputs and
+/// the key padding mask, if the op has one, to the outputs.
+type InnerFn<B> =
+    dyn Fn(Vec<FloatTensor<B>>, Option<BoolTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync;
+
+/// A custom op on float tensors and an optional key padding mask (the last
+/// input when `masked`): `run` maps the inputs' inner tensors to the
+/// outputs' (the attention kernels, dropout, GELU, LayerNorm, the dense
+/// backward, the column sum, Adam).
+struct CustomOp<B: FusionBackend> {
     desc: CustomOpIr,
-    scale: f64,
-    dropout: AttentionDropout,
-    _backend: core::marker::PhantomData<B>,
-}
-
-impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for ForwardOp<B> {
-    fn execute(&self, handles: &mut Handles<B>) {
-        let inputs = &self.desc.inputs;
-        let [out_ir, lse_ir] = self.desc.outputs.as_slice() else {
-            unreachable!("the attention forward has two outputs")
-        };
-        let q = handles.get_float_tensor::<B>(&inputs[0]);
-        let k = handles.get_float_tensor::<B>(&inputs[1]);
-        let v = handles.get_float_tensor::<B>(&inputs[2]);
-        let mask = inputs.get(3).map(|m| handles.get_bool_tensor::<B>(m));
-        let (out, lse) = B::fused_attention_forward(q, k, v, mask, self.scale, self.dropout);
-        handles.register_float_tensor::<B>(&out_ir.id, out);
-        handles.register_float_tensor::<B>(&lse_ir.id, lse);
-    }
-}
-
-/// The backward kernels: inputs `q, k, v, out, lse, dout[, mask]`, outputs
-/// `dq, dk, dv`.
-#[derive(Debug)]
-struct BackwardOp<B> {
-    desc: CustomOpIr,
-    scale: f64,
-    dropout: AttentionDropout,
-    _backend: core::marker::PhantomData<B>,
-}
-
-impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for BackwardOp<B> {
-    fn execute(&self, handles: &mut Handles<B>) {
-        let inputs = &self.desc.inputs;
-        let [dq_ir, dk_ir, dv_ir] = self.desc.outputs.as_slice() else {
-            unreachable!("the attention backward has three outputs")
-        };
-        let mut float = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
-        let (q, k, v, out, lse, dout) =
-            (float(0), float(1), float(2), float(3), float(4), float(5));
-        let mask = inputs.get(6).map(|m| handles.get_bool_tensor::<B>(m));
-        let (dq, dk, dv) =
-            B::fused_attention_backward(q, k, v, mask, out, lse, dout, self.scale, self.dropout);
-        handles.register_float_tensor::<B>(&dq_ir.id, dq);
-        handles.register_float_tensor::<B>(&dk_ir.id, dk);
-        handles.register_float_tensor::<B>(&dv_ir.id, dv);
-    }
-}
-
-/// The inner backend's function behind a [`FloatOp`].
-type InnerFn<B> = dyn Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync;
-
-/// A custom op on float tensors only: `run` maps the inputs' inner tensors to
-/// the outputs' (dropout, GELU, LayerNorm, the dense backward, the column
-/// sum, Adam).
-struct FloatOp<B: FusionBackend> {
-    desc: CustomOpIr,
+    masked: bool,
     run: Box<InnerFn<B>>,
 }
 
-impl<B: FusionBackend> core::fmt::Debug for FloatOp<B> {
+impl<B: FusionBackend> core::fmt::Debug for CustomOp<B> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("FloatOp").field("desc", &self.desc).finish()
+        f.debug_struct("CustomOp")
+            .field("desc", &self.desc)
+            .finish()
     }
 }
 
-impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for FloatOp<B> {
+impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for CustomOp<B> {
     fn execute(&self, handles: &mut Handles<B>) {
-        let inputs = self
-            .desc
-            .inputs
+        let (floats, mask) = match self.desc.inputs.split_last() {
+            Some((mask, floats)) if self.masked => (floats, Some(mask)),
+            _ => (self.desc.inputs.as_slice(), None),
+        };
+        let inputs = floats
             .iter()
             .map(|t| handles.get_float_tensor::<B>(t))
             .collect();
-        let outputs = (self.run)(inputs);
+        let mask = mask.map(|m| handles.get_bool_tensor::<B>(m));
+        let outputs = (self.run)(inputs, mask);
         assert_eq!(outputs.len(), self.desc.outputs.len(), "{}", self.desc.id);
         for (ir, tensor) in self.desc.outputs.iter().zip(outputs) {
             handles.register_float_tensor::<B>(&ir.id, tensor);
@@ -109,13 +67,17 @@ impl<B: FusionBackend + AttentionBackend> Operation<B::FusionRuntime> for FloatO
     }
 }
 
-/// Registers `run` as the custom op `name` on `inputs` (at least one), with
-/// outputs of the given shapes and types.
-fn float_op<B: FusionBackend + AttentionBackend>(
+/// Registers `run` as the custom op `name` on `inputs` (at least one) and
+/// the key padding mask, with outputs of the given shapes and types.
+fn masked_op<B: FusionBackend + AttentionBackend>(
     name: &'static str,
     inputs: Vec<FloatTensor<Fusion<B>>>,
+    mask: Option<BoolTensor<Fusion<B>>>,
     outputs: Vec<(Shape, DType)>,
-    run: impl Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+    run: impl Fn(Vec<FloatTensor<B>>, Option<BoolTensor<B>>) -> Vec<FloatTensor<B>>
+        + Send
+        + Sync
+        + 'static,
 ) -> Vec<FloatTensor<Fusion<B>>> {
     let client = inputs[0].client.clone();
     let outputs: Vec<TensorIr> = outputs
@@ -123,19 +85,42 @@ fn float_op<B: FusionBackend + AttentionBackend>(
         .map(|(shape, dtype)| output::<B>(&inputs[0], shape, dtype))
         .collect();
     let mut streams = OperationStreams::default();
-    for t in &inputs {
+    for t in inputs.iter().chain(&mask) {
         streams.tensor(t);
     }
-    let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+    let masked = mask.is_some();
+    let inputs: Vec<TensorIr> = inputs
+        .into_iter()
+        .chain(mask)
+        .map(|t| t.into_ir())
+        .collect();
     let desc = CustomOpIr::new(name, &inputs, &outputs);
-    let op = FloatOp::<B> {
+    let op = CustomOp::<B> {
         desc: desc.clone(),
+        masked,
         run: Box::new(run),
     };
     client.register(streams, OperationIr::Custom(desc), op)
 }
 
-/// The three outputs of a [`float_op`] that has three.
+/// Registers `run` as the custom op `name` on float `inputs` (at least
+/// one), with outputs of the given shapes and types.
+fn float_op<B: FusionBackend + AttentionBackend>(
+    name: &'static str,
+    inputs: Vec<FloatTensor<Fusion<B>>>,
+    outputs: Vec<(Shape, DType)>,
+    run: impl Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    masked_op::<B>(name, inputs, None, outputs, move |inputs, _| run(inputs))
+}
+
+/// The two outputs of a custom op that has two.
+fn two<T>(outputs: Vec<T>, what: &str) -> (T, T) {
+    let [a, b] = <[T; 2]>::try_from(outputs).unwrap_or_else(|_| panic!("{what}: two outputs"));
+    (a, b)
+}
+
+/// The three outputs of a custom op that has three.
 fn three<T>(outputs: Vec<T>, what: &str) -> (T, T, T) {
     let [a, b, c] = <[T; 3]>::try_from(outputs).unwrap_or_else(|_| panic!("{what}: three outputs"));
     (a, b, c)
@@ -318,29 +303,21 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         scale: f64,
         dropout: AttentionDropout,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let client = q.client.clone();
         let dims = q.shape.clone();
-        let out = output::<B>(&q, dims.clone(), q.dtype);
-        let lse = output::<B>(&q, Shape::new([dims[0], dims[1], dims[2]]), DType::F32);
-        let mut streams = OperationStreams::with_inputs([&q, &k, &v]);
-        if let Some(mask) = &key_padding_mask {
-            streams.tensor(mask);
-        }
-        let mut inputs = vec![q.into_ir(), k.into_ir(), v.into_ir()];
-        inputs.extend(key_padding_mask.map(|m| m.into_ir()));
-        let desc = CustomOpIr::new("aam_fused_attention_forward", &inputs, &[out, lse]);
-        let op = ForwardOp::<B> {
-            desc: desc.clone(),
-            scale,
-            dropout,
-            _backend: core::marker::PhantomData,
-        };
-        let mut outputs = client
-            .register(streams, OperationIr::Custom(desc), op)
-            .into_iter();
-        let out = outputs.next().expect("attention output");
-        let lse = outputs.next().expect("attention row statistics");
-        (out, lse)
+        let out = (dims.clone(), q.dtype);
+        let lse = (Shape::new([dims[0], dims[1], dims[2]]), DType::F32);
+        let outputs = masked_op::<B>(
+            "aam_fused_attention_forward",
+            vec![q, k, v],
+            key_padding_mask,
+            vec![out, lse],
+            move |inputs, mask| {
+                let [q, k, v] = <[_; 3]>::try_from(inputs).expect("q, k, v");
+                let (out, lse) = B::fused_attention_forward(q, k, v, mask, scale, dropout);
+                vec![out, lse]
+            },
+        );
+        two(outputs, "attention output and row statistics")
     }
 
     fn fused_attention_backward(
@@ -354,34 +331,72 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         scale: f64,
         dropout: AttentionDropout,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let client = q.client.clone();
-        let dq = output::<B>(&q, q.shape.clone(), q.dtype);
-        let dk = output::<B>(&q, k.shape.clone(), q.dtype);
-        let dv = output::<B>(&q, v.shape.clone(), q.dtype);
-        let mut streams = OperationStreams::with_inputs([&q, &k, &v, &out, &lse, &dout]);
-        if let Some(mask) = &key_padding_mask {
-            streams.tensor(mask);
-        }
-        let mut inputs = vec![
-            q.into_ir(),
-            k.into_ir(),
-            v.into_ir(),
-            out.into_ir(),
-            lse.into_ir(),
-            dout.into_ir(),
-        ];
-        inputs.extend(key_padding_mask.map(|m| m.into_ir()));
-        let desc = CustomOpIr::new("aam_fused_attention_backward", &inputs, &[dq, dk, dv]);
-        let op = BackwardOp::<B> {
-            desc: desc.clone(),
-            scale,
-            dropout,
-            _backend: core::marker::PhantomData,
-        };
-        let mut grads = client
-            .register(streams, OperationIr::Custom(desc), op)
-            .into_iter();
-        let mut next = || grads.next().expect("attention gradient");
-        (next(), next(), next())
+        let shapes = [&q, &k, &v].map(|t| (t.shape.clone(), q.dtype));
+        let grads = masked_op::<B>(
+            "aam_fused_attention_backward",
+            vec![q, k, v, out, lse, dout],
+            key_padding_mask,
+            shapes.to_vec(),
+            move |inputs, mask| {
+                let [q, k, v, out, lse, dout] =
+                    <[_; 6]>::try_from(inputs).expect("q, k, v, out, lse, dout");
+                let (dq, dk, dv) =
+                    B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout);
+                vec![dq, dk, dv]
+            },
+        );
+        three(grads, "attention gradient")
+    }
+
+    fn packed_attention_forward(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [n, t, d3] = qkv.shape.dims();
+        let out = (Shape::new([n, t, d3 / 3]), qkv.dtype);
+        let lse = (Shape::new([n, heads, t]), DType::F32);
+        let outputs = masked_op::<B>(
+            "aam_packed_attention_forward",
+            vec![qkv],
+            key_padding_mask,
+            vec![out, lse],
+            move |inputs, mask| {
+                let qkv = inputs.into_iter().next().expect("qkv");
+                let (out, lse) = B::packed_attention_forward(qkv, mask, heads, scale, dropout);
+                vec![out, lse]
+            },
+        );
+        two(outputs, "packed attention output and row statistics")
+    }
+
+    fn packed_attention_backward(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let like = (qkv.shape.clone(), qkv.dtype);
+        masked_op::<B>(
+            "aam_packed_attention_backward",
+            vec![qkv, out, lse, dout],
+            key_padding_mask,
+            vec![like],
+            move |inputs, mask| {
+                let [qkv, out, lse, dout] =
+                    <[_; 4]>::try_from(inputs).expect("qkv, out, lse, dout");
+                vec![B::packed_attention_backward(
+                    qkv, mask, out, lse, dout, heads, scale, dropout,
+                )]
+            },
+        )
+        .pop()
+        .expect("packed attention gradient")
     }
 }

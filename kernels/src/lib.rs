@@ -67,6 +67,7 @@ mod adam;
 mod backward;
 mod dense;
 mod norm;
+mod packed;
 pub use adam::{adam_step_ops, AdamStep};
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
 #[cfg(feature = "cubecl")]
@@ -372,6 +373,76 @@ pub trait AttentionBackend: Backend {
         panic!("this backend has no seeded dropout kernel; use aam_kernels::dropout")
     }
 
+    /// Fused masked self-attention on the packed projection `qkv` (torch's
+    /// `in_proj` output: per row the query, key and value, `D = H·Dh` wide
+    /// each, head `h` at columns `h·Dh..(h+1)·Dh` of each), to the
+    /// merged-heads context: one op instead of the split into heads, the
+    /// attention and the merge (`packed.rs` says what that saves a step).
+    ///
+    /// The output of [`AttentionBackend::packed_attention_forward`];
+    /// `Autodiff` overrides it with one node whose backward is
+    /// [`AttentionBackend::packed_attention_backward`].
+    ///
+    /// # Shapes
+    /// - qkv: `[N, T, 3D]`, D divisible by `heads`, Dh ≤ 128
+    /// - key_padding_mask: `[N, T]`, `true` = ignore this key
+    /// - output: `[N, T, D]`; rows whose keys are all masked are 0
+    ///
+    /// # Panics
+    /// When [`AttentionBackend::has_fused_attention`] is false.
+    fn fused_packed_attention(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::packed_attention_forward(qkv, key_padding_mask, heads, scale, dropout).0
+    }
+
+    /// The packed forward with its saved statistics: `(out [N, T, D], lse
+    /// [N, H, T])`. The default splits the heads and runs
+    /// [`AttentionBackend::fused_attention_forward`]; Burn's fusion backend
+    /// makes that one custom op.
+    fn packed_attention_forward(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        packed::packed_forward_ops::<Self>(qkv, key_padding_mask, heads, scale, dropout)
+    }
+
+    /// The packed backward: `dqkv [N, T, 3D]` from the forward's input,
+    /// output (`[N, T, D]`) and `lse`, and the output gradient `dout
+    /// [N, T, D]`. The default runs
+    /// [`AttentionBackend::fused_attention_backward`] on the split heads and
+    /// writes the three gradients into `dqkv` in one concatenation; Burn's
+    /// fusion backend makes that one custom op.
+    #[allow(clippy::too_many_arguments)]
+    fn packed_attention_backward(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        packed::packed_backward_ops::<Self>(
+            qkv,
+            key_padding_mask,
+            out,
+            lse,
+            dout,
+            heads,
+            scale,
+            dropout,
+        )
+    }
+
     /// Fused masked attention.
     ///
     /// # Shapes
@@ -454,6 +525,34 @@ pub fn fused_attention<B: AttentionBackend>(
         k.into_primitive().tensor(),
         v.into_primitive().tensor(),
         key_padding_mask.map(|m| m.into_primitive()),
+        scale,
+        dropout,
+    )))
+}
+
+/// Runs [`AttentionBackend::fused_packed_attention`] on tensors, with the
+/// scale `1/√Dh`.
+///
+/// # Shapes
+/// - qkv: `[N, T, 3D]`, key_padding_mask: `[N, T]` (true = ignore)
+/// - output: `[N, T, D]`
+pub fn fused_packed_attention<B: AttentionBackend>(
+    qkv: Tensor<B, 3>,
+    key_padding_mask: Option<Tensor<B, 2, Bool>>,
+    heads: usize,
+    dropout: AttentionDropout,
+) -> Tensor<B, 3> {
+    let d = qkv.dims()[2] / 3;
+    assert!(
+        qkv.dims()[2] == 3 * d && d % heads == 0,
+        "packed attention: width {} is not 3 × a multiple of {heads} heads",
+        qkv.dims()[2]
+    );
+    let scale = ((d / heads) as f64).sqrt().recip();
+    Tensor::from_primitive(TensorPrimitive::Float(B::fused_packed_attention(
+        qkv.into_primitive().tensor(),
+        key_padding_mask.map(|m| m.into_primitive()),
+        heads,
         scale,
         dropout,
     )))

@@ -16,7 +16,7 @@ use burn::module::Param;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use aam_kernels::AttentionBackend;
-use aam_kernels::{fused_attention, matmul, AttentionDropout};
+use aam_kernels::{fused_attention, fused_packed_attention, matmul, AttentionDropout};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 use burn::tensor::activation;
@@ -110,22 +110,27 @@ pub fn attention<B: AttentionBackend>(
 ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
     // The kernel never materialises the weights; callers that need them
     // (the fusion modules) take the math path.
-    let training = B::ad_enabled(&q.device());
     if need_weights || !implementation.uses_fused::<B>() {
         return math_attention(q, k, v, key_padding_mask, dropout, need_weights);
     }
-    let attn_dropout = if training && dropout.prob > 0.0 {
+    let attn_dropout = fused_dropout::<B>(&q.device(), dropout);
+    (
+        fused_attention(q, k, v, key_padding_mask, attn_dropout),
+        None,
+    )
+}
+
+/// The fused kernel's dropout: `dropout.prob` with a fresh seed while
+/// training (autodiff enabled), none otherwise.
+fn fused_dropout<B: Backend>(device: &B::Device, dropout: &Dropout) -> AttentionDropout {
+    if B::ad_enabled(device) && dropout.prob > 0.0 {
         AttentionDropout {
             prob: dropout.prob,
             seed: next_dropout_seed(),
         }
     } else {
         AttentionDropout::NONE
-    };
-    (
-        fused_attention(q, k, v, key_padding_mask, attn_dropout),
-        None,
-    )
+    }
 }
 
 /// The reference ("math") path: `softmax(q·kᵀ/√Dh + mask)·v`, with the
@@ -238,6 +243,14 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
             cast_to(self.in_proj_weight.val(), dtype),
             Some(cast_to(self.in_proj_bias.val(), dtype)),
         );
+        if self.attn_implementation.uses_fused::<B>() {
+            // One op from the packed projection to the merged heads (and
+            // one back): the split and merge as tensor ops cost a GPU step
+            // ~26 host ops a layer (`aam_kernels::fused_packed_attention`).
+            let dropout = fused_dropout::<B>(&qkv.device(), &self.dropout);
+            let context = fused_packed_attention(qkv, key_padding_mask, self.num_heads, dropout);
+            return self.out_proj.forward(context);
+        }
         let q = self.split_heads(qkv.clone().narrow(2, 0, d));
         let k = self.split_heads(qkv.clone().narrow(2, d, d));
         let v = self.split_heads(qkv.narrow(2, 2 * d, d));

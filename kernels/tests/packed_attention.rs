@@ -1,0 +1,156 @@
+//! Self-attention on the packed projection (`fused_packed_attention`: one op
+//! from `qkv [N, T, 3D]` to the merged heads, one autodiff node, one fusion
+//! custom op each way) against the CPU reference on the heads split by tensor
+//! ops: output and `dqkv`. With dropout it must draw the same masks as the
+//! split-heads kernel call, forward and backward.
+//!
+//! Runs on CUDA when built with `--features cuda` (the device machine), else on
+//! wgpu: in CI through Mesa's lavapipe. With `fusion` the ops run as custom
+//! ops of Burn's fusion stream.
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
+
+mod common;
+
+use aam_kernels::{fused_attention, fused_packed_attention, reference_attention, AttentionDropout};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use common::*;
+
+/// A packed case: `qkv [n, t, 3·h·dh]`, output weights `w [n, t, h·dh]`, and
+/// the mask of [`Case`] (an all-padding sample, a one-key sample, random
+/// lengths with holes).
+struct Packed {
+    n: usize,
+    t: usize,
+    h: usize,
+    dh: usize,
+    qkv: Vec<f32>,
+    w: Vec<f32>,
+    case: Case,
+}
+
+impl Packed {
+    fn new(seed: u64, n: usize, h: usize, t: usize, dh: usize) -> Packed {
+        let mut rng = Rng::new(seed);
+        let d = h * dh;
+        let qkv = (0..n * t * 3 * d).map(|_| rng.normal()).collect();
+        let w = (0..n * t * d).map(|_| rng.normal()).collect();
+        Packed {
+            n,
+            t,
+            h,
+            dh,
+            qkv,
+            w,
+            case: Case::new(seed, n, h, t, t, dh),
+        }
+    }
+
+    fn tensors<B: Backend>(&self, device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let d = self.h * self.dh;
+        let qkv = TensorData::new(self.qkv.clone(), [self.n, self.t, 3 * d]);
+        let w = TensorData::new(self.w.clone(), [self.n, self.t, d]);
+        (Tensor::from_data(qkv, device), Tensor::from_data(w, device))
+    }
+
+    fn label(&self) -> String {
+        format!("n={} t={} h={} dh={}", self.n, self.t, self.h, self.dh)
+    }
+}
+
+/// `[N, T, 3D]` → q, k, v `[N, H, T, Dh]` by tensor ops; and back.
+fn split<B: Backend>(qkv: Tensor<B, 3>, h: usize) -> [Tensor<B, 4>; 3] {
+    let [n, t, d3] = qkv.dims();
+    let d = d3 / 3;
+    core::array::from_fn(|i| {
+        qkv.clone()
+            .narrow(2, i * d, d)
+            .reshape([n, t, h, d / h])
+            .swap_dims(1, 2)
+    })
+}
+
+fn merge<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [n, h, t, dh] = x.dims();
+    x.swap_dims(1, 2).reshape([n, t, h * dh])
+}
+
+/// `(out, dqkv)` of `f = Σ attention(qkv) ⊙ w`, on the GPU, packed or by the
+/// split-heads kernel call.
+fn gpu_run(p: &Packed, packed: bool, dropout: AttentionDropout) -> [Vec<f32>; 2] {
+    let device = Default::default();
+    let (qkv, w) = p.tensors::<GpuAd>(&device);
+    let qkv = qkv.require_grad();
+    let mask = Some(p.case.mask::<GpuAd>(&device));
+    let out = if packed {
+        fused_packed_attention(qkv.clone(), mask, p.h, dropout)
+    } else {
+        let [q, k, v] = split(qkv.clone(), p.h);
+        merge(fused_attention(q, k, v, mask, dropout))
+    };
+    grads_of(out, w, qkv)
+}
+
+fn grads_of<B: AutodiffBackend>(
+    out: Tensor<B, 3>,
+    w: Tensor<B, 3>,
+    qkv: Tensor<B, 3>,
+) -> [Vec<f32>; 2] {
+    let grads = (out.clone() * w).sum().backward();
+    [values(out), values(qkv.grad(&grads).expect("dqkv"))]
+}
+
+/// The CPU reference on the split heads.
+fn cpu_run(p: &Packed) -> [Vec<f32>; 2] {
+    let device = Default::default();
+    let (qkv, w) = p.tensors::<CpuAd>(&device);
+    let qkv = qkv.require_grad();
+    let [q, k, v] = split(qkv.clone(), p.h);
+    let out = merge(reference_attention(q, k, v, Some(p.case.mask(&device))));
+    grads_of(out, w, qkv)
+}
+
+#[test]
+fn packed_attention_matches_the_reference() {
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let cases = [
+        Packed::new(1, 3, 4, 151, 32), // the ASV level: 151 tokens
+        Packed::new(2, 4, 2, 7, 16),
+        Packed::new(3, 3, 2, 1, 32), // one token: all-padding and one-key rows
+        Packed::new(4, 2, 4, 1024, 16), // the sample level's slots
+        Packed::new(5, 3, 1, 33, 64),
+    ];
+    for p in &cases {
+        let [out, dqkv] = gpu_run(p, true, AttentionDropout::NONE);
+        let [want_out, want_dqkv] = cpu_run(p);
+        let label = p.label();
+        let e = rel(&out, &want_out);
+        assert!(e <= FORWARD_RTOL_F32, "{label}: output off by {e:e}");
+        let e = rel(&dqkv, &want_dqkv);
+        assert!(e <= GRAD_RTOL_F32, "{label}: dqkv off by {e:e}");
+        // With n > 2, sample 0 is all padding: a zero context.
+        let row = p.t * p.h * p.dh;
+        let zeros = out[..row].iter().all(|x| *x == 0.0);
+        assert!(p.n <= 2 || zeros, "{label}: all-padding sample not zero");
+    }
+}
+
+#[test]
+fn packed_dropout_draws_the_split_heads_masks() {
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let p = Packed::new(6, 3, 2, 64, 32);
+    let dropout = AttentionDropout {
+        prob: 0.3,
+        seed: 77,
+    };
+    let packed = gpu_run(&p, true, dropout);
+    let split = gpu_run(&p, false, dropout);
+    let none = gpu_run(&p, true, AttentionDropout::NONE);
+    assert!(rel(&packed[0], &none[0]) > 1e-2, "dropout changed nothing");
+    for (i, name) in ["output", "dqkv"].iter().enumerate() {
+        let e = rel(&packed[i], &split[i]);
+        assert!(e <= 1e-6, "{name}: packed and split heads differ by {e:e}");
+    }
+}
