@@ -8,9 +8,12 @@
 //! still records, fuses and launches every op one by one. For the default
 //! model's ~170 parameters that is ~2,000 ops a step, and an H100 training
 //! step is bound by the host's work per op (`benches/RESULTS.md`). As one
-//! custom op the update of a parameter is one op and one kernel.
+//! custom op the update of a parameter is one op and one kernel; and the
+//! updates of all parameters of a step ([`AdamItem`]s) are one op under
+//! fusion, with no reshapes around them.
 
 use burn::prelude::*;
+use burn::tensor::ops::FloatTensor;
 
 /// The coefficients of one Adam or AdamW step, computed in f64 on the host
 /// as the optimiser's formulas do, and rounded to the element type where
@@ -91,4 +94,23 @@ pub fn adam_step_ops<B: Backend>(
     let denom = second.clone().sqrt() / step.bias2_sqrt + step.eps;
     let param = param - first.clone() / denom * step.step_size;
     (param, first, second)
+}
+
+/// One parameter's part of [`AttentionBackend::adam_steps`](crate::AttentionBackend::adam_steps).
+///
+/// # Shapes
+/// - param, grad: the parameter's shape (any rank), `n` elements
+/// - first, second: `[n]`
+#[derive(Debug)]
+pub struct AdamItem<B: Backend> {
+    /// The parameter's value.
+    pub param: FloatTensor<B>,
+    /// Its gradient.
+    pub grad: FloatTensor<B>,
+    /// Adam's first moment, flat.
+    pub first: FloatTensor<B>,
+    /// Adam's second moment, flat.
+    pub second: FloatTensor<B>,
+    /// The step's coefficients.
+    pub step: AdamStep,
 }

@@ -20,7 +20,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use crate::{AdamStep, AttentionBackend, AttentionDropout};
+use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout};
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -184,6 +184,41 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             },
         );
         three(out, "adam step output")
+    }
+
+    fn adam_steps(items: Vec<AdamItem<Self>>) -> Vec<[FloatTensor<Self>; 3]> {
+        if items.is_empty() {
+            return Vec::new();
+        }
+        let mut inputs = Vec::with_capacity(4 * items.len());
+        let mut outputs = Vec::with_capacity(3 * items.len());
+        let mut steps = Vec::with_capacity(items.len());
+        for item in items {
+            for t in [&item.param, &item.first, &item.second] {
+                outputs.push((t.shape.clone(), t.dtype));
+            }
+            inputs.extend([item.param, item.grad, item.first, item.second]);
+            steps.push(item.step);
+        }
+        let steps_len = steps.len();
+        let out = float_op::<B>("aam_adam_steps", inputs, outputs, move |inputs| {
+            let mut inputs = inputs.into_iter();
+            let mut next = || inputs.next().expect("four inputs per parameter");
+            let items = steps
+                .iter()
+                .map(|&step| AdamItem {
+                    param: next(),
+                    grad: next(),
+                    first: next(),
+                    second: next(),
+                    step,
+                })
+                .collect();
+            B::adam_steps(items).into_iter().flatten().collect()
+        });
+        let mut out = out.into_iter();
+        let mut next = || out.next().expect("three outputs per parameter");
+        (0..steps_len).map(|_| [next(), next(), next()]).collect()
     }
 
     fn dense_backward(

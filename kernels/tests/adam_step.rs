@@ -138,3 +138,68 @@ fn adam_l2_and_no_decay_match_the_ops() {
     check(513, true, 0.0, 6);
     check(513, false, 0.0, 7);
 }
+
+/// All parameters of a step in one call (`adam_steps`: one custom op under
+/// fusion), in their own shapes, against one flat `adam_step` each: the same
+/// values bit for bit, each parameter back in its shape, each item with its
+/// own coefficients.
+#[test]
+fn adam_steps_of_many_parameters_equal_one_at_a_time() {
+    use aam_kernels::AdamItem;
+    use burn::tensor::ops::FloatTensorOps;
+    use burn::tensor::TensorMetadata;
+    let device = Default::default();
+    let mut rng = Rng::new(8);
+    let shapes: [&[usize]; 3] = [&[3, 5], &[7], &[2, 3, 300]];
+    let mut normals = |n: usize| (0..n).map(|_| rng.normal()).collect::<Vec<f32>>();
+    let cases: Vec<_> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, shape)| {
+            let n = shape.iter().product();
+            let step = AdamStep::new(1e-3 * (i + 1) as f64, 0.9, 0.999, 1e-8, 0.01, i != 1, 2);
+            let second = normals(n).iter().map(|x| x * x).collect::<Vec<_>>();
+            (
+                shape.to_vec(),
+                normals(n),
+                normals(n),
+                normals(n),
+                second,
+                step,
+            )
+        })
+        .collect();
+    let float = |values: &[f32], shape: &[usize]| {
+        let flat =
+            Tensor::<Gpu, 1>::from_data(TensorData::new(values.to_vec(), [values.len()]), &device);
+        Gpu::float_reshape(flat.into_primitive().tensor(), Shape::from(shape.to_vec()))
+    };
+    let flat = |values: &[f32]| float(values, &[values.len()]);
+    let items = cases
+        .iter()
+        .map(|(shape, p, g, m, v, step)| AdamItem::<Gpu> {
+            param: float(p, shape),
+            grad: float(g, shape),
+            first: flat(m),
+            second: flat(v),
+            step: *step,
+        })
+        .collect();
+    let many = Gpu::adam_steps(items);
+    assert_eq!(many.len(), cases.len());
+    let host = |t: burn::tensor::ops::FloatTensor<Gpu>| {
+        Tensor::<Gpu, 1>::from_primitive(TensorPrimitive::Float(t))
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32")
+    };
+    for ((shape, p, g, m, v, step), [p_many, m_many, v_many]) in cases.iter().zip(many) {
+        assert_eq!(p_many.shape(), Shape::from(shape.clone()));
+        let (p1, m1, v1) = Gpu::adam_step(flat(p), flat(g), flat(m), flat(v), *step);
+        let updated = host(p_many);
+        assert_ne!(&updated, p, "{shape:?}: the parameter did not move");
+        assert_eq!(updated, host(p1), "{shape:?}: parameter");
+        assert_eq!(host(m_many), host(m1), "{shape:?}: first moment");
+        assert_eq!(host(v_many), host(v1), "{shape:?}: second moment");
+    }
+}

@@ -37,7 +37,7 @@ pub mod transformer;
 
 #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
 pub use aam_kernels::persist_compiled_kernels;
-pub use aam_kernels::{AdamStep, AttentionBackend};
+pub use aam_kernels::{AdamItem, AdamStep, AttentionBackend};
 pub use attention::{set_attention_dropout_seed, AttnImplementation};
 pub use nn::Activation;
 pub use precision::{autocast, MixedPrecision};

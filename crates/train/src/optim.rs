@@ -11,11 +11,12 @@
 
 use std::collections::BTreeMap;
 
-use aam_models::{AdamStep, AttentionBackend};
+use aam_models::{AdamItem, AdamStep, AttentionBackend};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::TensorPrimitive;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -100,10 +101,12 @@ pub struct Optimizer<B: Backend> {
     per_parameter: bool,
 }
 
-/// Gradients by torch name, flattened, on the inner (non-autodiff) backend.
+/// Gradients by torch name, in their parameters' shapes, on the inner
+/// (non-autodiff) backend. Kept as primitives of any rank: a reshape per
+/// gradient is an op for the host to record on a GPU backend.
 #[derive(Clone, Debug)]
 pub struct GradientBuffer<B: Backend> {
-    grads: BTreeMap<String, Tensor<B, 1>>,
+    grads: BTreeMap<String, FloatTensor<B>>,
 }
 
 impl<B: Backend> Default for GradientBuffer<B> {
@@ -149,7 +152,7 @@ impl<B: Backend> GradientBuffer<B> {
             name: &'a dyn Fn(&str) -> String,
             scale: f64,
             path: PathTracker,
-            out: BTreeMap<String, Tensor<AB::InnerBackend, 1>>,
+            out: BTreeMap<String, FloatTensor<AB::InnerBackend>>,
         }
         impl<AB: AutodiffBackend> ModuleVisitor<AB> for Collector<'_, AB> {
             fn enter_module(&mut self, name: &str, _: &str) {
@@ -160,9 +163,8 @@ impl<B: Backend> GradientBuffer<B> {
             }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 if let Some(g) = param.val().grad(self.grads) {
-                    let n = g.shape().num_elements();
-                    let g = g.reshape([n]);
                     let g = if self.scale == 1.0 { g } else { g * self.scale };
+                    let g = g.into_primitive().tensor();
                     self.out.insert((self.name)(&self.path.current()), g);
                 }
             }
@@ -182,7 +184,7 @@ impl<B: Backend> GradientBuffer<B> {
     pub fn accumulate(&mut self, other: Self) {
         for (k, g) in other.grads {
             match self.grads.remove(&k) {
-                Some(prev) => self.grads.insert(k, prev + g),
+                Some(prev) => self.grads.insert(k, B::float_add(prev, g)),
                 None => self.grads.insert(k, g),
             };
         }
@@ -203,7 +205,10 @@ impl<B: Backend> GradientBuffer<B> {
     pub fn global_norm_tensor(&self) -> Option<Tensor<B, 1>> {
         self.grads
             .values()
-            .map(|g| g.clone().powi_scalar(2).sum())
+            .map(|g| {
+                let squares = B::float_powi_scalar(g.clone(), 2.into());
+                Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_sum(squares)))
+            })
             .reduce(|a, b| a + b)
             .map(Tensor::sqrt)
     }
@@ -229,7 +234,13 @@ impl<B: Backend> GradientBuffer<B> {
             .mul_scalar(max_norm)
             .clamp_max(1.0);
         for g in self.grads.values_mut() {
-            *g = g.clone() * coef.clone();
+            // The one-element coefficient at the gradient's rank, to broadcast.
+            let rank = g.shape().num_dims();
+            let coef = B::float_reshape(
+                coef.clone().into_primitive().tensor(),
+                Shape::from(vec![1; rank]),
+            );
+            *g = B::float_mul(g.clone(), coef);
         }
         Some(norm)
     }
@@ -241,7 +252,7 @@ impl<B: Backend> GradientBuffer<B> {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
             for g in self.grads.values_mut() {
-                *g = g.clone() * coef;
+                *g = B::float_mul_scalar(g.clone(), coef.into());
             }
         }
     }
@@ -308,9 +319,9 @@ impl<B: AttentionBackend> Optimizer<B> {
         // 1. The parameters with a gradient, flattened, in module order.
         struct Lister<'a, AB: AutodiffBackend> {
             name: &'a dyn Fn(&str) -> String,
-            has_grad: &'a BTreeMap<String, Tensor<AB::InnerBackend, 1>>,
+            has_grad: &'a BTreeMap<String, FloatTensor<AB::InnerBackend>>,
             path: PathTracker,
-            out: Vec<(String, Tensor<AB::InnerBackend, 1>)>,
+            out: Vec<(String, FloatTensor<AB::InnerBackend>)>,
         }
         impl<AB: AutodiffBackend> ModuleVisitor<AB> for Lister<'_, AB> {
             fn enter_module(&mut self, name: &str, _: &str) {
@@ -322,9 +333,8 @@ impl<B: AttentionBackend> Optimizer<B> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
                 let key = (self.name)(&self.path.current());
                 if self.has_grad.contains_key(&key) {
-                    let p = param.val().inner();
-                    let n = p.shape().num_elements();
-                    self.out.push((key, p.reshape([n])));
+                    let p = param.val().inner().into_primitive().tensor();
+                    self.out.push((key, p));
                 }
             }
         }
@@ -336,18 +346,17 @@ impl<B: AttentionBackend> Optimizer<B> {
         };
         module.visit(&mut lister);
 
-        let mut updated: BTreeMap<String, Tensor<B, 1>> = BTreeMap::new();
+        let mut updated: BTreeMap<String, FloatTensor<B>> = BTreeMap::new();
         if self.per_parameter {
-            for (key, p) in lister.out {
-                let g = grads.grads.remove(&key).expect("listed with a gradient");
-                let mut state = self
-                    .state
-                    .remove(&key)
-                    .unwrap_or_else(|| ParamState::fresh(&p, self.config.kind));
-                let p = self.config.update(&mut state, p, g, lr(&key), beta1);
-                self.state.insert(key.clone(), state);
-                updated.insert(key, p);
-            }
+            let params = lister
+                .out
+                .into_iter()
+                .map(|(key, p)| {
+                    let g = grads.grads.remove(&key).expect("listed with a gradient");
+                    (key, p, g)
+                })
+                .collect();
+            updated.extend(self.update_each(params, lr, beta1));
             return module.map(&mut Writer::<AB> {
                 name,
                 updated,
@@ -362,29 +371,34 @@ impl<B: AttentionBackend> Optimizer<B> {
             groups
                 .entry((lr(&key).to_bits(), step))
                 .or_default()
-                .push((key, p));
+                .push((key, flatten(p)));
         }
         // Groups that take no part in this step drop their flat moments.
         let mut previous = std::mem::take(&mut self.flat_moments);
         for ((lr_bits, step), members) in groups {
             let group_grads = members
                 .iter()
-                .map(|(key, _)| grads.grads.remove(key).expect("listed with a gradient"))
+                .map(|(key, _)| flatten(grads.grads.remove(key).expect("listed with a gradient")))
                 .collect();
-            updated.extend(self.update_group(
+            let group = self.update_group(
                 &mut previous,
                 members,
                 group_grads,
                 step,
                 f64::from_bits(lr_bits),
                 beta1,
-            ));
+            );
+            updated.extend(
+                group
+                    .into_iter()
+                    .map(|(key, p)| (key, p.into_primitive().tensor())),
+            );
         }
 
         // 3. The module with the updated values.
         struct Writer<'a, AB: AutodiffBackend> {
             name: &'a dyn Fn(&str) -> String,
-            updated: BTreeMap<String, Tensor<AB::InnerBackend, 1>>,
+            updated: BTreeMap<String, FloatTensor<AB::InnerBackend>>,
             path: PathTracker,
         }
         impl<AB: AutodiffBackend> ModuleMapper<AB> for Writer<'_, AB> {
@@ -404,7 +418,14 @@ impl<B: AttentionBackend> Optimizer<B> {
                 };
                 let (id, tensor, mapper) = param.consume();
                 let require_grad = tensor.is_require_grad();
-                let mut t = Tensor::<AB, D>::from_inner(value.reshape(tensor.dims()));
+                // Per-parameter updates keep the shape; flat groups reshape.
+                let flat = value.shape() != Shape::from(tensor.dims());
+                let mut value =
+                    Tensor::<AB::InnerBackend, D>::from_primitive(TensorPrimitive::Float(value));
+                if flat {
+                    value = value.reshape(tensor.dims());
+                }
+                let mut t = Tensor::<AB, D>::from_inner(value);
                 if require_grad {
                     t = t.require_grad();
                 }
@@ -416,6 +437,60 @@ impl<B: AttentionBackend> Optimizer<B> {
             updated,
             path: PathTracker { path: Vec::new() },
         })
+    }
+
+    /// Updates each parameter on its own, in its shape: the Adam steps of all
+    /// of them as one [`AttentionBackend::adam_steps`] (one op under fusion),
+    /// SGD's one by one. Returns each parameter's new value.
+    fn update_each(
+        &mut self,
+        params: Vec<(String, FloatTensor<B>, FloatTensor<B>)>,
+        lr: &dyn Fn(&str) -> f64,
+        beta1: Option<f64>,
+    ) -> Vec<(String, FloatTensor<B>)> {
+        let kind = self.config.kind;
+        let fresh = |p: &FloatTensor<B>| ParamState::fresh(&flatten(p.clone()), kind);
+        if kind == OptimizerKind::Sgd {
+            let mut out = Vec::with_capacity(params.len());
+            for (key, p, g) in params {
+                let shape = p.shape();
+                let mut state = self.state.remove(&key).unwrap_or_else(|| fresh(&p));
+                let p = self
+                    .config
+                    .update(&mut state, flatten(p), flatten(g), lr(&key), beta1);
+                self.state.insert(key.clone(), state);
+                out.push((key, B::float_reshape(p.into_primitive().tensor(), shape)));
+            }
+            return out;
+        }
+        let mut keys = Vec::with_capacity(params.len());
+        let mut items = Vec::with_capacity(params.len());
+        for (key, p, g) in params {
+            let state = self.state.remove(&key).unwrap_or_else(|| fresh(&p));
+            let step = state.step + 1;
+            items.push(AdamItem {
+                param: p,
+                grad: g,
+                first: state.first.into_primitive().tensor(),
+                second: state.second.expect("adam state").into_primitive().tensor(),
+                step: self.config.adam_step(step, lr(&key), beta1),
+            });
+            keys.push((key, step));
+        }
+        let wrap = |t| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
+        B::adam_steps(items)
+            .into_iter()
+            .zip(keys)
+            .map(|([p, first, second], (key, step))| {
+                let state = ParamState {
+                    step,
+                    first: wrap(first),
+                    second: Some(wrap(second)),
+                };
+                self.state.insert(key.clone(), state);
+                (key, p)
+            })
+            .collect()
     }
 
     /// Updates parameters that share a learning rate and a step count as one
@@ -432,8 +507,8 @@ impl<B: AttentionBackend> Optimizer<B> {
     ) -> Vec<(String, Tensor<B, 1>)> {
         let sizes: Vec<usize> = members.iter().map(|(_, p)| p.dims()[0]).collect();
         let (keys, params): (Vec<String>, Vec<Tensor<B, 1>>) = members.into_iter().unzip();
-        let p = flat(params);
-        let g = flat(grads);
+        let p = concat(params);
+        let g = concat(grads);
         let adam = self.config.kind != OptimizerKind::Sgd;
         let mut state = if step == 0 {
             ParamState::fresh(&p, self.config.kind)
@@ -451,8 +526,8 @@ impl<B: AttentionBackend> Optimizer<B> {
                 Some(cached) if cached.step == step => cached,
                 _ => ParamState {
                     step,
-                    first: flat(firsts),
-                    second: adam.then(|| flat(seconds)),
+                    first: concat(firsts),
+                    second: adam.then(|| concat(seconds)),
                 },
             }
         };
@@ -542,8 +617,14 @@ impl<B: AttentionBackend> Optimizer<B> {
     }
 }
 
+/// `t` as one flat tensor.
+fn flatten<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    let n = t.shape().num_elements();
+    Tensor::from_primitive(TensorPrimitive::Float(B::float_reshape(t, Shape::new([n]))))
+}
+
 /// One flat tensor of `parts`, in order.
-fn flat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
+fn concat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
     if parts.len() == 1 {
         parts.into_iter().next().expect("one part")
     } else {
@@ -552,6 +633,19 @@ fn flat<B: Backend>(parts: Vec<Tensor<B, 1>>) -> Tensor<B, 1> {
 }
 
 impl OptimizerConfig {
+    /// The coefficients of Adam's step `t` (1 for the first).
+    fn adam_step(&self, t: u64, lr: f64, beta1: Option<f64>) -> AdamStep {
+        AdamStep::new(
+            lr,
+            beta1.unwrap_or(self.beta1),
+            self.beta2,
+            self.eps,
+            self.weight_decay,
+            self.kind == OptimizerKind::Adamw,
+            t as i32,
+        )
+    }
+
     /// The PyTorch update of flattened parameters `p` with gradients `g`;
     /// advances `state` (its step and moments) and returns the new values.
     fn update<B: AttentionBackend>(
@@ -567,15 +661,7 @@ impl OptimizerConfig {
         state.step += 1;
         match c.kind {
             OptimizerKind::Adamw | OptimizerKind::Adam => {
-                let step = AdamStep::new(
-                    lr,
-                    beta1.unwrap_or(c.beta1),
-                    c.beta2,
-                    c.eps,
-                    wd,
-                    c.kind == OptimizerKind::Adamw,
-                    state.step as i32,
-                );
+                let step = self.adam_step(state.step, lr, beta1);
                 // One op where the backend has the kernel (the CubeCL
                 // backends), else the same formulas as a dozen tensor ops.
                 let second = state.second.take().expect("adam state");
