@@ -666,11 +666,13 @@ where
             );
         }
         let [param, grad, first, second] = [param, grad, first, second].map(into_contiguous);
+        // The kernel updates the moments in place: in a buffer of their own
+        // (the optimiser's, handed over), else in a copy.
+        let [first, second] = [first, second].map(|t| if t.can_mut() { t } else { t.copy() });
         let shape = param.meta.shape().clone();
         let elements = shape.num_elements();
         let client = param.client.clone();
-        let out = || empty(&param, shape.clone(), dtype);
-        let (param_out, first_out, second_out) = (out(), out(), out());
+        let param_out = empty(&param, shape, dtype);
         let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
         // As `Tensor * f64` does: the coefficient rounded to f32 (and then,
         // in the kernel, to the element type).
@@ -681,11 +683,9 @@ where
             cube_dim,
             param.into_tensor_arg(),
             grad.into_tensor_arg(),
-            first.into_tensor_arg(),
-            second.into_tensor_arg(),
+            first.clone().into_tensor_arg(),
+            second.clone().into_tensor_arg(),
             param_out.clone().into_tensor_arg(),
-            first_out.clone().into_tensor_arg(),
-            second_out.clone().into_tensor_arg(),
             f(step.decay),
             f(step.l2),
             f(step.beta1),
@@ -699,7 +699,7 @@ where
             step.l2 != 0.0,
             dtype.into(),
         );
-        (param_out, first_out, second_out)
+        (param_out, first, second)
     }
 
     fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {

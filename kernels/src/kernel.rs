@@ -805,6 +805,9 @@ pub fn dropout_elements<F: Float>(
 
 /// One Adam/AdamW step per element ([`crate::AdamStep`]), op for op as
 /// [`crate::adam_step_ops`] computes it, each coefficient rounded to `F`.
+/// The moments are updated in place (the caller hands over buffers no one
+/// else holds): two allocations fewer per parameter for CubeCL's server
+/// thread, which a GPU training step waits on.
 ///
 /// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
 #[cube(launch)]
@@ -812,11 +815,9 @@ pub fn dropout_elements<F: Float>(
 pub fn adam_step_elements<F: Float>(
     param: &Tensor<F>,
     grad: &Tensor<F>,
-    first: &Tensor<F>,
-    second: &Tensor<F>,
+    first: &mut Tensor<F>,
+    second: &mut Tensor<F>,
     param_out: &mut Tensor<F>,
-    first_out: &mut Tensor<F>,
-    second_out: &mut Tensor<F>,
     decay: f32,
     l2: f32,
     beta1: f32,
@@ -844,8 +845,8 @@ pub fn adam_step_elements<F: Float>(
         let v = second[i] * F::cast_from(beta2) + g * g * F::cast_from(one_minus_beta2);
         let denom = F::sqrt(v) / F::cast_from(bias2_sqrt) + F::cast_from(eps);
         param_out[i] = p - m / denom * F::cast_from(step_size);
-        first_out[i] = m;
-        second_out[i] = v;
+        first[i] = m;
+        second[i] = v;
     }
 }
 

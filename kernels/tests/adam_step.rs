@@ -142,7 +142,7 @@ fn adam_l2_and_no_decay_match_the_ops() {
 /// All parameters of a step in one call (`adam_steps`: one custom op under
 /// fusion), in their own shapes, against one flat `adam_step` each: the same
 /// values bit for bit, each parameter back in its shape, each item with its
-/// own coefficients.
+/// own coefficients; moments that are shared stay as they were.
 #[test]
 fn adam_steps_of_many_parameters_equal_one_at_a_time() {
     use aam_kernels::AdamItem;
@@ -195,7 +195,14 @@ fn adam_steps_of_many_parameters_equal_one_at_a_time() {
     };
     for ((shape, p, g, m, v, step), [p_many, m_many, v_many]) in cases.iter().zip(many) {
         assert_eq!(p_many.shape(), Shape::from(shape.clone()));
-        let (p1, m1, v1) = Gpu::adam_step(flat(p), flat(g), flat(m), flat(v), *step);
+        // A moment held elsewhere too is not updated in place.
+        let shared = flat(m);
+        let (p1, m1, v1) = Gpu::adam_step(flat(p), flat(g), shared.clone(), flat(v), *step);
+        assert_eq!(
+            host(shared),
+            *m,
+            "{shape:?}: a shared moment was overwritten"
+        );
         let updated = host(p_many);
         assert_ne!(&updated, p, "{shape:?}: the parameter did not move");
         assert_eq!(updated, host(p1), "{shape:?}: parameter");
