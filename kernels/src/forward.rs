@@ -12,7 +12,7 @@ use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
     adam_step_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
-    column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements,
+    column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
     layer_norm_backward_rows, layer_norm_rows, sum_partials,
 };
 use crate::tensor_core::{
@@ -563,30 +563,38 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
-    let valid: Tensor<B<R, F, I, BT>, 2> = match mask {
-        Some(m) => Tensor::<B<R, F, I, BT>, 2, burn::tensor::Bool>::from_primitive(m)
-            .bool_not()
-            .float(),
-        None => Tensor::ones([n, tk], device),
-    }
-    .cast(DType::F32);
     let tiles = tk.div_ceil(tile_keys);
-    let padded = if tiles * tile_keys > tk {
-        let pad = Tensor::<B<R, F, I, BT>, 2>::zeros([n, tiles * tile_keys - tk], device)
-            .cast(DType::F32);
-        Tensor::cat(vec![valid.clone(), pad], 1)
-    } else {
-        valid.clone()
+    let Some(mask) = mask else {
+        // No mask: every key valid, and every tile full but the last.
+        type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+        let valid = Tensor::<B<R, F, I, BT>, 2>::ones([n, tk], device).cast(DType::F32);
+        let per_tile: Vec<f32> = (0..tiles)
+            .map(|t| (tk - t * tile_keys).min(tile_keys) as f32)
+            .collect();
+        let per_tile = Tensor::<B<R, F, I, BT>, 1>::from_floats(per_tile.as_slice(), device)
+            .cast(DType::F32)
+            .reshape([1, tiles])
+            .expand([n, tiles]);
+        return (
+            into_contiguous(valid.into_primitive().tensor()),
+            into_contiguous(per_tile.into_primitive().tensor()),
+        );
     };
-    let per_tile = padded
-        .reshape([n, tiles, tile_keys])
-        .sum_dim(2)
-        .reshape([n, tiles]);
-    (
-        into_contiguous(valid.into_primitive().tensor()),
-        into_contiguous(per_tile.into_primitive().tensor()),
-    )
+    let mask = into_contiguous(mask);
+    let key_valid = empty(&mask, Shape::new([n, tk]), DType::F32);
+    let tile_valid = empty(&mask, Shape::new([n, tiles]), DType::F32);
+    let (cubes, cube_dim) = one_unit_each(&mask.client, n * tiles, 256);
+    key_validity::launch::<R>(
+        &mask.client,
+        cubes,
+        cube_dim,
+        mask.clone().into_tensor_arg(),
+        key_valid.clone().into_tensor_arg(),
+        tile_valid.clone().into_tensor_arg(),
+        tile_keys,
+        mask.dtype.into(),
+    );
+    (key_valid, tile_valid)
 }
 
 fn dims4<R: CubeRuntime>(t: &CubeTensor<R>) -> [usize; 4] {
