@@ -9,7 +9,7 @@
 //! mask is a hash of a seed and the element index (redrawn in the backward
 //! pass, never stored). On a GPU a training step is bound by the host's work
 //! per op, so on the CubeCL backends GELU, LayerNorm's forward and backward,
-//! the dense backward, the sum over rows and an Adam step are one op each
+//! the dense backward, the sum over rows and the Adam steps are one op each
 //! too (a kernel, or one custom op of Burn's fusion stream), with the tensor
 //! ops as the default everywhere else.
 //!
@@ -40,12 +40,17 @@
 //!   parts (CubeCL's matmul and reduction leave most of a GPU idle on one
 //!   long row axis), with [`row_product`] and [`sum_rows`].
 //! - `adam.rs`: one Adam/AdamW step of a parameter as one op
-//!   ([`AttentionBackend::adam_step`]; a kernel on the CubeCL backends).
+//!   ([`AttentionBackend::adam_step`]; a kernel on the CubeCL backends, which
+//!   updates the moments in place), and all of a step's as one op under
+//!   fusion ([`AttentionBackend::adam_steps`]).
+//! - `packed.rs`: self-attention on the packed projection `qkv` as one op
+//!   each way ([`fused_packed_attention`]), instead of the split into heads
+//!   and the merge as ~26 tensor ops a layer.
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
 //!   element-wise seeded dropout behind [`dropout`], and the one-op GELU,
-//!   LayerNorm, column-sum and Adam kernels).
+//!   LayerNorm, column-sum, Adam and key-validity kernels).
 //! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and

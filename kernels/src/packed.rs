@@ -33,12 +33,25 @@ fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
     x.swap_dims(1, 2).reshape([n, t, h * dh])
 }
 
-/// The query, key and value heads of `qkv [N, T, 3D]`, each `[N, H, T, Dh]`.
+/// The query, key and value heads of `qkv [N, T, 3D]`, each `[N, H, T, Dh]`
+/// and contiguous, from one copy: `qkv` seen as `[N, T, 3, H, Dh]`, laid out
+/// as `[3, N, H, T, Dh]` by one reshape, then cut in three (views where the
+/// cut is aligned). Narrowing first would copy each third twice (a reshape
+/// of the narrowed view, then the kernels' contiguous copy of the swap).
 fn split_packed<B: Backend>(qkv: FloatTensor<B>, heads: usize) -> [FloatTensor<B>; 3] {
     let qkv = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(qkv));
-    let d = qkv.dims()[2] / 3;
+    let [n, t, d3] = qkv.dims();
+    let dh = d3 / 3 / heads;
+    let rows = n * heads;
+    let heads_first = qkv
+        .reshape([n, t, 3, heads, dh])
+        .permute([2, 0, 3, 1, 4])
+        .reshape([3 * rows, t, dh]);
     core::array::from_fn(|i| {
-        split_heads(qkv.clone().narrow(2, i * d, d), heads)
+        heads_first
+            .clone()
+            .narrow(0, i * rows, rows)
+            .reshape([n, heads, t, dh])
             .into_primitive()
             .tensor()
     })

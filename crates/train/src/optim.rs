@@ -304,6 +304,9 @@ impl<B: AttentionBackend> Optimizer<B> {
     /// backend fuses element-wise chains: there each parameter's update is
     /// one kernel already, and the flat groups would only add a copy of every
     /// parameter and gradient into the group (concatenation) and out again.
+    /// The Adam steps of all parameters are then one
+    /// [`AttentionBackend::adam_steps`] (one op under fusion), on parameters
+    /// and gradients in their own shapes.
     pub fn step<AB, M>(
         &mut self,
         module: M,
