@@ -11,15 +11,15 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
-    adam_step_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
-    column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
-    layer_norm_backward_rows, layer_norm_rows, sum_partials,
+    adam_step_elements, adam_steps_elements, attention_backward_dkdv, attention_backward_dq,
+    attention_forward, column_partial_sums, dropout_elements, gelu_backward_elements,
+    gelu_elements, key_validity, layer_norm_backward_rows, layer_norm_rows, sum_partials,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
 };
-use crate::{AdamStep, AttentionBackend, AttentionDropout};
+use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout};
 
 /// How the kernels split one call's work: shared-memory tiles, and the
 /// lanes (units) that share a row (see `kernel.rs`).
@@ -654,6 +654,24 @@ where
         out
     }
 
+    fn adam_steps(items: Vec<AdamItem<Self>>) -> Vec<[FloatTensor<Self>; 3]> {
+        let Some(first) = items.first() else {
+            return Vec::new();
+        };
+        // Five tensors a parameter are bound per launch, within the
+        // runtime's limit on bindings (wgpu's is small), at most 32.
+        let bindings = first.param.client.properties().hardware.max_bindings as usize;
+        let chunk = (bindings.saturating_sub(4) / 5).clamp(1, 32);
+        let mut items = items.into_iter().peekable();
+        let mut out = Vec::new();
+        while items.peek().is_some() {
+            out.extend(adam_steps_launch::<R, F, I, BT>(
+                items.by_ref().take(chunk).collect(),
+            ));
+        }
+        out
+    }
+
     fn adam_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -1096,6 +1114,99 @@ fn column_sums<R: CubeRuntime>(
 
 /// Cubes of `cube` units covering `units` units, one unit per element or row
 /// (the launch of every element-wise and per-row kernel here).
+/// One launch of [`adam_steps_elements`] over `items` (see
+/// [`AttentionBackend::adam_steps`]): `[param, first, second]` after the
+/// step for each, the moments updated in place where the items own them.
+fn adam_steps_launch<R, F, I, BT>(
+    items: Vec<AdamItem<CubeBackend<R, F, I, BT>>>,
+) -> Vec<[CubeTensor<R>; 3]>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let dtype = items[0].param.dtype;
+    let client = items[0].param.client.clone();
+    let device = items[0].param.device.clone();
+    let mut total = 0;
+    let mut coefficients = Vec::with_capacity(9 * items.len());
+    let mut tensors = Vec::with_capacity(items.len());
+    for item in items {
+        let elements = item.param.meta.shape().num_elements();
+        for (name, t) in [
+            ("grad", &item.grad),
+            ("first", &item.first),
+            ("second", &item.second),
+        ] {
+            assert_eq!(
+                t.dtype, dtype,
+                "adam_steps: {name} is not of the parameters' type"
+            );
+            assert_eq!(
+                t.meta.shape().num_elements(),
+                elements,
+                "adam_steps: {name}'s length"
+            );
+        }
+        let step = item.step;
+        // As `Tensor * f64` does: each coefficient rounded to f32 (and then,
+        // in the kernel, to the element type).
+        coefficients.extend(
+            [
+                step.decay,
+                step.l2,
+                step.beta1,
+                1.0 - step.beta1,
+                step.beta2,
+                1.0 - step.beta2,
+                step.bias2_sqrt,
+                step.eps,
+                step.step_size,
+            ]
+            .map(|x| x as f32),
+        );
+        let [param, grad, first, second] =
+            [item.param, item.grad, item.first, item.second].map(into_contiguous);
+        // Moments in place: in a buffer of their own, else in a copy.
+        let [first, second] = [first, second].map(|t| if t.can_mut() { t } else { t.copy() });
+        let param_out = empty(&param, param.meta.shape().clone(), dtype);
+        total += elements;
+        tensors.push([param, grad, first, second, param_out]);
+    }
+    let coefficients = Tensor::<CubeBackend<R, F, I, BT>, 1>::from_data(
+        burn::tensor::TensorData::new(coefficients, [tensors.len() * 9]),
+        &device,
+    )
+    .cast(DType::F32)
+    .into_primitive()
+    .tensor();
+    let sequence = |i: usize| {
+        tensors
+            .iter()
+            .map(|t| t[i].clone().into_tensor_arg())
+            .collect()
+    };
+    let (cubes, cube_dim) = one_unit_each(&client, total, 256);
+    adam_steps_elements::launch::<R>(
+        &client,
+        cubes,
+        cube_dim,
+        sequence(0),
+        sequence(1),
+        sequence(2),
+        sequence(3),
+        sequence(4),
+        coefficients.into_tensor_arg(),
+        total,
+        dtype.into(),
+    );
+    tensors
+        .into_iter()
+        .map(|[_, _, first, second, param_out]| [param_out, first, second])
+        .collect()
+}
+
 fn one_unit_each<R: CubeRuntime>(
     client: &cubecl::client::ComputeClient<R>,
     units: usize,
