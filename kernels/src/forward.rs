@@ -1129,7 +1129,7 @@ where
     let dtype = items[0].param.dtype;
     let client = items[0].param.client.clone();
     let device = items[0].param.device.clone();
-    let mut total = 0;
+    let mut longest = 0;
     let mut coefficients = Vec::with_capacity(9 * items.len());
     let mut tensors = Vec::with_capacity(items.len());
     for item in items {
@@ -1171,7 +1171,7 @@ where
         // Moments in place: in a buffer of their own, else in a copy.
         let [first, second] = [first, second].map(|t| if t.can_mut() { t } else { t.copy() });
         let param_out = empty(&param, param.meta.shape().clone(), dtype);
-        total += elements;
+        longest = longest.max(elements);
         tensors.push([param, grad, first, second, param_out]);
     }
     let coefficients = Tensor::<CubeBackend<R, F, I, BT>, 1>::from_data(
@@ -1187,18 +1187,22 @@ where
             .map(|t| t[i].clone().into_tensor_arg())
             .collect()
     };
-    let (cubes, cube_dim) = one_unit_each(&client, total, 256);
+    const UNITS: u32 = 256;
+    let cubes = CubeCount::Static(
+        longest.div_ceil(UNITS as usize) as u32,
+        tensors.len() as u32,
+        1,
+    );
     adam_steps_elements::launch::<R>(
         &client,
         cubes,
-        cube_dim,
+        CubeDim::new_1d(UNITS),
         sequence(0),
         sequence(1),
         sequence(2),
         sequence(3),
         sequence(4),
         coefficients.into_tensor_arg(),
-        total,
         dtype.into(),
     );
     tensors

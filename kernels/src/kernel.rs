@@ -892,9 +892,10 @@ pub fn adam_step_elements<F: Float>(
 /// Why: one launch per parameter (~170 a step) cost CubeCL's server thread a
 /// launch and an allocation each, and the training step waits on that thread.
 ///
-/// Launch: one unit per element of all the parameters together, in order;
-/// every tensor contiguous, the moments and outputs as long as their
-/// parameter.
+/// Launch: cube row `y = k` for parameter `k` (a sequence is indexed at
+/// compile time: each cube takes the one branch of its row, uniformly), one
+/// unit per element along x; every tensor contiguous, the moments and
+/// outputs as long as their parameter.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn adam_steps_elements<F: Float>(
@@ -904,55 +905,34 @@ pub fn adam_steps_elements<F: Float>(
     seconds: &mut Sequence<Tensor<F>>,
     params_out: &mut Sequence<Tensor<F>>,
     coefficients: &Tensor<f32>,
-    total: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let i = ABSOLUTE_POS;
-    if i < total {
-        let count = params.len().comptime();
-        // Which parameter element i belongs to, and its inputs (a sequence
-        // is indexed at compile time, so every parameter is asked).
-        let mut start = 0usize;
-        let mut item = 0usize;
-        let mut local = 0usize;
-        let mut p = F::new(0.0);
-        let mut g = F::new(0.0);
-        let mut m = F::new(0.0);
-        let mut v = F::new(0.0);
-        #[unroll]
-        for k in 0..count {
-            let len = params.index(k).len();
-            if i >= start && i < start + len {
-                local = i - start;
-                item = k;
-                p = params.index(k)[local];
-                g = grads.index(k)[local];
-                m = firsts.index(k)[local];
-                v = seconds.index(k)[local];
+    let item = CUBE_POS_Y as usize;
+    let i = ABSOLUTE_POS_X as usize;
+    let count = params.len().comptime();
+    #[unroll]
+    for k in 0..count {
+        if item == k && i < params.index(k).len() {
+            let mut p = params.index(k)[i];
+            let mut g = grads.index(k)[i];
+            let c = k * 9;
+            let l2 = coefficients[c + 1];
+            if l2 != 0.0 {
+                g += p * F::cast_from(l2);
             }
-            start += len;
-        }
-        let c = item * 9;
-        let l2 = coefficients[c + 1];
-        if l2 != 0.0 {
-            g += p * F::cast_from(l2);
-        }
-        let decay = coefficients[c];
-        if decay != 1.0 {
-            p *= F::cast_from(decay);
-        }
-        m = m * F::cast_from(coefficients[c + 2]) + g * F::cast_from(coefficients[c + 3]);
-        v = v * F::cast_from(coefficients[c + 4]) + g * g * F::cast_from(coefficients[c + 5]);
-        let denom =
-            F::sqrt(v) / F::cast_from(coefficients[c + 6]) + F::cast_from(coefficients[c + 7]);
-        let updated = p - m / denom * F::cast_from(coefficients[c + 8]);
-        #[unroll]
-        for k in 0..count {
-            if item == k {
-                firsts.index_mut(k)[local] = m;
-                seconds.index_mut(k)[local] = v;
-                params_out.index_mut(k)[local] = updated;
+            let decay = coefficients[c];
+            if decay != 1.0 {
+                p *= F::cast_from(decay);
             }
+            let m = firsts.index(k)[i] * F::cast_from(coefficients[c + 2])
+                + g * F::cast_from(coefficients[c + 3]);
+            let v = seconds.index(k)[i] * F::cast_from(coefficients[c + 4])
+                + g * g * F::cast_from(coefficients[c + 5]);
+            let denom =
+                F::sqrt(v) / F::cast_from(coefficients[c + 6]) + F::cast_from(coefficients[c + 7]);
+            params_out.index_mut(k)[i] = p - m / denom * F::cast_from(coefficients[c + 8]);
+            firsts.index_mut(k)[i] = m;
+            seconds.index_mut(k)[i] = v;
         }
     }
 }
