@@ -166,7 +166,7 @@ impl Case {
             })
             .collect();
         ModelInput {
-            tokens,
+            tokens: tokens.into(),
             counts,
             categorical_ids: (!cats.is_empty()).then_some(cats),
         }

@@ -601,7 +601,7 @@ fn check_model_case(name: &str) {
         case.meta["forward"]["counts"].as_bool().unwrap(),
         "{name}: counts input"
     );
-    let tokens = inputs.tokens.clone();
+    let tokens = inputs.tokens.ids.clone();
     let return_nucleotides = meta["model_forward"]["return_nucleotides"]
         .as_bool()
         .unwrap();

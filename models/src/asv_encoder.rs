@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::attention::AttnImplementation;
 use crate::embedding::{token_embedding, PositionEmbedding, PositionEmbeddingConfig};
 use crate::nn::{Activation, Linear, LinearConfig};
+use crate::output::AsvTokens;
 use crate::pooling::{AttentionPooling, AttentionPoolingConfig};
 use crate::transformer::{TransformerEncoder, TransformerEncoderConfig};
 
@@ -143,13 +144,14 @@ impl<B: AttentionBackend> AsvEncoder<B> {
     /// - asv_embeddings: `[B, S, D]`; nuc_logits: `[B, S, L, V]`; mask_indices: `[B, S, L]`
     pub fn forward(
         &self,
-        tokens: Tensor<B, 3, Int>,
+        tokens: impl Into<AsvTokens<B>>,
         return_nucleotides: bool,
     ) -> AsvEncoderOutput<B> {
-        let [batch, slots, length] = tokens.dims();
-        let device = tokens.device();
+        let AsvTokens { ids, non_empty } = tokens.into();
+        let [batch, slots, length] = ids.dims();
+        let device = ids.device();
         // 1. one row per ASV slot
-        let rows = tokens.reshape([batch * slots, length]);
+        let rows = ids.reshape([batch * slots, length]);
         // 2. masked-nucleotide corruption, training only
         let corrupt = B::ad_enabled(&device) && self.mask_ratio > 0.0 && return_nucleotides;
         let (rows, mask_indices) = if corrupt {
@@ -162,7 +164,7 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         let valid = rows.clone().greater_elem(0);
         // 4-7. encode, predict nucleotides and pool the non-empty rows only
         let n_rows = batch * slots;
-        let packed = self.encode_non_empty(rows, valid, return_nucleotides);
+        let packed = self.encode_non_empty(rows, valid, non_empty, return_nucleotides);
         let d = packed.pooled.dims()[1];
         // Empty slots: a zero hidden state pools to the norm's β and gives the
         // head's bias at every position, exactly what running them would give;
@@ -204,15 +206,19 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         &self,
         rows: Tensor<B, 2, Int>,
         valid: Tensor<B, 2, Bool>,
+        non_empty: Option<Vec<i64>>,
         return_nucleotides: bool,
     ) -> PackedRows<B> {
         let n = rows.dims()[0];
         let device = rows.device();
-        let non_empty: Vec<i64> = bool_vec(valid.clone().any_dim(1))
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, keep)| keep.then_some(i as i64))
-            .collect();
+        // From the caller where it knows them, else read back (a sync).
+        let non_empty: Vec<i64> = non_empty.unwrap_or_else(|| {
+            bool_vec(valid.clone().any_dim(1))
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, keep)| keep.then_some(i as i64))
+                .collect()
+        });
         let head = self.nucleotide_head.as_ref().filter(|_| return_nucleotides);
         let all_rows = non_empty.len() == n;
         // Chunks bound memory only where each chunk's activations are freed
@@ -633,8 +639,18 @@ mod tests {
             .to_vec::<i64>()
             .unwrap();
         values[60 * 3..60 * 4].fill(0); // slot 3 of sample 0 empty
-        let tokens = Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values, [2, 8, 60]), &device);
+        let tokens =
+            Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values.clone(), [2, 8, 60]), &device);
         let whole = enc.forward(tokens.clone(), true);
+        // The caller's list of non-empty slots (no read-back) gives the same.
+        let known = AsvTokens::with_host_ids(tokens.clone(), &values);
+        let slots = known.non_empty.clone().unwrap();
+        assert_eq!(slots.len(), 15, "16 slots, one empty");
+        assert!(!slots.contains(&3), "slot 3 is empty");
+        assert_eq!(
+            enc.forward(known, true).asv_embeddings.into_data(),
+            whole.asv_embeddings.clone().into_data()
+        );
         let chunked = AsvEncoder {
             asv_chunk_size: Some(3),
             ..enc.clone()

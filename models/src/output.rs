@@ -10,11 +10,63 @@ use burn::prelude::*;
 use crate::import::AamModel;
 use crate::sequence_predictor::TargetPrediction;
 
+/// ASV token ids `[B, S, L]` (0 = padding), with the slots that hold an
+/// ASV when the caller knows them.
+///
+/// The ASV encoder runs only the slots that hold an ASV (most of a batch is
+/// padding). Without the list it reads the ids back from the device to find
+/// them: a wait for everything queued before, which stalls a GPU training
+/// step. A caller that built the batch on the host passes the list
+/// ([`AsvTokens::with_host_ids`]); a tensor alone converts with `into()`.
+#[derive(Debug, Clone)]
+pub struct AsvTokens<B: Backend> {
+    /// The ids `[B, S, L]`.
+    pub ids: Tensor<B, 3, Int>,
+    /// The slots with a non-zero id, as flat indices `b·S + s`, ascending;
+    /// `None`: found from `ids` on the device.
+    pub non_empty: Option<Vec<i64>>,
+}
+
+impl<B: Backend> AsvTokens<B> {
+    /// The ids with the non-empty slots found in `host_ids`, the same ids
+    /// on the host (row-major `[B, S, L]`).
+    ///
+    /// # Panics
+    /// If `host_ids` is not as long as `ids`.
+    pub fn with_host_ids<T: Copy + Default + PartialEq>(
+        ids: Tensor<B, 3, Int>,
+        host_ids: &[T],
+    ) -> Self {
+        let [b, s, length] = ids.dims();
+        assert_eq!(host_ids.len(), b * s * length, "host ids of another shape");
+        let empty = T::default();
+        let non_empty = host_ids
+            .chunks(length.max(1))
+            .enumerate()
+            .filter(|(_, slot)| slot.iter().any(|&t| t != empty))
+            .map(|(i, _)| i as i64)
+            .collect();
+        Self {
+            ids,
+            non_empty: Some(non_empty),
+        }
+    }
+}
+
+impl<B: Backend> From<Tensor<B, 3, Int>> for AsvTokens<B> {
+    fn from(ids: Tensor<B, 3, Int>) -> Self {
+        Self {
+            ids,
+            non_empty: None,
+        }
+    }
+}
+
 /// A model's inputs.
 #[derive(Debug, Clone)]
 pub struct ModelInput<B: Backend> {
     /// Tokens `[B, S, L]`.
-    pub tokens: Tensor<B, 3, Int>,
+    pub tokens: AsvTokens<B>,
     /// Counts `[B, S, 1]` (needed with a count embedding).
     pub counts: Option<Tensor<B, 3>>,
     /// Categorical ids, column → `[B]` (predictor only).

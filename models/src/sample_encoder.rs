@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::asv_encoder::{AsvEncoder, AsvEncoderConfig};
 use crate::embedding::{PositionEmbedding, PositionEmbeddingConfig};
 use crate::nn::{Activation, Linear, LinearConfig};
+use crate::output::AsvTokens;
 use crate::transformer::{TransformerEncoder, TransformerEncoderConfig};
 
 /// How per-ASV read counts enter the sample encoder (§1.6 step 5).
@@ -132,12 +133,13 @@ impl<B: AttentionBackend> SampleSequenceEncoder<B> {
     /// If the count embedding is on and `counts` is None (the reference raises).
     pub fn forward(
         &self,
-        tokens: Tensor<B, 3, Int>,
+        tokens: impl Into<AsvTokens<B>>,
         counts: Option<Tensor<B, 3>>,
         return_nucleotides: bool,
     ) -> SampleEncoderOutput<B> {
         // 2. asv_mask: a slot is valid iff it holds a non-zero token
-        let asv_valid = tokens.clone().greater_elem(0).any_dim(2); // [B, S, 1]
+        let tokens = tokens.into();
+        let asv_valid = tokens.ids.clone().greater_elem(0).any_dim(2); // [B, S, 1]
         let asv_mask = asv_valid.clone().float();
         // 3-4. ASV embeddings, empty slots zeroed
         let asv_out = self.asv_encoder.forward(tokens, return_nucleotides);

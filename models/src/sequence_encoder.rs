@@ -8,6 +8,7 @@ use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 
 use crate::nn::{Activation, Linear, LinearConfig, LinearInit};
+use crate::output::AsvTokens;
 use crate::pooling::{AttentionPooling, AttentionPoolingConfig};
 use crate::sample_encoder::{SampleSequenceEncoder, SampleSequenceEncoderConfig};
 use crate::transformer::{TransformerEncoder, TransformerEncoderConfig};
@@ -151,13 +152,19 @@ impl<B: AttentionBackend> SequenceEncoder<B> {
     /// - see [`SequenceEncoderOutput`]
     pub fn forward(
         &self,
-        tokens: Tensor<B, 3, Int>,
+        tokens: impl Into<AsvTokens<B>>,
         counts: Option<Tensor<B, 3>>,
         return_nucleotides: bool,
     ) -> SequenceEncoderOutput<B> {
         // 1. asv_mask
-        let [b, s, _l] = tokens.dims();
-        let valid = tokens.clone().greater_elem(0).any_dim(2).reshape([b, s]);
+        let tokens = tokens.into();
+        let [b, s, _l] = tokens.ids.dims();
+        let valid = tokens
+            .ids
+            .clone()
+            .greater_elem(0)
+            .any_dim(2)
+            .reshape([b, s]);
         // 2. sample encoder
         let sample = self
             .sample_encoder

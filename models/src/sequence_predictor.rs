@@ -20,6 +20,7 @@ use crate::fusion::{
 use crate::nn::{
     softplus, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig, LinearInit,
 };
+use crate::output::AsvTokens;
 use crate::pooling::{AttentionPooling, AttentionPoolingConfig};
 use crate::sequence_encoder::{SequenceEncoder, SequenceEncoderConfig};
 use crate::transformer::{TransformerEncoder, TransformerEncoderConfig};
@@ -537,14 +538,20 @@ impl<B: AttentionBackend> SequencePredictor<B> {
     /// - see [`PredictorOutput`]
     pub fn forward(
         &self,
-        tokens: Tensor<B, 3, Int>,
+        tokens: impl Into<AsvTokens<B>>,
         counts: Option<Tensor<B, 3>>,
         categorical_ids: Option<&BTreeMap<String, Tensor<B, 1, Int>>>,
         return_nucleotides: bool,
     ) -> PredictorOutput<B> {
         // 1. asv_mask
-        let [b, s, _l] = tokens.dims();
-        let valid = tokens.clone().greater_elem(0).any_dim(2).reshape([b, s]);
+        let tokens = tokens.into();
+        let [b, s, _l] = tokens.ids.dims();
+        let valid = tokens
+            .ids
+            .clone()
+            .greater_elem(0)
+            .any_dim(2)
+            .reshape([b, s]);
         let padding = valid.clone().bool_not();
         // 2. base model; se = sample-transformer output
         let base = self.base_model.forward(tokens, counts, return_nucleotides);

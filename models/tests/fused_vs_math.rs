@@ -79,7 +79,7 @@ fn sequence_encoder_fused_equals_math() {
     for attn in [AttnImplementation::Math, AttnImplementation::Fused] {
         let m = model(&config, &ckpt, attn, &device);
         let input = ModelInput {
-            tokens: tokens(&device),
+            tokens: tokens(&device).into(),
             counts: None,
             categorical_ids: None,
         };

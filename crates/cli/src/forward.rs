@@ -149,7 +149,7 @@ fn read_inputs<B: aam_models::AttentionBackend>(
         (None, _) => None,
     };
     Ok(ModelInput {
-        tokens,
+        tokens: tokens.into(),
         counts,
         categorical_ids,
     })

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use aam_data::{AsvSampling, Batch, BatchConfig, BatchLoader, Dataset};
 use aam_models::import::{write_atomic, AamModel, ModelConfig};
-use aam_models::output::ModelInput;
+use aam_models::output::{AsvTokens, ModelInput};
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPrecision};
 use burn::module::AutodiffModule;
@@ -305,7 +305,8 @@ pub fn batch_tensors<B: Backend>(
             .collect::<BTreeMap<_, _>>()
     });
     let input = ModelInput {
-        tokens: tokens.clone(),
+        // With the non-empty slots from the host: no read-back in the forward.
+        tokens: AsvTokens::with_host_ids(tokens.clone(), &batch.tokens),
         counts: Some(counts.clone()),
         categorical_ids,
     };
