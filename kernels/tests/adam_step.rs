@@ -140,9 +140,10 @@ fn adam_l2_and_no_decay_match_the_ops() {
 }
 
 /// All parameters of a step in one call (`adam_steps`: one custom op under
-/// fusion), in their own shapes, against one flat `adam_step` each: the same
-/// values bit for bit, each parameter back in its shape, each item with its
-/// own coefficients; moments that are shared stay as they were.
+/// fusion, up to 32 parameters a launch), in their own shapes, against one
+/// flat `adam_step` each: the same values (to an ulp), each parameter back in
+/// its shape, each item with its own coefficients; moments that are shared
+/// stay as they were.
 #[test]
 fn adam_steps_of_many_parameters_equal_one_at_a_time() {
     use aam_kernels::AdamItem;
@@ -207,8 +208,11 @@ fn adam_steps_of_many_parameters_equal_one_at_a_time() {
         );
         let updated = host(p_many);
         assert_ne!(&updated, p, "{shape:?}: the parameter did not move");
-        assert_eq!(updated, host(p1), "{shape:?}: parameter");
-        assert_eq!(host(m_many), host(m1), "{shape:?}: first moment");
-        assert_eq!(host(v_many), host(v1), "{shape:?}: second moment");
+        // The same arithmetic; CUDA may contract the two kernels' multiplies
+        // and adds into FMAs differently (an ulp), other devices match exactly.
+        let what = |name: &str| format!("{shape:?}: {name} (steps vs step)");
+        assert_close(&what("parameter"), &updated, &host(p1), 1e-6, 0.0);
+        assert_close(&what("first moment"), &host(m_many), &host(m1), 1e-6, 0.0);
+        assert_close(&what("second moment"), &host(v_many), &host(v1), 1e-6, 0.0);
     }
 }

@@ -6,6 +6,9 @@
 //! reference gathers them the same way); empty slots get exactly zero hidden
 //! states. That is also the ASV level's answer to padding: samples have ~50-700
 //! real ASVs out of `token_limit` slots, so most rows are never computed.
+//! Which slots those are comes with the input ([`AsvTokens`]) when the caller
+//! built the batch on the host, as training does; otherwise the encoder reads
+//! the ids back from the device once per forward pass.
 
 use aam_kernels::AttentionBackend;
 use burn::nn::Embedding;
