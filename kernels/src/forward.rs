@@ -11,9 +11,9 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
-    adam_step_elements, adam_steps_elements, attention_backward_dkdv, attention_backward_dq,
-    attention_forward, column_partial_sums, dropout_elements, gelu_backward_elements,
-    gelu_elements, key_validity, layer_norm_backward_rows, layer_norm_rows, sum_partials,
+    adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
+    column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
+    layer_norm_backward_rows, layer_norm_rows, sum_partials,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -655,12 +655,12 @@ where
     }
 
     fn adam_steps(items: Vec<AdamItem<Self>>) -> Vec<[FloatTensor<Self>; 3]> {
-        let Some(first) = items.first() else {
+        let Some(any) = items.first() else {
             return Vec::new();
         };
         // Five tensors a parameter are bound per launch, within the
         // runtime's limit on bindings (wgpu's is small), at most 32.
-        let bindings = first.param.client.properties().hardware.max_bindings as usize;
+        let bindings = any.param.client.properties().hardware.max_bindings as usize;
         let chunk = (bindings.saturating_sub(4) / 5).clamp(1, 32);
         let mut items = items.into_iter().peekable();
         let mut out = Vec::new();
@@ -679,53 +679,16 @@ where
         second: FloatTensor<Self>,
         step: AdamStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let dtype = param.dtype;
-        for (name, t) in [("grad", &grad), ("first", &first), ("second", &second)] {
-            assert_eq!(
-                t.dtype, dtype,
-                "adam_step: {name} is not of the parameter's type"
-            );
-            assert_eq!(
-                t.meta.shape(),
-                param.meta.shape(),
-                "adam_step: {name}'s shape"
-            );
-        }
-        let [param, grad, first, second] = [param, grad, first, second].map(into_contiguous);
-        // The kernel updates the moments in place: in a buffer of their own
-        // (the optimiser's, handed over), else in a copy.
-        let [first, second] = [first, second].map(|t| if t.can_mut() { t } else { t.copy() });
-        let shape = param.meta.shape().clone();
-        let elements = shape.num_elements();
-        let client = param.client.clone();
-        let param_out = empty(&param, shape, dtype);
-        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
-        // As `Tensor * f64` does: the coefficient rounded to f32 (and then,
-        // in the kernel, to the element type).
-        let f = |x: f64| x as f32;
-        adam_step_elements::launch::<R>(
-            &client,
-            cubes,
-            cube_dim,
-            param.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            first.clone().into_tensor_arg(),
-            second.clone().into_tensor_arg(),
-            param_out.clone().into_tensor_arg(),
-            f(step.decay),
-            f(step.l2),
-            f(step.beta1),
-            f(1.0 - step.beta1),
-            f(step.beta2),
-            f(1.0 - step.beta2),
-            f(step.bias2_sqrt),
-            f(step.eps),
-            f(step.step_size),
-            step.decay != 1.0,
-            step.l2 != 0.0,
-            dtype.into(),
-        );
-        (param_out, first, second)
+        let item = AdamItem {
+            param,
+            grad,
+            first,
+            second,
+            step,
+        };
+        let [[p, m, v]] = <[_; 1]>::try_from(adam_steps_launch::<R, F, I, BT>(vec![item]))
+            .unwrap_or_else(|_| unreachable!("one parameter in, one out"));
+        (p, m, v)
     }
 
     fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -1112,8 +1075,6 @@ fn column_sums<R: CubeRuntime>(
     (sum, sum_ab)
 }
 
-/// Cubes of `cube` units covering `units` units, one unit per element or row
-/// (the launch of every element-wise and per-row kernel here).
 /// One launch of [`adam_steps_elements`] over `items` (see
 /// [`AttentionBackend::adam_steps`]): `[param, first, second]` after the
 /// step for each, the moments updated in place where the items own them.
@@ -1211,6 +1172,8 @@ where
         .collect()
 }
 
+/// Cubes of `cube` units covering `units` units, one unit per element or row
+/// (the launch of every element-wise and per-row kernel here).
 fn one_unit_each<R: CubeRuntime>(
     client: &cubecl::client::ComputeClient<R>,
     units: usize,

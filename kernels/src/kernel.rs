@@ -837,60 +837,15 @@ pub fn key_validity<B: Int>(
     }
 }
 
-/// One Adam/AdamW step per element ([`crate::AdamStep`]), op for op as
-/// [`crate::adam_step_ops`] computes it, each coefficient rounded to `F`.
-/// The moments are updated in place (the caller hands over buffers no one
-/// else holds): two allocations fewer per parameter for CubeCL's server
-/// thread, which a GPU training step waits on.
+/// The Adam/AdamW steps of one or several parameters in one launch, op for
+/// op as [`crate::adam_step_ops`] computes them ([`crate::AdamStep`]), each
+/// parameter with its own coefficients (row `k` of `coefficients`: decay,
+/// l2, β₁, 1 − β₁, β₂, 1 − β₂, √(1 − β₂ᵗ), ε, step size, each rounded to
+/// `F`), its moments updated in place.
 ///
-/// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn adam_step_elements<F: Float>(
-    param: &Tensor<F>,
-    grad: &Tensor<F>,
-    first: &mut Tensor<F>,
-    second: &mut Tensor<F>,
-    param_out: &mut Tensor<F>,
-    decay: f32,
-    l2: f32,
-    beta1: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    bias2_sqrt: f32,
-    eps: f32,
-    step_size: f32,
-    #[comptime] with_decay: bool,
-    #[comptime] with_l2: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let i = ABSOLUTE_POS;
-    if i < param_out.len() {
-        let mut p = param[i];
-        let mut g = grad[i];
-        if with_l2 {
-            g += p * F::cast_from(l2);
-        }
-        if with_decay {
-            p *= F::cast_from(decay);
-        }
-        let m = first[i] * F::cast_from(beta1) + g * F::cast_from(one_minus_beta1);
-        let v = second[i] * F::cast_from(beta2) + g * g * F::cast_from(one_minus_beta2);
-        let denom = F::sqrt(v) / F::cast_from(bias2_sqrt) + F::cast_from(eps);
-        param_out[i] = p - m / denom * F::cast_from(step_size);
-        first[i] = m;
-        second[i] = v;
-    }
-}
-
-/// The Adam/AdamW steps of several parameters in one launch: element for
-/// element the arithmetic of [`adam_step_elements`], each parameter with its
-/// own coefficients (row `k` of `coefficients`: decay, l2, β₁, 1 − β₁, β₂,
-/// 1 − β₂, √(1 − β₂ᵗ), ε, step size) and its moments updated in place.
-///
-/// Why: one launch per parameter (~170 a step) cost CubeCL's server thread a
-/// launch and an allocation each, and the training step waits on that thread.
+/// Why: one launch per parameter (~170 a step), each with three new buffers,
+/// cost CubeCL's server thread a launch and three allocations each, and the
+/// training step waits on that thread.
 ///
 /// Launch: cube row `y = k` for parameter `k` (a sequence is indexed at
 /// compile time: each cube takes the one branch of its row, uniformly), one

@@ -40,9 +40,9 @@
 //!   parts (CubeCL's matmul and reduction leave most of a GPU idle on one
 //!   long row axis), with [`row_product`] and [`sum_rows`].
 //! - `adam.rs`: one Adam/AdamW step of a parameter as one op
-//!   ([`AttentionBackend::adam_step`]; a kernel on the CubeCL backends, which
-//!   updates the moments in place), and all of a step's as one op under
-//!   fusion ([`AttentionBackend::adam_steps`]).
+//!   ([`AttentionBackend::adam_step`]), and all of a step's as one op under
+//!   fusion ([`AttentionBackend::adam_steps`]); on the CubeCL backends one
+//!   kernel launch per 32 parameters, which updates the moments in place.
 //! - `packed.rs`: self-attention on the packed projection `qkv` as one op
 //!   each way ([`fused_packed_attention`]), instead of the split into heads
 //!   and the merge as ~26 tensor ops a layer.
@@ -294,10 +294,11 @@ pub trait AttentionBackend: Backend {
     /// [`AttentionBackend::adam_step`]: `[param, first, second]` after it,
     /// the parameter in its own shape, the moments flat.
     ///
-    /// The default is one flat [`AttentionBackend::adam_step`] per item;
-    /// Burn's fusion backend records the whole list as one custom op, where
-    /// one op a parameter and the reshapes around it cost the host ~4 ops a
-    /// parameter (~700 a step for the default model).
+    /// The default is one flat [`AttentionBackend::adam_step`] per item; the
+    /// CubeCL backends launch one kernel per 32 parameters, and Burn's fusion
+    /// backend records the whole list as one custom op, where one op a
+    /// parameter and the reshapes around it cost the host ~4 ops a parameter
+    /// (~700 a step for the default model).
     fn adam_steps(items: Vec<AdamItem<Self>>) -> Vec<[FloatTensor<Self>; 3]> {
         use burn::tensor::TensorMetadata;
         items
