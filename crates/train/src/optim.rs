@@ -319,7 +319,7 @@ impl<B: AttentionBackend> Optimizer<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: Module<AB>,
     {
-        // 1. The parameters with a gradient, flattened, in module order.
+        // 1. The parameters with a gradient, in module order.
         struct Lister<'a, AB: AutodiffBackend> {
             name: &'a dyn Fn(&str) -> String,
             has_grad: &'a BTreeMap<String, FloatTensor<AB::InnerBackend>>,
