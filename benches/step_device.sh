@@ -44,7 +44,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
   echo "== profiled step (CUBECL_DEBUG_OPTION=profile)"
   CUBECL_DEBUG_LOG="$OUT/cubecl_profile.log" CUBECL_DEBUG_OPTION=profile \
     timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$first_bin" diagnose step --backend "$BACKEND" \
-    --warmup 2 --steps 2 $STEP_ARGS 2>&1 | tail -2
+    --warmup 2 --steps 2 $(echo "$STEP_ARGS" | sed -E 's/--steps [0-9]+//') 2>&1 | tail -2
   python3 benches/kernel_summary.py "$OUT/cubecl_profile.log"
   gzip -f "$OUT/cubecl_profile.log"
 fi
