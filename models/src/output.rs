@@ -53,6 +53,15 @@ impl<B: Backend> AsvTokens<B> {
     }
 }
 
+impl<B: Backend> AsvTokens<B> {
+    /// `[B, S]`: true where a slot holds an ASV (any non-zero id), the
+    /// reference's `asv_mask`.
+    pub fn slot_mask(&self) -> Tensor<B, 2, Bool> {
+        let [b, s, _] = self.ids.dims();
+        self.ids.clone().greater_elem(0).any_dim(2).reshape([b, s])
+    }
+}
+
 impl<B: Backend> From<Tensor<B, 3, Int>> for AsvTokens<B> {
     fn from(ids: Tensor<B, 3, Int>) -> Self {
         Self {

@@ -158,13 +158,7 @@ impl<B: AttentionBackend> SequenceEncoder<B> {
     ) -> SequenceEncoderOutput<B> {
         // 1. asv_mask
         let tokens = tokens.into();
-        let [b, s, _l] = tokens.ids.dims();
-        let valid = tokens
-            .ids
-            .clone()
-            .greater_elem(0)
-            .any_dim(2)
-            .reshape([b, s]);
+        let valid = tokens.slot_mask();
         // 2. sample encoder
         let sample = self
             .sample_encoder

@@ -545,13 +545,8 @@ impl<B: AttentionBackend> SequencePredictor<B> {
     ) -> PredictorOutput<B> {
         // 1. asv_mask
         let tokens = tokens.into();
-        let [b, s, _l] = tokens.ids.dims();
-        let valid = tokens
-            .ids
-            .clone()
-            .greater_elem(0)
-            .any_dim(2)
-            .reshape([b, s]);
+        let b = tokens.ids.dims()[0];
+        let valid = tokens.slot_mask();
         let padding = valid.clone().bool_not();
         // 2. base model; se = sample-transformer output
         let base = self.base_model.forward(tokens, counts, return_nucleotides);
