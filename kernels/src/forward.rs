@@ -750,7 +750,7 @@ where
             empty(&x, dims.clone(), x.dtype),
             empty(&x, Shape::new([rows, 1]), x.dtype),
         );
-        let (cubes, cube_dim) = one_unit_each(&client, rows, 128);
+        let (cubes, cube_dim, lanes) = row_groups(&client, rows);
         let with_beta = beta.is_some();
         layer_norm_rows::launch::<R>(
             &client,
@@ -763,6 +763,7 @@ where
             normalised.clone().into_tensor_arg(),
             r.clone().into_tensor_arg(),
             eps as f32,
+            lanes,
             with_beta,
             x.dtype.into(),
         );
@@ -780,7 +781,7 @@ where
         let rows = dims[0];
         let client = dy.client.clone();
         let dx = empty(&dy, dims, dy.dtype);
-        let (cubes, cube_dim) = one_unit_each(&client, rows, 128);
+        let (cubes, cube_dim, lanes) = row_groups(&client, rows);
         layer_norm_backward_rows::launch::<R>(
             &client,
             cubes,
@@ -790,6 +791,7 @@ where
             gamma.into_tensor_arg(),
             dy.clone().into_tensor_arg(),
             dx.clone().into_tensor_arg(),
+            lanes,
             dy.dtype.into(),
         );
         let (dbeta, dgamma) = column_sums::<R>(&dy, Some(&normalised));
@@ -1183,6 +1185,26 @@ fn one_unit_each<R: CubeRuntime>(
     (
         cubecl::calculate_cube_count_elemwise(client, units, cube_dim),
         cube_dim,
+    )
+}
+
+/// The launch of a row kernel with a group of adjacent lanes per row
+/// ([`layer_norm_rows`]): `(cubes, cube_dim, lanes)`. Lanes are the
+/// device's smallest plane, at most 32 (one per row where planes are
+/// unknown), so that a row's shuffles stay in one plane and its loads are
+/// adjacent; 256 units a cube.
+fn row_groups<R: CubeRuntime>(
+    client: &cubecl::client::ComputeClient<R>,
+    rows: usize,
+) -> (CubeCount, CubeDim, usize) {
+    let plane = client.properties().hardware.plane_size_min as usize;
+    let lanes = if plane.is_power_of_two() { plane.min(32) } else { 1 };
+    let cube_dim = CubeDim::new_1d(256);
+    let cubes = rows.div_ceil(256 / lanes).max(1);
+    (
+        cubecl::calculate_cube_count_elemwise(client, cubes, CubeDim::new_1d(1)),
+        cube_dim,
+        lanes,
     )
 }
 

@@ -892,12 +892,39 @@ pub fn adam_steps_elements<F: Float>(
     }
 }
 
+/// The sum of `value` over the `lanes` adjacent units of a row group
+/// (butterfly, `lanes` a power of two ≤ 32 within one plane); every unit of
+/// the plane must call it.
+#[cube]
+fn sum_over_lanes(value: f32, #[comptime] lanes: usize) -> f32 {
+    let mut sum = value;
+    if comptime!(lanes >= 32) {
+        sum += plane_shuffle_xor(sum, 16u32);
+    }
+    if comptime!(lanes >= 16) {
+        sum += plane_shuffle_xor(sum, 8u32);
+    }
+    if comptime!(lanes >= 8) {
+        sum += plane_shuffle_xor(sum, 4u32);
+    }
+    if comptime!(lanes >= 4) {
+        sum += plane_shuffle_xor(sum, 2u32);
+    }
+    if comptime!(lanes >= 2) {
+        sum += plane_shuffle_xor(sum, 1u32);
+    }
+    sum
+}
+
 /// LayerNorm of rows with its statistics: `y = x̂·γ (+ β)`, the normalised
 /// rows `x̂ = (x − mean)·r` and `r = 1/√(var + ε)` (biased variance), in f32.
 ///
-/// Launch: one unit per row, cubes from `calculate_cube_count_elemwise` over
-/// the rows; `x`, `y`, `normalised` `[M, D]` contiguous, `r` `[M, 1]`. Without
-/// a shift `beta` is any tensor (unread).
+/// Launch: `lanes` adjacent units per row (a power of two no larger than
+/// the plane, so that a row's group sits in one plane), a 1-D cube of
+/// whole groups, cubes in any grid ([`CUBE_POS`] is linear). Lane `l` reads
+/// elements `l, l + lanes, …` of its row, so a group's loads are adjacent
+/// in memory. `x`, `y`, `normalised` `[M, D]` contiguous, `r` `[M, 1]`.
+/// Without a shift `beta` is any tensor (unread).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_rows<F: Float>(
@@ -908,28 +935,42 @@ pub fn layer_norm_rows<F: Float>(
     normalised: &mut Tensor<F>,
     r: &mut Tensor<F>,
     eps: f32,
+    #[comptime] lanes: usize,
     #[comptime] with_beta: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = ABSOLUTE_POS;
-    let rows = r.len();
-    if row < rows {
-        let d = gamma.len();
-        let base = row * d;
-        let width = f32::cast_from(d);
-        let mut sum = 0.0f32;
-        for i in 0..d {
+    let lane = UNIT_POS_X as usize % lanes;
+    let row = CUBE_POS as usize * (CUBE_DIM_X as usize / lanes) + UNIT_POS_X as usize / lanes;
+    // Rows past the end still take part in the shuffles, with nothing read.
+    let in_range = row < r.len();
+    let d = gamma.len();
+    let base = row * d;
+    let width = f32::cast_from(d);
+    let mut sum = 0.0f32;
+    if in_range {
+        let mut i = lane;
+        while i < d {
             sum += f32::cast_from(x[base + i]);
+            i += lanes;
         }
-        let mean = sum / width;
-        let mut squares = 0.0f32;
-        for i in 0..d {
+    }
+    let mean = sum_over_lanes(sum, lanes) / width;
+    let mut squares = 0.0f32;
+    if in_range {
+        let mut i = lane;
+        while i < d {
             let centred = f32::cast_from(x[base + i]) - mean;
             squares += centred * centred;
+            i += lanes;
         }
-        let rs = 1.0f32 / f32::sqrt(squares / width + eps);
-        r[row] = F::cast_from(rs);
-        for i in 0..d {
+    }
+    let rs = 1.0f32 / f32::sqrt(sum_over_lanes(squares, lanes) / width + eps);
+    if in_range {
+        if lane == 0 {
+            r[row] = F::cast_from(rs);
+        }
+        let mut i = lane;
+        while i < d {
             let n = (f32::cast_from(x[base + i]) - mean) * rs;
             normalised[base + i] = F::cast_from(n);
             let mut out = n * f32::cast_from(gamma[i]);
@@ -937,6 +978,7 @@ pub fn layer_norm_rows<F: Float>(
                 out += f32::cast_from(beta[i]);
             }
             y[base + i] = F::cast_from(out);
+            i += lanes;
         }
     }
 }
@@ -944,8 +986,8 @@ pub fn layer_norm_rows<F: Float>(
 /// LayerNorm's input gradient per row, `dx = r·(g − mean(g) − x̂·mean(g·x̂))`
 /// with `g = dy·γ` (`norm.rs`), in f32.
 ///
-/// Launch: one unit per row; `normalised`, `dy`, `dx` `[M, D]` contiguous,
-/// `r` `[M, 1]`.
+/// Launch: as [`layer_norm_rows`], `lanes` units per row; `normalised`,
+/// `dy`, `dx` `[M, D]` contiguous, `r` `[M, 1]`.
 #[cube(launch)]
 pub fn layer_norm_backward_rows<F: Float>(
     normalised: &Tensor<F>,
@@ -953,28 +995,36 @@ pub fn layer_norm_backward_rows<F: Float>(
     gamma: &Tensor<F>,
     dy: &Tensor<F>,
     dx: &mut Tensor<F>,
+    #[comptime] lanes: usize,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = ABSOLUTE_POS;
-    let rows = r.len();
-    if row < rows {
-        let d = gamma.len();
-        let base = row * d;
-        let width = f32::cast_from(d);
-        let mut sum_g = 0.0f32;
-        let mut sum_gx = 0.0f32;
-        for i in 0..d {
+    let lane = UNIT_POS_X as usize % lanes;
+    let row = CUBE_POS as usize * (CUBE_DIM_X as usize / lanes) + UNIT_POS_X as usize / lanes;
+    let in_range = row < r.len();
+    let d = gamma.len();
+    let base = row * d;
+    let width = f32::cast_from(d);
+    let mut sum_g = 0.0f32;
+    let mut sum_gx = 0.0f32;
+    if in_range {
+        let mut i = lane;
+        while i < d {
             let g = f32::cast_from(dy[base + i]) * f32::cast_from(gamma[i]);
             sum_g += g;
             sum_gx += g * f32::cast_from(normalised[base + i]);
+            i += lanes;
         }
-        let mean_g = sum_g / width;
-        let mean_gx = sum_gx / width;
+    }
+    let mean_g = sum_over_lanes(sum_g, lanes) / width;
+    let mean_gx = sum_over_lanes(sum_gx, lanes) / width;
+    if in_range {
         let rs = f32::cast_from(r[row]);
-        for i in 0..d {
+        let mut i = lane;
+        while i < d {
             let g = f32::cast_from(dy[base + i]) * f32::cast_from(gamma[i]);
             let n = f32::cast_from(normalised[base + i]);
             dx[base + i] = F::cast_from((g - mean_g - n * mean_gx) * rs);
+            i += lanes;
         }
     }
 }
