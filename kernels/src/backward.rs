@@ -4,7 +4,8 @@
 //! packed projection `qkv` it is one node from `qkv` to the merged context. Exact GELU
 //! is one node that keeps only its input, LayerNorm one with the closed-form
 //! backward, the dense layer one whose backward sums its weight and bias
-//! gradients over rows in parts, and seeded dropout one that keeps nothing.
+//! gradients over rows in parts, seeded dropout one that keeps nothing, and
+//! unpacking rows to their slots one whose backward gathers.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};
@@ -14,7 +15,7 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 
-use crate::{AttentionBackend, AttentionDropout};
+use crate::{AttentionBackend, AttentionDropout, RowSlots};
 
 #[derive(Debug)]
 struct FusedAttentionBackward;
@@ -130,6 +131,32 @@ impl<B: AttentionBackend> Backward<B, 1> for SeededDropoutBackward {
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
             B::seeded_dropout(grad, dropout)
         });
+    }
+}
+
+/// Unpacking rows' backward (`slots.rs`): the packed rows' gradients
+/// gathered from their slots, the fill row's summed over the empty slots.
+#[derive(Debug)]
+struct UnpackRowsBackward;
+
+impl<B: AttentionBackend> Backward<B, 2> for UnpackRowsBackward {
+    type State = RowSlots;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_packed, node_fill] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let (dpacked, dfill) = B::unpack_rows_backward(dout, &ops.state);
+        if let Some(node) = node_packed {
+            grads.register::<B>(node.id, dpacked);
+        }
+        if let Some(node) = node_fill {
+            grads.register::<B>(node.id, dfill);
+        }
     }
 }
 
@@ -317,6 +344,26 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
 
     fn has_seeded_dropout() -> bool {
         B::has_seeded_dropout()
+    }
+
+    fn unpack_rows(
+        packed: FloatTensor<Self>,
+        fill: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> FloatTensor<Self> {
+        match UnpackRowsBackward
+            .prepare::<C>([packed.node.clone(), fill.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                slots.clone(),
+                B::unpack_rows(packed.primitive, fill.primitive, slots),
+            ),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::unpack_rows(packed.primitive, fill.primitive, slots))
+            }
+        }
     }
 
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {

@@ -1198,7 +1198,11 @@ fn row_groups<R: CubeRuntime>(
     rows: usize,
 ) -> (CubeCount, CubeDim, usize) {
     let plane = client.properties().hardware.plane_size_min as usize;
-    let lanes = if plane.is_power_of_two() { plane.min(32) } else { 1 };
+    let lanes = if plane.is_power_of_two() {
+        plane.min(32)
+    } else {
+        1
+    };
     let cube_dim = CubeDim::new_1d(256);
     let cubes = rows.div_ceil(256 / lanes).max(1);
     (

@@ -12,7 +12,8 @@
 //! so is an Adam step of one parameter (a dozen ops that fusion would make
 //! one kernel anyway, recorded and fused by the host one by one), and so are
 //! LayerNorm's forward and backward and the sum over rows (each a chain of
-//! ops that fusion splits at its reductions).
+//! ops that fusion splits at its reductions), and unpacking rows to their
+//! slots (which uploads its indices when it runs).
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Shape};
@@ -20,7 +21,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout};
+use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout, RowSlots};
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -319,6 +320,49 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             },
         );
         three(out, "layer norm gradient")
+    }
+
+    fn unpack_rows(
+        packed: FloatTensor<Self>,
+        fill: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> FloatTensor<Self> {
+        let out = (Shape::new([slots.slots(), packed.shape[1]]), packed.dtype);
+        let slots = slots.clone();
+        float_op::<B>(
+            "aam_unpack_rows",
+            vec![packed, fill],
+            vec![out],
+            move |inputs| {
+                let [packed, fill] = <[_; 2]>::try_from(inputs).expect("packed and fill");
+                vec![B::unpack_rows(packed, fill, &slots)]
+            },
+        )
+        .pop()
+        .expect("unpacked rows")
+    }
+
+    fn unpack_rows_backward(
+        dout: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let width = dout.shape[1];
+        let outputs = vec![
+            (Shape::new([slots.rows(), width]), dout.dtype),
+            (Shape::new([1, width]), dout.dtype),
+        ];
+        let slots = slots.clone();
+        let outputs = float_op::<B>(
+            "aam_unpack_rows_backward",
+            vec![dout],
+            outputs,
+            move |inputs| {
+                let dout = inputs.into_iter().next().expect("dout");
+                let (dpacked, dfill) = B::unpack_rows_backward(dout, &slots);
+                vec![dpacked, dfill]
+            },
+        );
+        two(outputs, "unpack rows backward")
     }
 
     fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -46,6 +46,8 @@
 //! - `packed.rs`: self-attention on the packed projection `qkv` as one op
 //!   each way ([`fused_packed_attention`]), instead of the split into heads
 //!   and the merge as ~26 tensor ops a layer.
+//! - `slots.rs`: [`unpack_rows`], rows computed for the non-empty slots
+//!   only put back in their slots, one op each way (the backward gathers).
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
@@ -73,8 +75,10 @@ mod backward;
 mod dense;
 mod norm;
 mod packed;
+mod slots;
 pub use adam::{adam_step_ops, AdamItem, AdamStep};
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
+pub use slots::{unpack_rows, RowSlots};
 #[cfg(feature = "cubecl")]
 mod forward;
 #[cfg(feature = "fusion")]
@@ -385,6 +389,37 @@ pub trait AttentionBackend: Backend {
         sum_rows::<Self>(Tensor::from_primitive(TensorPrimitive::Float(t)))
             .into_primitive()
             .tensor()
+    }
+
+    /// Packed rows back in their slots and `fill` in the others
+    /// ([`unpack_rows`]). The default is a concatenation and a gather; under
+    /// autodiff it is one node whose backward is
+    /// [`AttentionBackend::unpack_rows_backward`], and under fusion one
+    /// custom op each way.
+    ///
+    /// # Shapes
+    /// - packed: `[M, W]`, fill: `[1, W]`
+    /// - output: `[slots, W]`
+    fn unpack_rows(
+        packed: FloatTensor<Self>,
+        fill: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> FloatTensor<Self> {
+        slots::unpack_rows_ops::<Self>(packed, fill, slots)
+    }
+
+    /// [`AttentionBackend::unpack_rows`]' backward: `(dpacked, dfill)`, the
+    /// gradients of the non-empty slots gathered and those of the empty
+    /// slots summed.
+    ///
+    /// # Shapes
+    /// - dout: `[slots, W]`
+    /// - dpacked: `[M, W]`, dfill: `[1, W]`
+    fn unpack_rows_backward(
+        dout: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        slots::unpack_rows_backward_ops::<Self>(dout, slots)
     }
 
     /// Whether [`AttentionBackend::seeded_dropout`] runs a kernel here.

@@ -10,7 +10,7 @@
 //! built the batch on the host, as training does; otherwise the encoder reads
 //! the ids back from the device once per forward pass.
 
-use aam_kernels::AttentionBackend;
+use aam_kernels::{unpack_rows, AttentionBackend, RowSlots};
 use burn::nn::Embedding;
 use burn::prelude::*;
 use burn::tensor::Distribution;
@@ -169,28 +169,27 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         let n_rows = batch * slots;
         let packed = self.encode_non_empty(rows, valid, non_empty, return_nucleotides);
         let d = packed.pooled.dims()[1];
+        let row_slots = RowSlots::new(n_rows, packed.non_empty);
         // Empty slots: a zero hidden state pools to the norm's β and gives the
         // head's bias at every position, exactly what running them would give;
         // their gradients still reach β and the bias.
         let asv_embeddings = unpack_rows(
             packed.pooled,
             self.attention_pooling.norm.bias.val().reshape([1, d]),
-            &packed.non_empty,
-            n_rows,
+            &row_slots,
         )
         .reshape([batch, slots, d]);
         let nuc_logits = packed.nuc_logits.map(|logits| {
             let head = self.nucleotide_head.as_ref().expect("nucleotide head");
-            let vocab = logits.dims()[2];
+            let [rows, _, vocab] = logits.dims();
             let bias = match &head.bias {
                 Some(bias) => bias.val().reshape([1, 1, vocab]),
                 None => Tensor::zeros([1, 1, vocab], &device),
             };
             unpack_rows(
-                logits,
-                bias.expand([1, length, vocab]),
-                &packed.non_empty,
-                n_rows,
+                logits.reshape([rows, length * vocab]),
+                bias.expand([1, length, vocab]).reshape([1, length * vocab]),
+                &row_slots,
             )
             .reshape([batch, slots, length, vocab])
         });
@@ -344,68 +343,6 @@ struct PackedRows<B: Backend> {
     non_empty: Vec<i64>,
 }
 
-/// Unpacks per-slot results: slot `non_empty[r]` takes row r of `packed`,
-/// every other slot of `0..n` takes `fill`.
-///
-/// Built from slices and one concatenation per run of consecutive slots,
-/// not from `select`: CubeCL's select/scatter kernels (and so `select`'s
-/// backward) loop serially over the indexed axis, thousands of rows here, while
-/// slices and `cat` are plain parallel copies both ways. A batch's ASVs fill the
-/// first slots of each sample, so there are about two runs per sample. Inputs
-/// with many gaps (over [`MAX_RUNS`] runs) take `select` instead.
-///
-/// # Shapes
-/// - packed: `[M, ...]`, fill: `[1, ...]` → `[n, ...]`
-fn unpack_rows<B: Backend, const D: usize>(
-    packed: Tensor<B, D>,
-    fill: Tensor<B, D>,
-    non_empty: &[i64],
-    n: usize,
-) -> Tensor<B, D> {
-    let device = packed.device();
-    let runs = slot_runs(non_empty, n);
-    if runs.len() > MAX_RUNS {
-        let mut slot_of_row = vec![non_empty.len() as i64; n];
-        for (row, &slot) in non_empty.iter().enumerate() {
-            slot_of_row[slot as usize] = row as i64;
-        }
-        let index = Tensor::<B, 1, Int>::from_data(TensorData::new(slot_of_row, [n]), &device);
-        return Tensor::cat(vec![packed, fill], 0).select(0, index);
-    }
-    let mut parts = Vec::with_capacity(runs.len());
-    let mut row = 0;
-    for (filled, len) in runs {
-        if filled {
-            parts.push(packed.clone().narrow(0, row, len));
-            row += len;
-        } else {
-            let mut shape = fill.dims();
-            shape[0] = len;
-            parts.push(fill.clone().expand(shape));
-        }
-    }
-    Tensor::cat(parts, 0)
-}
-
-/// Above this many runs of filled/empty slots, [`unpack_rows`] gathers.
-const MAX_RUNS: usize = 256;
-
-/// Runs of consecutive slots in `0..n`: (filled, length), in order.
-fn slot_runs(non_empty: &[i64], n: usize) -> Vec<(bool, usize)> {
-    let mut filled = vec![false; n];
-    for &slot in non_empty {
-        filled[slot as usize] = true;
-    }
-    let mut runs: Vec<(bool, usize)> = Vec::new();
-    for f in filled {
-        match runs.last_mut() {
-            Some((kind, len)) if *kind == f => *len += 1,
-            _ => runs.push((f, 1)),
-        }
-    }
-    runs
-}
-
 /// `Tensor::cat` that accepts no parts (a batch of only empty slots).
 fn cat_or_empty<B: Backend, const D: usize>(
     parts: Vec<Tensor<B, D>>,
@@ -522,64 +459,6 @@ mod tests {
         }
         let ratio = mask.iter().filter(|&&m| m).count() as f64 / eligible as f64;
         assert!((ratio - 0.3).abs() < 0.05, "mask ratio {ratio}");
-    }
-
-    /// `unpack_rows` by runs and by its `select` fallback: values and gradients.
-    #[test]
-    fn unpack_rows_places_packed_rows_and_fill_with_gradients() {
-        let device = Default::default();
-        for (n, non_empty) in [
-            (6usize, vec![1i64, 2, 4]),
-            // alternating slots: 600 runs, more than MAX_RUNS
-            (600, (0..300).map(|i| 2 * i + 1).collect()),
-        ] {
-            let m = non_empty.len();
-            let packed_values: Vec<f32> = (0..m * 2).map(|i| i as f32 + 1.0).collect();
-            let packed = Tensor::<Train, 2>::from_data(
-                TensorData::new(packed_values.clone(), [m, 2]),
-                &device,
-            )
-            .require_grad();
-            let fill = Tensor::<Train, 2>::from_data([[-1.0f32, -2.0]], &device).require_grad();
-            let weights: Vec<f32> = (0..n * 2).map(|i| (i % 7) as f32 - 3.0).collect();
-            let out = unpack_rows(packed.clone(), fill.clone(), &non_empty, n);
-            let grads = (out.clone()
-                * Tensor::<Train, 2>::from_data(TensorData::new(weights.clone(), [n, 2]), &device))
-            .sum()
-            .backward();
-            let out = out.into_data().to_vec::<f32>().unwrap();
-            let mut want = Vec::new();
-            let mut want_dpacked = Vec::new();
-            let mut want_dfill = [0.0f32; 2];
-            let mut row = 0;
-            for slot in 0..n {
-                let w = &weights[slot * 2..slot * 2 + 2];
-                if non_empty.contains(&(slot as i64)) {
-                    want.extend_from_slice(&packed_values[row * 2..row * 2 + 2]);
-                    want_dpacked.extend_from_slice(w);
-                    row += 1;
-                } else {
-                    want.extend_from_slice(&[-1.0, -2.0]);
-                    want_dfill[0] += w[0];
-                    want_dfill[1] += w[1];
-                }
-            }
-            assert_eq!(out, want, "n = {n}");
-            let dpacked = packed
-                .grad(&grads)
-                .unwrap()
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap();
-            assert_eq!(dpacked, want_dpacked, "n = {n}");
-            let dfill = fill
-                .grad(&grads)
-                .unwrap()
-                .into_data()
-                .to_vec::<f32>()
-                .unwrap();
-            assert_eq!(dfill, want_dfill.to_vec(), "n = {n}");
-        }
     }
 
     #[test]
