@@ -401,6 +401,7 @@ fn check_function_case(entry: &Value, arrays: &Arrays, failures: &mut Vec<String
         base_prediction,
         nuc_logits,
         mask_indices: arrays.boolean::<3>(&key("mask_indices"), &device),
+        nuc_tokens: None,
         count_prediction,
         target,
     };
@@ -435,7 +436,7 @@ fn check_function_case(entry: &Value, arrays: &Arrays, failures: &mut Vec<String
         "{name}: sample_weights presence"
     );
     let loss_targets = LossTargets {
-        tokens,
+        tokens: tokens.into(),
         base: arrays.float::<2>(&key("base_target"), &device),
         counts,
         target,
@@ -601,7 +602,7 @@ fn check_model_case(name: &str) {
         case.meta["forward"]["counts"].as_bool().unwrap(),
         "{name}: counts input"
     );
-    let tokens = inputs.tokens.ids.clone();
+    let tokens = inputs.tokens.ids().expect("dense ids").clone();
     let return_nucleotides = meta["model_forward"]["return_nucleotides"]
         .as_bool()
         .unwrap();
@@ -672,7 +673,7 @@ fn check_model_case(name: &str) {
         "{name}: sample weights not supported here"
     );
     let targets = LossTargets {
-        tokens,
+        tokens: tokens.into(),
         base: f("base_target").map(|d| Tensor::from_data(d, &device)),
         counts: f("counts").map(|d| Tensor::from_data(d, &device)),
         target,

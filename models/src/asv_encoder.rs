@@ -7,8 +7,11 @@
 //! states. That is also the ASV level's answer to padding: samples have ~50-700
 //! real ASVs out of `token_limit` slots, so most rows are never computed.
 //! Which slots those are comes with the input ([`AsvTokens`]) when the caller
-//! built the batch on the host, as training does; otherwise the encoder reads
-//! the ids back from the device once per forward pass.
+//! built the batch on the host, as training does (which then uploads only
+//! those rows); otherwise the encoder reads the ids back from the device once
+//! per forward pass. The nucleotide logits stay packed ([`Nucleotides`]): the
+//! loss scores the filled rows only, and the reference's `[B, S, L, V]` is
+//! made on request.
 
 use aam_kernels::{unpack_rows, AttentionBackend, RowSlots};
 use burn::nn::Embedding;
@@ -69,7 +72,7 @@ pub struct AsvEncoderConfig {
     #[config(default = false)]
     pub predict_nucleotides: bool,
     /// ASVs per chunk through the encoder at inference; None or 0 = all at
-    /// once. Training always runs all at once (see `encode_non_empty`).
+    /// once. Training always runs all at once (see `encode_rows`).
     /// Default: None.
     pub asv_chunk_size: Option<usize>,
     /// Attention implementation. Default: auto.
@@ -107,10 +110,61 @@ pub struct AsvEncoder<B: Backend> {
 pub struct AsvEncoderOutput<B: Backend> {
     /// Pooled ASV embeddings `[B, S, D]` (empty slots hold the pooling norm's β).
     pub asv_embeddings: Tensor<B, 3>,
-    /// Nucleotide logits `[B, S, L, V]`, when requested and the head exists.
-    pub nuc_logits: Option<Tensor<B, 4>>,
-    /// Which positions were masked `[B, S, L]`, when masking ran.
-    pub mask_indices: Option<Tensor<B, 3, Bool>>,
+    /// The nucleotide head's logits, when requested and the head exists.
+    pub nucleotides: Option<Nucleotides<B>>,
+}
+
+/// The masked-nucleotide task's outputs for the filled ASV slots of a batch,
+/// packed: one row per filled slot, in slot order.
+///
+/// The loss and the accuracy read these rows directly ([`Nucleotides::tokens`]
+/// are their targets). The padding slots would add nothing to either (no
+/// position of theirs is scored) but ~95% of the size at the default shape,
+/// so their logits are only made for a caller that asks for the reference's
+/// `[B, S, L, V]` ([`Nucleotides::unpacked_logits`]).
+#[derive(Debug, Clone)]
+pub struct Nucleotides<B: Backend> {
+    /// Logits `[M, L, V]`.
+    pub logits: Tensor<B, 3>,
+    /// The uncorrupted ids `[M, L]`: the targets.
+    pub tokens: Tensor<B, 2, Int>,
+    /// The positions overwritten with MASK `[M, L]`, when masking ran.
+    pub mask_indices: Option<Tensor<B, 2, Bool>>,
+    /// `[1, L·V]`: an empty slot's logits at every position (the head's bias,
+    /// what running its zero hidden state gives).
+    empty_slot: Tensor<B, 2>,
+    /// Where each row goes among the `B·S` slots.
+    slots: RowSlots,
+    /// `[B, S, L, V]`.
+    shape: [usize; 4],
+}
+
+impl<B: AttentionBackend> Nucleotides<B> {
+    /// The reference's `nuc_predictions [B, S, L, V]`.
+    pub fn unpacked_logits(&self) -> Tensor<B, 4> {
+        let [m, length, vocab] = self.logits.dims();
+        unpack_rows(
+            self.logits.clone().reshape([m, length * vocab]),
+            self.empty_slot.clone(),
+            &self.slots,
+        )
+        .reshape(self.shape)
+    }
+
+    /// The reference's `mask_indices [B, S, L]` (empty slots: none masked).
+    pub fn unpacked_mask_indices(&self) -> Option<Tensor<B, 3, Bool>> {
+        let [b, s, length, _] = self.shape;
+        self.mask_indices.as_ref().map(|mask| {
+            let device = mask.device();
+            unpack_rows(
+                mask.clone().float(),
+                Tensor::zeros([1, length], &device),
+                &self.slots,
+            )
+            .reshape([b, s, length])
+            .greater_elem(0.5)
+        })
+    }
 }
 
 impl AsvEncoderConfig {
@@ -144,32 +198,34 @@ impl AsvEncoderConfig {
 impl<B: AttentionBackend> AsvEncoder<B> {
     /// # Shapes
     /// - tokens: `[B, S, L]`
-    /// - asv_embeddings: `[B, S, D]`; nuc_logits: `[B, S, L, V]`; mask_indices: `[B, S, L]`
+    /// - asv_embeddings: `[B, S, D]`; nucleotides: `[M, L, V]` for the M filled slots
     pub fn forward(
         &self,
         tokens: impl Into<AsvTokens<B>>,
         return_nucleotides: bool,
     ) -> AsvEncoderOutput<B> {
-        let AsvTokens { ids, non_empty } = tokens.into();
-        let [batch, slots, length] = ids.dims();
-        let device = ids.device();
-        // 1. one row per ASV slot
-        let rows = ids.reshape([batch * slots, length]);
+        let tokens = tokens.into();
+        let [batch, slots, length] = tokens.dims();
+        let device = tokens.device();
+        // 1. one row per filled ASV slot
+        let (rows, non_empty) = tokens.into_filled_rows();
         // 2. masked-nucleotide corruption, training only
         let corrupt = B::ad_enabled(&device) && self.mask_ratio > 0.0 && return_nucleotides;
-        let (rows, mask_indices) = if corrupt {
+        let (corrupted, mask_indices) = if corrupt {
             let chosen = self.choose_masked(rows.clone());
-            (rows.mask_fill(chosen.clone(), MASK_TOKEN), Some(chosen))
+            (
+                rows.clone().mask_fill(chosen.clone(), MASK_TOKEN),
+                Some(chosen),
+            )
         } else {
-            (rows, None)
+            (rows.clone(), None)
         };
         // 3. valid = token > 0 (START and MASK count)
-        let valid = rows.clone().greater_elem(0);
-        // 4-7. encode, predict nucleotides and pool the non-empty rows only
-        let n_rows = batch * slots;
-        let packed = self.encode_non_empty(rows, valid, non_empty, return_nucleotides);
+        let valid = corrupted.clone().greater_elem(0);
+        // 4-7. encode, predict nucleotides and pool
+        let packed = self.encode_rows(corrupted, valid, return_nucleotides);
         let d = packed.pooled.dims()[1];
-        let row_slots = RowSlots::new(n_rows, packed.non_empty);
+        let row_slots = RowSlots::new(batch * slots, non_empty);
         // Empty slots: a zero hidden state pools to the norm's β and gives the
         // head's bias at every position, exactly what running them would give;
         // their gradients still reach β and the bias.
@@ -179,50 +235,41 @@ impl<B: AttentionBackend> AsvEncoder<B> {
             &row_slots,
         )
         .reshape([batch, slots, d]);
-        let nuc_logits = packed.nuc_logits.map(|logits| {
+        let nucleotides = packed.nuc_logits.map(|logits| {
             let head = self.nucleotide_head.as_ref().expect("nucleotide head");
-            let [rows, _, vocab] = logits.dims();
+            let vocab = logits.dims()[2];
             let bias = match &head.bias {
                 Some(bias) => bias.val().reshape([1, 1, vocab]),
                 None => Tensor::zeros([1, 1, vocab], &device),
             };
-            unpack_rows(
-                logits.reshape([rows, length * vocab]),
-                bias.expand([1, length, vocab]).reshape([1, length * vocab]),
-                &row_slots,
-            )
-            .reshape([batch, slots, length, vocab])
+            Nucleotides {
+                logits,
+                tokens: rows,
+                mask_indices,
+                empty_slot: bias.expand([1, length, vocab]).reshape([1, length * vocab]),
+                slots: row_slots,
+                shape: [batch, slots, length, vocab],
+            }
         });
         AsvEncoderOutput {
             asv_embeddings,
-            nuc_logits,
-            mask_indices: mask_indices.map(|m| m.reshape([batch, slots, length])),
+            nucleotides,
         }
     }
 
-    /// Runs the transformer, the nucleotide head and the pooling on the rows
-    /// that hold a token, in chunks of `asv_chunk_size`. Padding slots are
-    /// most of a batch (samples have ~50-700 real ASVs out of `token_limit`
-    /// slots), so no per-position tensor is ever made for them.
-    fn encode_non_empty(
+    /// Runs the transformer, the nucleotide head and the pooling on the
+    /// filled slots' rows `[M, L]`, in chunks of `asv_chunk_size`. Padding
+    /// slots are most of a batch (samples have ~50-700 real ASVs out of
+    /// `token_limit` slots), so no per-position tensor is ever made for them.
+    fn encode_rows(
         &self,
         rows: Tensor<B, 2, Int>,
         valid: Tensor<B, 2, Bool>,
-        non_empty: Option<Vec<i64>>,
         return_nucleotides: bool,
     ) -> PackedRows<B> {
-        let n = rows.dims()[0];
+        let [n, length] = rows.dims();
         let device = rows.device();
-        // From the caller where it knows them, else read back (a sync).
-        let non_empty: Vec<i64> = non_empty.unwrap_or_else(|| {
-            bool_vec(valid.clone().any_dim(1))
-                .into_iter()
-                .enumerate()
-                .filter_map(|(i, keep)| keep.then_some(i as i64))
-                .collect()
-        });
         let head = self.nucleotide_head.as_ref().filter(|_| return_nucleotides);
-        let all_rows = non_empty.len() == n;
         // Chunks bound memory only where each chunk's activations are freed
         // before the next runs (inference: validation, predict). In training
         // every chunk's activations are kept for the backward pass anyway, so
@@ -235,17 +282,14 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         .max(1);
         let mut pooled = Vec::new();
         let mut logits = Vec::new();
-        for ids in non_empty.chunks(chunk) {
-            let (rows, valid) = if all_rows && ids.len() == n {
+        for start in (0..n).step_by(chunk) {
+            let (rows, valid) = if chunk >= n {
                 (rows.clone(), valid.clone())
             } else {
-                let idx = Tensor::<B, 1, Int>::from_data(
-                    TensorData::new(ids.to_vec(), [ids.len()]),
-                    &device,
-                );
+                let size = chunk.min(n - start);
                 (
-                    rows.clone().select(0, idx.clone()),
-                    valid.clone().select(0, idx),
+                    rows.clone().narrow(0, start, size),
+                    valid.clone().narrow(0, start, size),
                 )
             };
             let hidden = self.encode(rows, valid.clone());
@@ -259,10 +303,8 @@ impl<B: AttentionBackend> AsvEncoder<B> {
             pooled: cat_or_empty(pooled, [0, d], &device),
             nuc_logits: head.map(|head| {
                 let vocab = head.weight.dims()[0];
-                let length = rows.dims()[1];
                 cat_or_empty(logits, [0, length, vocab], &device)
             }),
-            non_empty,
         }
     }
 
@@ -333,14 +375,12 @@ impl<B: AttentionBackend> AsvEncoder<B> {
     }
 }
 
-/// The non-empty rows' results, packed, and where each slot reads its row.
+/// The filled slots' results, packed.
 struct PackedRows<B: Backend> {
     /// `[M, D]` for the M non-empty slots.
     pooled: Tensor<B, 2>,
     /// `[M, L, V]`, when the head ran.
     nuc_logits: Option<Tensor<B, 3>>,
-    /// The slot of each packed row, ascending.
-    non_empty: Vec<i64>,
 }
 
 /// `Tensor::cat` that accepts no parts (a batch of only empty slots).
@@ -446,7 +486,8 @@ mod tests {
         let tokens = tokens::<Train>(&device);
         let mask = enc
             .forward(tokens.clone(), true)
-            .mask_indices
+            .nucleotides
+            .and_then(|n| n.mask_indices)
             .expect("masking ran");
         let mask = bool_vec(mask);
         let toks = tokens.into_data().convert::<i64>().to_vec::<i64>().unwrap();
@@ -500,6 +541,8 @@ mod tests {
         let enc = encoder::<Cpu>(MaskStrategy::Span, &device);
         assert!(
             enc.forward(tokens::<Cpu>(&device), true)
+                .nucleotides
+                .expect("nucleotides requested")
                 .mask_indices
                 .is_none(),
             "eval backend must not mask"
@@ -507,7 +550,7 @@ mod tests {
         let train = encoder::<Train>(MaskStrategy::Random, &device);
         assert!(train
             .forward(tokens::<Train>(&device), false)
-            .mask_indices
+            .nucleotides
             .is_none());
     }
 
@@ -526,7 +569,7 @@ mod tests {
         let whole = enc.forward(tokens.clone(), true);
         // The caller's list of non-empty slots (no read-back) gives the same.
         let known = AsvTokens::with_host_ids(tokens.clone(), &values);
-        let slots = known.non_empty.clone().unwrap();
+        let slots = known.non_empty().unwrap().to_vec();
         assert_eq!(slots.len(), 15, "16 slots, one empty");
         assert!(!slots.contains(&3), "slot 3 is empty");
         assert_eq!(
@@ -547,9 +590,11 @@ mod tests {
                 burn::tensor::Tolerance::default(),
             );
         // The empty slot pools to the norm's β and its logits are the head's bias.
-        let logits = whole
-            .nuc_logits
-            .unwrap()
+        // Only the filled rows are in the packed logits.
+        let nucleotides = whole.nucleotides.unwrap();
+        assert_eq!(nucleotides.logits.dims(), [15, 60, 7]);
+        let logits = nucleotides
+            .unpacked_logits()
             .narrow(0, 0, 1)
             .narrow(1, 3, 1)
             .reshape([60, 7]);
@@ -566,5 +611,41 @@ mod tests {
         logits
             .into_data()
             .assert_approx_eq::<f32>(&bias.into_data(), burn::tensor::Tolerance::default());
+    }
+
+    /// Only the filled rows uploaded (`AsvTokens::from_host`): the same
+    /// embeddings, logits and targets as the whole `[B, S, L]` ids.
+    #[test]
+    fn filled_rows_from_the_host_equal_the_whole_ids() {
+        let device = Default::default();
+        let enc = encoder::<Cpu>(MaskStrategy::Random, &device);
+        let mut values = tokens::<Cpu>(&device)
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .unwrap();
+        values[60 * 3..60 * 4].fill(0);
+        values[60 * 12..60 * 14].fill(0);
+        let host: Vec<u8> = values.iter().map(|&t| t as u8).collect();
+        let whole = enc.forward(
+            Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values.clone(), [2, 8, 60]), &device),
+            true,
+        );
+        let packed_tokens = AsvTokens::<Cpu>::from_host(&host, [2, 8, 60], &device);
+        let mask = bool_vec(packed_tokens.slot_mask());
+        assert_eq!(mask.iter().filter(|&&m| m).count(), 13);
+        assert!(!mask[3] && !mask[12] && !mask[13] && mask[14]);
+        let packed = enc.forward(packed_tokens, true);
+        packed.asv_embeddings.into_data().assert_approx_eq::<f32>(
+            &whole.asv_embeddings.into_data(),
+            burn::tensor::Tolerance::default(),
+        );
+        let (a, b) = (packed.nucleotides.unwrap(), whole.nucleotides.unwrap());
+        assert_eq!(a.tokens.dims(), [13, 60]);
+        assert_eq!(a.tokens.to_data(), b.tokens.to_data());
+        a.unpacked_logits().into_data().assert_approx_eq::<f32>(
+            &b.unpacked_logits().into_data(),
+            burn::tensor::Tolerance::default(),
+        );
     }
 }

@@ -5,6 +5,7 @@ use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::asv_encoder::Nucleotides;
 use crate::asv_encoder::{AsvEncoder, AsvEncoderConfig};
 use crate::embedding::{PositionEmbedding, PositionEmbeddingConfig};
 use crate::nn::{Activation, Linear, LinearConfig};
@@ -76,10 +77,8 @@ pub struct SampleSequenceEncoder<B: Backend> {
 pub struct SampleEncoderOutput<B: Backend> {
     /// `[B, S, D]`, padded slots exactly 0.
     pub sample_embeddings: Tensor<B, 3>,
-    /// Nucleotide logits `[B, S, L, V]`, when requested.
-    pub nuc_logits: Option<Tensor<B, 4>>,
-    /// Masked positions `[B, S, L]`, when masking ran.
-    pub mask_indices: Option<Tensor<B, 3, Bool>>,
+    /// The filled slots' nucleotide logits, when requested.
+    pub nucleotides: Option<Nucleotides<B>>,
 }
 
 impl SampleSequenceEncoderConfig {
@@ -139,7 +138,8 @@ impl<B: AttentionBackend> SampleSequenceEncoder<B> {
     ) -> SampleEncoderOutput<B> {
         // 2. asv_mask: a slot is valid iff it holds a non-zero token
         let tokens = tokens.into();
-        let asv_valid = tokens.ids.clone().greater_elem(0).any_dim(2); // [B, S, 1]
+        let [b, s, _] = tokens.dims();
+        let asv_valid = tokens.slot_mask().reshape([b, s, 1]);
         let asv_mask = asv_valid.clone().float();
         // 3-4. ASV embeddings, empty slots zeroed
         let asv_out = self.asv_encoder.forward(tokens, return_nucleotides);
@@ -152,14 +152,12 @@ impl<B: AttentionBackend> SampleSequenceEncoder<B> {
         }
         // 6-7. + sample positions, then the ASV-set transformer
         let asv = self.sample_position_embedding.forward(asv);
-        let [b, s, _] = asv_valid.dims();
         let padding = asv_valid.reshape([b, s]).bool_not();
         let hidden = self.sample_transformer.forward(asv, Some(padding));
         // 8. padded slots exactly 0
         SampleEncoderOutput {
             sample_embeddings: hidden * asv_mask,
-            nuc_logits: asv_out.nuc_logits,
-            mask_indices: asv_out.mask_indices,
+            nucleotides: asv_out.nucleotides,
         }
     }
 

@@ -7,6 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 
+use crate::asv_encoder::Nucleotides;
 use crate::nn::{Activation, Linear, LinearConfig, LinearInit};
 use crate::output::AsvTokens;
 use crate::pooling::{AttentionPooling, AttentionPoolingConfig};
@@ -92,10 +93,9 @@ pub struct SequenceEncoderOutput<B: Backend> {
     pub faith_pred: Option<Tensor<B, 2>>,
     /// `tax_ff(pooled)` `[B, 7]` (combined).
     pub tax_pred: Option<Tensor<B, 2>>,
-    /// Nucleotide logits `[B, S, L, V]`.
-    pub nuc_predictions: Option<Tensor<B, 4>>,
-    /// Masked positions `[B, S, L]`.
-    pub mask_indices: Option<Tensor<B, 3, Bool>>,
+    /// The filled slots' nucleotide logits (the reference's `nuc_predictions`
+    /// and `mask_indices`, packed).
+    pub nucleotides: Option<Nucleotides<B>>,
 }
 
 impl SequenceEncoderConfig {
@@ -178,8 +178,7 @@ impl<B: AttentionBackend> SequenceEncoder<B> {
             unifrac_pred: None,
             faith_pred: None,
             tax_pred: None,
-            nuc_predictions: sample.nuc_logits,
-            mask_indices: sample.mask_indices,
+            nucleotides: sample.nucleotides,
         };
         if let Some(head) = &self.output_head {
             out.base_prediction = Some(head.forward(pooled));

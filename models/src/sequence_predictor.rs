@@ -12,6 +12,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 
+use crate::asv_encoder::Nucleotides;
 use crate::categorical::{CategoricalEmbedDim, CategoricalEmbedder, CategoricalEmbedderConfig};
 use crate::fusion::{
     CrossAttentionFusion, CrossAttentionFusionConfig, Gmu, GmuConfig, PerceiverFusion,
@@ -526,10 +527,9 @@ pub struct PredictorOutput<B: Backend> {
     pub faith_pred: Option<Tensor<B, 2>>,
     /// Combined base outputs (only with `return_nucleotides`).
     pub tax_pred: Option<Tensor<B, 2>>,
-    /// Nucleotide logits `[B, S, L, V]`.
-    pub nuc_predictions: Option<Tensor<B, 4>>,
-    /// Masked positions `[B, S, L]`.
-    pub mask_indices: Option<Tensor<B, 3, Bool>>,
+    /// The filled slots' nucleotide logits (the reference's `nuc_predictions`
+    /// and `mask_indices`, packed).
+    pub nucleotides: Option<Nucleotides<B>>,
 }
 
 impl<B: AttentionBackend> SequencePredictor<B> {
@@ -545,7 +545,7 @@ impl<B: AttentionBackend> SequencePredictor<B> {
     ) -> PredictorOutput<B> {
         // 1. asv_mask
         let tokens = tokens.into();
-        let b = tokens.ids.dims()[0];
+        let b = tokens.dims()[0];
         let valid = tokens.slot_mask();
         let padding = valid.clone().bool_not();
         // 2. base model; se = sample-transformer output
@@ -616,8 +616,7 @@ impl<B: AttentionBackend> SequencePredictor<B> {
             unifrac_pred: with_nucleotides(base.unifrac_pred),
             faith_pred: with_nucleotides(base.faith_pred),
             tax_pred: with_nucleotides(base.tax_pred),
-            nuc_predictions: base.nuc_predictions,
-            mask_indices: base.mask_indices,
+            nucleotides: base.nucleotides,
         }
     }
 

@@ -9,6 +9,8 @@
 //! Averages over data-dependent position sets divide by `max(n, 1)` computed
 //! on the device, so no loss forces a host round trip.
 
+use aam_models::asv_encoder::Nucleotides;
+use aam_models::output::AsvTokens;
 use aam_models::sequence_encoder::SequenceEncoderOutput;
 use aam_models::sequence_predictor::{PredictorOutput, TargetPrediction};
 use burn::prelude::*;
@@ -204,8 +206,9 @@ pub enum Target<B: Backend> {
 /// What the losses compare the predictions with.
 #[derive(Clone, Debug)]
 pub struct LossTargets<B: Backend> {
-    /// The uncorrupted tokens `[B, S, L]` (nucleotide targets and slot masks).
-    pub tokens: Tensor<B, 3, Int>,
+    /// The batch's uncorrupted tokens: the count loss's slot mask, and the
+    /// nucleotide targets where the predictions carry none of their own.
+    pub tokens: AsvTokens<B>,
     /// The batch's UniFrac block `[B, B]` (or a base target for [`BaseLoss::Mse`]).
     pub base: Option<Tensor<B, 2>>,
     /// Count targets `[B, S, 1]` (already normalised as the model sees them).
@@ -223,23 +226,68 @@ pub struct Predictions<B: Backend> {
     pub embeddings: Option<Tensor<B, 2>>,
     /// Base head output (non-unifrac base).
     pub base_prediction: Option<Tensor<B, 2>>,
-    /// Nucleotide logits `[B, S, L, V]`.
+    /// Nucleotide logits `[B, S, L, V]`, or the model's packed `[1, M, L, V]`
+    /// (the filled slots as one sample: the loss, a mean over the scored
+    /// positions, is the same).
     pub nuc_logits: Option<Tensor<B, 4>>,
-    /// Corrupted positions `[B, S, L]` (training with masking only).
+    /// Corrupted positions, shaped as `nuc_logits` without `V` (training
+    /// with masking only).
     pub mask_indices: Option<Tensor<B, 3, Bool>>,
+    /// The targets of `nuc_logits`, shaped as `mask_indices`; `None`: the
+    /// dense ids of [`LossTargets::tokens`].
+    pub nuc_tokens: Option<Tensor<B, 3, Int>>,
     /// Count head `[B, S, 1]`.
     pub count_prediction: Option<Tensor<B, 3>>,
     /// Target head.
     pub target: Option<TargetPrediction<B>>,
 }
 
+impl<B: Backend> Predictions<B> {
+    /// The uncorrupted ids `nuc_logits` are scored against: the model's own
+    /// (packed) where it gave them, else the targets' dense ids.
+    pub fn nuc_targets(&self, targets: &LossTargets<B>) -> Result<Tensor<B, 3, Int>> {
+        match (&self.nuc_tokens, targets.tokens.ids()) {
+            (Some(t), _) => Ok(t.clone()),
+            (None, Some(ids)) => Ok(ids.clone()),
+            (None, None) => Err(TrainError::InvalidArgument {
+                field: "tokens".into(),
+                reason: "nucleotide logits without their targets: the predictions carry no \
+                         `nuc_tokens` and the loss targets hold only the filled slots"
+                    .into(),
+            }),
+        }
+    }
+}
+
+/// The model's packed nucleotide outputs as one sample of `M` slots:
+/// `([1, M, L, V], [1, M, L], [1, M, L])`.
+#[allow(clippy::type_complexity)]
+fn packed_nucleotides<B: Backend>(
+    nucleotides: Option<Nucleotides<B>>,
+) -> (
+    Option<Tensor<B, 4>>,
+    Option<Tensor<B, 3, Bool>>,
+    Option<Tensor<B, 3, Int>>,
+) {
+    match nucleotides {
+        Some(n) => (
+            Some(n.logits.unsqueeze_dim(0)),
+            n.mask_indices.map(|m| m.unsqueeze_dim(0)),
+            Some(n.tokens.unsqueeze_dim(0)),
+        ),
+        None => (None, None, None),
+    }
+}
+
 impl<B: Backend> From<SequenceEncoderOutput<B>> for Predictions<B> {
     fn from(o: SequenceEncoderOutput<B>) -> Self {
+        let (nuc_logits, mask_indices, nuc_tokens) = packed_nucleotides(o.nucleotides);
         Self {
             embeddings: o.embeddings,
             base_prediction: o.base_prediction,
-            nuc_logits: o.nuc_predictions,
-            mask_indices: o.mask_indices,
+            nuc_logits,
+            mask_indices,
+            nuc_tokens,
             count_prediction: None,
             target: None,
         }
@@ -248,11 +296,13 @@ impl<B: Backend> From<SequenceEncoderOutput<B>> for Predictions<B> {
 
 impl<B: Backend> From<PredictorOutput<B>> for Predictions<B> {
     fn from(o: PredictorOutput<B>) -> Self {
+        let (nuc_logits, mask_indices, nuc_tokens) = packed_nucleotides(o.nucleotides);
         Self {
             embeddings: o.embeddings,
             base_prediction: o.base_prediction,
-            nuc_logits: o.nuc_predictions,
-            mask_indices: o.mask_indices,
+            nuc_logits,
+            mask_indices,
+            nuc_tokens,
             count_prediction: o.count_prediction,
             target: Some(o.target_prediction),
         }
@@ -295,15 +345,21 @@ impl LossConfig {
                 .transpose()?,
             (_, None) => None,
         };
-        let nuc = pred.nuc_logits.as_ref().map(|logits| {
-            nucleotide_loss(
-                logits.clone(),
-                targets.tokens.clone(),
-                pred.mask_indices.clone(),
-            )
-        });
+        let nuc = pred
+            .nuc_logits
+            .as_ref()
+            .map(|logits| {
+                Ok::<_, TrainError>(nucleotide_loss(
+                    logits.clone(),
+                    pred.nuc_targets(targets)?,
+                    pred.mask_indices.clone(),
+                ))
+            })
+            .transpose()?;
         let count = match (&pred.count_prediction, &targets.counts) {
-            (Some(p), Some(c)) => Some(count_loss(p.clone(), c.clone(), targets.tokens.clone())),
+            (Some(p), Some(c)) => {
+                Some(count_loss(p.clone(), c.clone(), targets.tokens.slot_mask()))
+            }
             _ => None,
         };
         let target = match (&pred.target, &targets.target) {
@@ -575,13 +631,14 @@ pub fn nucleotide_accuracy<B: Backend>(
 /// by their number (0 when there are none).
 ///
 /// # Shapes
-/// - prediction, counts: `[B, S, 1]`; tokens: `[B, S, L]` → `[1]`
+/// - prediction, counts: `[B, S, 1]`; slot_mask: `[B, S]` → `[1]`
 pub fn count_loss<B: Backend>(
     prediction: Tensor<B, 3>,
     counts: Tensor<B, 3>,
-    tokens: Tensor<B, 3, Int>,
+    slot_mask: Tensor<B, 2, Bool>,
 ) -> Tensor<B, 1> {
-    let slots = tokens.sum_dim(2).greater_elem(0).float();
+    let [b, s] = slot_mask.dims();
+    let slots = slot_mask.reshape([b, s, 1]).float();
     let n = slots.clone().sum().clamp_min(1.0);
     ((prediction - counts).powi_scalar(2) * slots).sum() / n
 }

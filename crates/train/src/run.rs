@@ -27,7 +27,6 @@ use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPr
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
@@ -273,7 +272,8 @@ pub fn batch_tensors<B: Backend>(
     classifier: bool,
 ) -> (ModelInput<B>, LossTargets<B>) {
     let b = batch.batch_size();
-    let tokens = token_tensor::<B>(&batch.tokens, batch.tokens_shape(), device);
+    // Only the filled slots' rows go to the device (see `AsvTokens::from_host`).
+    let tokens = AsvTokens::from_host(&batch.tokens, batch.tokens_shape(), device);
     let counts = Tensor::<B, 3>::from_data(
         TensorData::new(batch.counts.clone(), batch.counts_shape()),
         device,
@@ -305,8 +305,7 @@ pub fn batch_tensors<B: Backend>(
             .collect::<BTreeMap<_, _>>()
     });
     let input = ModelInput {
-        // With the non-empty slots from the host: no read-back in the forward.
-        tokens: AsvTokens::with_host_ids(tokens.clone(), &batch.tokens),
+        tokens: tokens.clone(),
         counts: Some(counts.clone()),
         categorical_ids,
     };
@@ -318,31 +317,6 @@ pub fn batch_tensors<B: Backend>(
         sample_weights: None,
     };
     (input, targets)
-}
-
-/// Token ids `[B, S, L]` as an int tensor of the device's int type.
-///
-/// Built in that type here because Burn converts other types element by
-/// element through its generic `elem()`: for a real-sized batch's 1.2 M u8
-/// ids that took ~3 ms of the host every step on the H100 machine, ~4% of
-/// a step bound by the host (`benches/RESULTS.md`, fourteenth session).
-fn token_tensor<B: Backend>(
-    tokens: &[u8],
-    shape: [usize; 3],
-    device: &B::Device,
-) -> Tensor<B, 3, Int> {
-    let data = match DType::from(burn::tensor::get_device_settings::<B>(device).int_dtype) {
-        DType::I32 => TensorData::new(
-            tokens.iter().map(|&t| i32::from(t)).collect::<Vec<_>>(),
-            shape,
-        ),
-        DType::I64 => TensorData::new(
-            tokens.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
-            shape,
-        ),
-        _ => TensorData::new(tokens.to_vec(), shape),
-    };
-    Tensor::from_data(data, device)
 }
 
 /// A 64-bit mix (splitmix64) so neighbouring counters give unrelated seeds.
@@ -658,13 +632,17 @@ where
             };
             timer.mark::<AB>(device, "forward");
             let parts = run.loss.forward(&predictions, &targets)?;
-            let accuracy = predictions.nuc_logits.as_ref().map(|logits| {
-                nucleotide_accuracy(
-                    logits.clone().detach(),
-                    targets.tokens.clone(),
-                    predictions.mask_indices.clone(),
-                )
-            });
+            let accuracy = predictions
+                .nuc_logits
+                .as_ref()
+                .map(|logits| {
+                    Ok::<_, TrainError>(nucleotide_accuracy(
+                        logits.clone().detach(),
+                        predictions.nuc_targets(&targets)?,
+                        predictions.mask_indices.clone(),
+                    ))
+                })
+                .transpose()?;
             timer.mark::<AB>(device, "loss");
             let loss_scale = progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
             let grads = if loss_scale == 1.0 {
@@ -928,7 +906,8 @@ fn validate<B: AttentionBackend>(
         let parts = run.loss.forward(&predictions, &targets)?;
         record_batch(&parts, None, None, &mut means);
         if let Some(logits) = &predictions.nuc_logits {
-            let (hits, n) = nucleotide_accuracy(logits.clone(), targets.tokens.clone(), None);
+            let (hits, n) =
+                nucleotide_accuracy(logits.clone(), predictions.nuc_targets(&targets)?, None);
             let counts = Tensor::cat(vec![hits, n], 0)
                 .into_data()
                 .convert::<f64>()
