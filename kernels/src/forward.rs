@@ -828,69 +828,23 @@ where
         let k = into_contiguous(k);
         let v = into_contiguous(v);
         let [n, h, tq, dh] = dims4(&q);
-        let tk = dims4(&k)[2];
-        assert!(
-            dh <= MAX_HEAD_DIM,
-            "fused attention: head dim {dh} > {MAX_HEAD_DIM}"
-        );
-        let client = q.client.clone();
-        if let Some(plan) = TensorCorePlan::new(&client, q.dtype, dh, tq, Pass::Forward) {
+        if let Some(plan) = TensorCorePlan::new(&q.client, q.dtype, dh, tq, Pass::Forward) {
             return plan.launch::<R, F, I, BT>(q, k, v, key_padding_mask, scale, dropout);
         }
-        let layout = Layout::new(&client, dh);
-        let lanes = layout.lanes(n * h * tq);
-        let parts = layout.parts(lanes);
-        let units = layout.units(lanes, parts, tq);
-        let tile = layout.forward_tile(lanes);
-        let (key_valid, tile_valid) =
-            validity::<R, F, I, BT>(key_padding_mask, n, tk, tile, &q.device);
-        // The kernels index their outputs as dense row-major arrays. CubeCL's
-        // plain `empty` may hand out a pitched layout (rows padded for
-        // alignment, as CUDA does for a last dimension like T = 151), which
-        // the backward's `into_contiguous(lse)` then read as garbage: the
-        // outputs must be allocated contiguous.
-        let out = empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            q.device.clone(),
-            Shape::new([n, h, tq, dh]),
-            q.dtype,
+        // The kernels write their outputs at the strides they are given.
+        // CubeCL's plain `empty` may hand out a pitched layout (rows padded
+        // for alignment, as CUDA does for a last dimension like T = 151) that
+        // a later reader taking the tensor as dense would misread: the
+        // outputs are allocated contiguous.
+        let out = empty(&q, Shape::new([n, h, tq, dh]), q.dtype);
+        let lse = scalar_forward::<R, F, I, BT>(
+            [&q, &k, &v],
+            [0, 0],
+            &out,
+            key_padding_mask,
+            scale,
+            dropout,
         );
-        let lse = empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            q.device.clone(),
-            Shape::new([n, h, tq]),
-            DType::F32,
-        );
-        let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-        let rows_per_cube = units as usize / (lanes * parts);
-        for (offset, count) in bh_chunks(n * h) {
-            attention_forward::launch::<R>(
-                &client,
-                CubeCount::Static(count, tq.div_ceil(rows_per_cube) as u32, 1),
-                CubeDim::new_1d(units),
-                q.clone().into_tensor_arg(),
-                k.clone().into_tensor_arg(),
-                v.clone().into_tensor_arg(),
-                key_valid.clone().into_tensor_arg(),
-                tile_valid.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                scale as f32,
-                h as u32,
-                offset,
-                threshold,
-                drop_scale,
-                seed,
-                dh,
-                tile,
-                lanes,
-                parts,
-                layout.stride,
-                use_dropout,
-                unroll_loops(),
-                q.dtype.into(),
-            );
-        }
         (out, lse)
     }
 
@@ -926,106 +880,337 @@ where
                 dropout,
             );
         }
-        let layout = Layout::new(&q.client, dh);
-        let (key_valid, tile_valid) =
-            validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
         let out = into_contiguous(out);
-        let lse = into_contiguous(lse);
-        let client = q.client.clone();
-        // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
-        // the dK/dV kernel launched after it.
-        let delta = empty_device_contiguous_dtype::<R>(
-            client.clone(),
-            q.device.clone(),
-            Shape::new([n, h, tq]),
-            DType::F32,
+        let dq = empty(&q, Shape::new([n, h, tq, dh]), q.dtype);
+        // dK and dV from one binding (two writable bindings of one buffer
+        // are refused by wgpu, and the packed path writes both into `dqkv`):
+        // `[2, N, H, Tk, Dh]`, then split by views.
+        let dkv = empty(&q, Shape::new([2, n, h, tk, dh]), q.dtype);
+        let dkv_heads = CubeTensor::new(
+            dkv.client.clone(),
+            dkv.handle.clone(),
+            cubecl::zspace::metadata::Metadata::new([n, h, tk, dh], [h * tk * dh, tk * dh, dh, 1]),
+            dkv.device.clone(),
+            dkv.dtype,
         );
-        let alloc = |t: usize| {
-            empty_device_contiguous_dtype::<R>(
-                client.clone(),
-                q.device.clone(),
-                Shape::new([n, h, t, dh]),
-                q.dtype,
-            )
-        };
-        let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
-        let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-        let lanes_q = layout.lanes(n * h * tq);
-        let parts_q = layout.parts(lanes_q);
-        let units_q = layout.units(lanes_q, parts_q, tq);
-        let lanes_k = layout.lanes(n * h * tk);
-        let parts_k = layout.parts(lanes_k);
-        let units_k = layout.units(lanes_k, parts_k, tk);
-        for (offset, count) in bh_chunks(n * h) {
-            attention_backward_dq::launch::<R>(
-                &client,
-                CubeCount::Static(
-                    count,
-                    tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
-                    1,
-                ),
-                CubeDim::new_1d(units_q),
-                q.clone().into_tensor_arg(),
-                k.clone().into_tensor_arg(),
-                v.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                dout.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                key_valid.clone().into_tensor_arg(),
-                tile_valid.clone().into_tensor_arg(),
-                dq.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                scale as f32,
-                h as u32,
-                offset,
-                threshold,
-                drop_scale,
-                seed,
-                dh,
-                layout.tile,
-                lanes_q,
-                parts_q,
-                layout.stride,
-                use_dropout,
-                unroll_loops(),
-                q.dtype.into(),
-            );
-            attention_backward_dkdv::launch::<R>(
-                &client,
-                CubeCount::Static(
-                    count,
-                    tk.div_ceil(units_k as usize / (lanes_k * parts_k)) as u32,
-                    1,
-                ),
-                CubeDim::new_1d(units_k),
-                q.clone().into_tensor_arg(),
-                k.clone().into_tensor_arg(),
-                v.clone().into_tensor_arg(),
-                dout.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
-                key_valid.clone().into_tensor_arg(),
-                tile_valid.clone().into_tensor_arg(),
-                dk.clone().into_tensor_arg(),
-                dv.clone().into_tensor_arg(),
-                scale as f32,
-                h as u32,
-                offset,
-                threshold,
-                drop_scale,
-                seed,
-                dh,
-                layout.tile,
-                lanes_k,
-                parts_k,
-                layout.stride,
-                use_dropout,
-                unroll_loops(),
-                q.dtype.into(),
-            );
-        }
+        scalar_backward::<R, F, I, BT>(
+            [&q, &k, &v],
+            [0, 0],
+            [&out, &dout],
+            into_contiguous(lse),
+            key_padding_mask,
+            &dq,
+            &dkv_heads,
+            [0, n * h * tk * dh],
+            scale,
+            dropout,
+        );
+        let dkv = Tensor::<Self, 5>::from_primitive(burn::tensor::TensorPrimitive::Float(dkv));
+        let [dk, dv] = [0, 1].map(|i| {
+            dkv.clone()
+                .narrow(0, i, 1)
+                .reshape([n, h, tk, dh])
+                .into_primitive()
+                .tensor()
+        });
         (dq, dk, dv)
     }
+
+    fn packed_attention_forward(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let qkv = into_contiguous(qkv);
+        let [n, t, d3] = dims3(&qkv);
+        let (d, dh) = (d3 / 3, d3 / 3 / heads);
+        if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Forward).is_some() {
+            return crate::packed::packed_forward_ops::<Self>(
+                qkv,
+                key_padding_mask,
+                heads,
+                scale,
+                dropout,
+            );
+        }
+        let out = empty(&qkv, Shape::new([n, t, d]), qkv.dtype);
+        let qkv_heads = heads_view(&qkv, heads, dh);
+        let lse = scalar_forward::<R, F, I, BT>(
+            [&qkv_heads, &qkv_heads, &qkv_heads],
+            [d, 2 * d],
+            &heads_view(&out, heads, dh),
+            key_padding_mask,
+            scale,
+            dropout,
+        );
+        (out, lse)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn packed_attention_backward(
+        qkv: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let qkv = into_contiguous(qkv);
+        let [_, t, d3] = dims3(&qkv);
+        let (d, dh) = (d3 / 3, d3 / 3 / heads);
+        if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Backward).is_some() {
+            return crate::packed::packed_backward_ops::<Self>(
+                qkv,
+                key_padding_mask,
+                out,
+                lse,
+                dout,
+                heads,
+                scale,
+                dropout,
+            );
+        }
+        let [out, dout] = [out, dout].map(into_contiguous);
+        let dqkv = empty(&qkv, qkv.meta.shape().clone(), qkv.dtype);
+        let [qkv_heads, dqkv_heads] = [&qkv, &dqkv].map(|x| heads_view(x, heads, dh));
+        scalar_backward::<R, F, I, BT>(
+            [&qkv_heads, &qkv_heads, &qkv_heads],
+            [d, 2 * d],
+            [&heads_view(&out, heads, dh), &heads_view(&dout, heads, dh)],
+            into_contiguous(lse),
+            key_padding_mask,
+            &dqkv_heads,
+            &dqkv_heads,
+            [d, 2 * d],
+            scale,
+            dropout,
+        );
+        dqkv
+    }
+}
+
+/// `[N, T, W]` of a 3-d tensor.
+fn dims3<R: CubeRuntime>(t: &CubeTensor<R>) -> [usize; 3] {
+    let s = t.meta.shape();
+    [s[0], s[1], s[2]]
+}
+
+/// The heads of a contiguous `[N, T, W]` tensor (`W` a multiple of
+/// `heads · head_dim`: `qkv`, `out` and their gradients) as a `[N, H, T, Dh]`
+/// view of the same memory, without a copy: head `h` of row `t` starts at
+/// `t·W + h·Dh`. The parts of `qkv` after the first (k, v) are reached by the
+/// kernels' element offsets.
+fn heads_view<R: CubeRuntime>(t: &CubeTensor<R>, heads: usize, head_dim: usize) -> CubeTensor<R> {
+    let [n, len, width] = dims3(t);
+    let strides = t.meta.strides();
+    assert_eq!(
+        strides[2], 1,
+        "heads_view: the last dimension must be dense"
+    );
+    assert!(
+        width.is_multiple_of(heads * head_dim),
+        "heads_view: width {width} is not a multiple of {heads} heads × {head_dim}"
+    );
+    CubeTensor::new(
+        t.client.clone(),
+        t.handle.clone(),
+        cubecl::zspace::metadata::Metadata::new(
+            [n, heads, len, head_dim],
+            [strides[0], head_dim, strides[1], 1],
+        ),
+        t.device.clone(),
+        t.dtype,
+    )
+}
+
+/// The scalar (CUDA-core) forward on `[N, H, T, Dh]` views `q, k, v` (any
+/// strides, the last 1; `k` and `v` start `kv_offsets` elements into their
+/// buffers) into the view `out`; returns the row log-sum-exp `[N, H, Tq]`.
+fn scalar_forward<R, F, I, BT>(
+    [q, k, v]: [&CubeTensor<R>; 3],
+    kv_offsets: [usize; 2],
+    out: &CubeTensor<R>,
+    key_padding_mask: Option<BoolTensor<CubeBackend<R, F, I, BT>>>,
+    scale: f64,
+    dropout: AttentionDropout,
+) -> CubeTensor<R>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let [n, h, tq, dh] = dims4(q);
+    let tk = dims4(k)[2];
+    assert!(
+        dh <= MAX_HEAD_DIM,
+        "fused attention: head dim {dh} > {MAX_HEAD_DIM}"
+    );
+    let client = q.client.clone();
+    let layout = Layout::new(&client, dh);
+    let lanes = layout.lanes(n * h * tq);
+    let parts = layout.parts(lanes);
+    let units = layout.units(lanes, parts, tq);
+    let tile = layout.forward_tile(lanes);
+    let (key_valid, tile_valid) = validity::<R, F, I, BT>(key_padding_mask, n, tk, tile, &q.device);
+    let lse = empty(q, Shape::new([n, h, tq]), DType::F32);
+    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
+    let rows_per_cube = units as usize / (lanes * parts);
+    let [k_offset, v_offset] = kv_offsets.map(element_offset);
+    for (offset, count) in bh_chunks(n * h) {
+        attention_forward::launch::<R>(
+            &client,
+            CubeCount::Static(count, tq.div_ceil(rows_per_cube) as u32, 1),
+            CubeDim::new_1d(units),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            key_valid.clone().into_tensor_arg(),
+            tile_valid.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            scale as f32,
+            h as u32,
+            offset,
+            k_offset,
+            v_offset,
+            threshold,
+            drop_scale,
+            seed,
+            dh,
+            tile,
+            lanes,
+            parts,
+            layout.stride,
+            use_dropout,
+            unroll_loops(),
+            q.dtype.into(),
+        );
+    }
+    lse
+}
+
+/// The scalar backward on `[N, H, T, Dh]` views (see [`scalar_forward`]):
+/// dQ into the view `dq`, dK and dV into the one view `dkv` at
+/// `dkv_offsets` elements.
+#[allow(clippy::too_many_arguments)]
+fn scalar_backward<R, F, I, BT>(
+    [q, k, v]: [&CubeTensor<R>; 3],
+    kv_offsets: [usize; 2],
+    [out, dout]: [&CubeTensor<R>; 2],
+    lse: CubeTensor<R>,
+    key_padding_mask: Option<BoolTensor<CubeBackend<R, F, I, BT>>>,
+    dq: &CubeTensor<R>,
+    dkv: &CubeTensor<R>,
+    dkv_offsets: [usize; 2],
+    scale: f64,
+    dropout: AttentionDropout,
+) where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let [n, h, tq, dh] = dims4(q);
+    let tk = dims4(k)[2];
+    let layout = Layout::new(&q.client, dh);
+    let (key_valid, tile_valid) =
+        validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
+    let client = q.client.clone();
+    // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
+    // the dK/dV kernel launched after it.
+    let delta = empty(q, Shape::new([n, h, tq]), DType::F32);
+    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
+    let lanes_q = layout.lanes(n * h * tq);
+    let parts_q = layout.parts(lanes_q);
+    let units_q = layout.units(lanes_q, parts_q, tq);
+    let lanes_k = layout.lanes(n * h * tk);
+    let parts_k = layout.parts(lanes_k);
+    let units_k = layout.units(lanes_k, parts_k, tk);
+    let [k_offset, v_offset] = kv_offsets.map(element_offset);
+    let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
+    for (offset, count) in bh_chunks(n * h) {
+        attention_backward_dq::launch::<R>(
+            &client,
+            CubeCount::Static(
+                count,
+                tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
+                1,
+            ),
+            CubeDim::new_1d(units_q),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            key_valid.clone().into_tensor_arg(),
+            tile_valid.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            scale as f32,
+            h as u32,
+            offset,
+            k_offset,
+            v_offset,
+            threshold,
+            drop_scale,
+            seed,
+            dh,
+            layout.tile,
+            lanes_q,
+            parts_q,
+            layout.stride,
+            use_dropout,
+            unroll_loops(),
+            q.dtype.into(),
+        );
+        attention_backward_dkdv::launch::<R>(
+            &client,
+            CubeCount::Static(
+                count,
+                tk.div_ceil(units_k as usize / (lanes_k * parts_k)) as u32,
+                1,
+            ),
+            CubeDim::new_1d(units_k),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            key_valid.clone().into_tensor_arg(),
+            tile_valid.clone().into_tensor_arg(),
+            dkv.clone().into_tensor_arg(),
+            scale as f32,
+            h as u32,
+            offset,
+            k_offset,
+            v_offset,
+            dk_offset,
+            dv_offset,
+            threshold,
+            drop_scale,
+            seed,
+            dh,
+            layout.tile,
+            lanes_k,
+            parts_k,
+            layout.stride,
+            use_dropout,
+            unroll_loops(),
+            q.dtype.into(),
+        );
+    }
+}
+
+/// An element offset as the kernels take it.
+fn element_offset(offset: usize) -> u32 {
+    u32::try_from(offset).expect("fused attention: an operand offset past 2^32 elements")
 }
 
 /// Rows per part of [`column_sums`]: short parts make many units (a real-sized

@@ -174,6 +174,8 @@ pub fn attention_forward<F: Float>(
     scale: f32,
     heads: u32,
     bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
     dropout_threshold: u32,
     dropout_scale: f32,
     seed: u32,
@@ -200,13 +202,16 @@ pub fn attention_forward<F: Float>(
     if comptime!(parts > 1) {
         compute = true;
     }
-    let kv_base = bh * tk * head_dim;
+    let h = bh % heads as usize;
+    let k_base = head_start(k, k_offset, n, h);
+    let v_base = head_start(v, v_offset, n, h);
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
     let dims = comptime!(head_dim / parts);
     let first_quad = part * quads;
-    let q_base = (bh * tq + row) * head_dim + part * dims;
+    let q_base = row_start(q, 0u32, n, h, row) + part * dims;
+    let out_base = row_start(out, 0u32, n, h, row) + part * dims;
 
     let mut q_row = Array::<f32>::new(comptime!(quads * 4));
     let mut acc = Array::<f32>::new(comptime!(quads * 4));
@@ -244,7 +249,8 @@ pub fn attention_forward<F: Float>(
                 &mut k_tile,
                 &mut v_tile,
                 &mut valid_tile,
-                kv_base,
+                k_base,
+                v_base,
                 n * tk,
                 t * tile_keys,
                 tk,
@@ -311,12 +317,27 @@ pub fn attention_forward<F: Float>(
         let inv = select(seen, 1.0f32 / l, 0.0f32);
         #[unroll(unroll)]
         for d in 0..dims {
-            out[q_base + d] = F::cast_from(acc[d] * inv);
+            out[out_base + d] = F::cast_from(acc[d] * inv);
         }
         if part == 0 {
             lse[bh * tq + row] = select(seen, m + l.ln(), 0.0f32);
         }
     }
+}
+
+/// The element of row 0, dimension 0 of head `(n, h)` in a `[N, H, T, Dh]`
+/// view (any strides, the last 1) whose first element is at `offset`: the
+/// heads of a packed `qkv [N, T, 3D]` or `out [N, T, D]` are read and written
+/// in place this way, without splitting them into copies.
+#[cube]
+fn head_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize) -> usize {
+    offset as usize + n * t.stride(0) + h * t.stride(1)
+}
+
+/// The element of row `row`, dimension 0 of head `(n, h)` (see [`head_start`]).
+#[cube]
+fn row_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize, row: usize) -> usize {
+    head_start(t, offset, n, h) + row * t.stride(2)
 }
 
 /// Loads keys `[start, start + tile_keys)` of one (n, h) into shared memory
@@ -330,7 +351,8 @@ fn load_key_tile<F: Float>(
     k_tile: &mut SharedMemory<Quad>,
     v_tile: &mut SharedMemory<Quad>,
     valid_tile: &mut SharedMemory<f32>,
-    kv_base: usize,
+    k_base: usize,
+    v_base: usize,
     valid_base: usize,
     start: usize,
     tk: usize,
@@ -339,10 +361,28 @@ fn load_key_tile<F: Float>(
     #[comptime] stride: usize,
 ) {
     load_rows::<F>(
-        k, k_tile, 1.0f32, kv_base, start, tk, head_dim, tile_keys, stride,
+        k,
+        k_tile,
+        1.0f32,
+        k_base,
+        k.stride(2),
+        start,
+        tk,
+        head_dim,
+        tile_keys,
+        stride,
     );
     load_rows::<F>(
-        v, v_tile, 1.0f32, kv_base, start, tk, head_dim, tile_keys, stride,
+        v,
+        v_tile,
+        1.0f32,
+        v_base,
+        v.stride(2),
+        start,
+        tk,
+        head_dim,
+        tile_keys,
+        stride,
     );
     let mut jj = UNIT_POS_X as usize;
     while jj < tile_keys {
@@ -357,9 +397,9 @@ fn load_key_tile<F: Float>(
 }
 
 /// Loads rows `[start, start + rows)` of the `[len, head_dim]` matrix at
-/// `base` in `src`, times `scale`, into `tile` (row `r` at quad
-/// `r·stride`), with zeros past `len` and past `head_dim`. All units of the
-/// cube share the work, a quad each.
+/// `base` in `src` (row `i` at `base + i·row_stride`), times `scale`, into
+/// `tile` (row `r` at quad `r·stride`), with zeros past `len` and past
+/// `head_dim`. All units of the cube share the work, a quad each.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_rows<F: Float>(
@@ -367,6 +407,7 @@ fn load_rows<F: Float>(
     tile: &mut SharedMemory<Quad>,
     scale: f32,
     base: usize,
+    row_stride: usize,
     start: usize,
     len: usize,
     #[comptime] head_dim: usize,
@@ -381,7 +422,7 @@ fn load_rows<F: Float>(
         let i = start + r;
         let mut x = Quad::new(0.0f32);
         if i < len {
-            let at = base + i * head_dim + d4 * 4;
+            let at = base + i * row_stride + d4 * 4;
             // The first branch is decided at compile time: a head dim that
             // is a multiple of four needs no per-element check.
             #[unroll]
@@ -481,6 +522,8 @@ pub fn attention_backward_dq<F: Float>(
     scale: f32,
     heads: u32,
     bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
     dropout_threshold: u32,
     dropout_scale: f32,
     seed: u32,
@@ -507,13 +550,18 @@ pub fn attention_backward_dq<F: Float>(
     if comptime!(parts > 1) {
         compute = true;
     }
-    let kv_base = bh * tk * head_dim;
+    let h = bh % heads as usize;
+    let k_base = head_start(k, k_offset, n, h);
+    let v_base = head_start(v, v_offset, n, h);
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
     let dims = comptime!(head_dim / parts);
     let first_quad = part * quads;
-    let q_base = (bh * tq + row) * head_dim + part * dims;
+    let q_base = row_start(q, 0u32, n, h, row) + part * dims;
+    let out_base = row_start(out, 0u32, n, h, row) + part * dims;
+    let do_base = row_start(dout, 0u32, n, h, row) + part * dims;
+    let dq_base = row_start(dq, 0u32, n, h, row) + part * dims;
 
     let mut q_row = Array::<f32>::new(comptime!(quads * 4));
     let mut do_row = Array::<f32>::new(comptime!(quads * 4));
@@ -530,8 +578,8 @@ pub fn attention_backward_dq<F: Float>(
         #[unroll(unroll)]
         for d in 0..dims {
             q_row[d] = f32::cast_from(q[q_base + d]) * scale;
-            do_row[d] = f32::cast_from(dout[q_base + d]);
-            row_delta += do_row[d] * f32::cast_from(out[q_base + d]);
+            do_row[d] = f32::cast_from(dout[do_base + d]);
+            row_delta += do_row[d] * f32::cast_from(out[out_base + d]);
         }
         row_lse = lse[bh * tq + row];
     }
@@ -553,7 +601,8 @@ pub fn attention_backward_dq<F: Float>(
                 &mut k_tile,
                 &mut v_tile,
                 &mut valid_tile,
-                kv_base,
+                k_base,
+                v_base,
                 n * tk,
                 t * tile_keys,
                 tk,
@@ -590,7 +639,7 @@ pub fn attention_backward_dq<F: Float>(
     if active && lane == 0 {
         #[unroll(unroll)]
         for d in 0..dims {
-            dq[q_base + d] = F::cast_from(acc[d] * scale);
+            dq[dq_base + d] = F::cast_from(acc[d] * scale);
         }
     }
 }
@@ -615,11 +664,14 @@ pub fn attention_backward_dkdv<F: Float>(
     delta: &Tensor<f32>,
     key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
-    dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
+    dkv: &mut Tensor<F>,
     scale: f32,
     heads: u32,
     bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    dk_offset: u32,
+    dv_offset: u32,
     dropout_threshold: u32,
     dropout_scale: f32,
     seed: u32,
@@ -663,7 +715,9 @@ pub fn attention_backward_dkdv<F: Float>(
     for t in first_key / tile..(end_key - 1) / tile + 1 {
         block_valid += tile_valid[n * n_key_tiles + t];
     }
-    let q_base = bh * tq * head_dim;
+    let h = bh % heads as usize;
+    let q_base = head_start(q, 0u32, n, h);
+    let do_base = head_start(dout, 0u32, n, h);
     let mut n_tiles = 0usize;
     if block_valid > 0.0 {
         n_tiles = tq.div_ceil(tile);
@@ -672,7 +726,10 @@ pub fn attention_backward_dkdv<F: Float>(
     let quads = comptime!(head_dim.div_ceil(4) / parts);
     let dims = comptime!(head_dim / parts);
     let first_quad = part * quads;
-    let k_base = (bh * tk + col) * head_dim + part * dims;
+    let k_base = row_start(k, k_offset, n, h, col) + part * dims;
+    let v_base = row_start(v, v_offset, n, h, col) + part * dims;
+    let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
+    let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
 
     let mut k_row = Array::<f32>::new(comptime!(quads * 4));
     let mut v_row = Array::<f32>::new(comptime!(quads * 4));
@@ -689,7 +746,7 @@ pub fn attention_backward_dkdv<F: Float>(
         #[unroll(unroll)]
         for d in 0..dims {
             k_row[d] = f32::cast_from(k[k_base + d]);
-            v_row[d] = f32::cast_from(v[k_base + d]);
+            v_row[d] = f32::cast_from(v[v_base + d]);
         }
     }
 
@@ -705,6 +762,7 @@ pub fn attention_backward_dkdv<F: Float>(
             &mut q_tile,
             scale,
             q_base,
+            q.stride(2),
             start,
             tq,
             head_dim,
@@ -715,7 +773,8 @@ pub fn attention_backward_dkdv<F: Float>(
             dout,
             &mut do_tile,
             1.0f32,
-            q_base,
+            do_base,
+            dout.stride(2),
             start,
             tq,
             head_dim,
@@ -769,8 +828,8 @@ pub fn attention_backward_dkdv<F: Float>(
         // A masked key's sums (run only for its partners' shuffles) are 0.
         #[unroll(unroll)]
         for d in 0..dims {
-            dk[k_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
-            dv[k_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
+            dkv[dk_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
+            dkv[dv_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
         }
     }
 }

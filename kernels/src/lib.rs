@@ -471,7 +471,10 @@ pub trait AttentionBackend: Backend {
     /// The packed forward with its saved statistics: `(out [N, T, D], lse
     /// [N, H, T])`. The default splits the heads and runs
     /// [`AttentionBackend::fused_attention_forward`]; Burn's fusion backend
-    /// makes that one custom op.
+    /// makes that one custom op. The CubeCL backends' scalar kernels read the
+    /// heads of `qkv` in place and write `out` merged (strided views and
+    /// element offsets: no split or merge copies); their tensor-core path
+    /// (f16/bf16) takes the default.
     fn packed_attention_forward(
         qkv: FloatTensor<Self>,
         key_padding_mask: Option<BoolTensor<Self>>,
@@ -487,7 +490,9 @@ pub trait AttentionBackend: Backend {
     /// [N, T, D]`. The default runs
     /// [`AttentionBackend::fused_attention_backward`] on the split heads and
     /// writes the three gradients into `dqkv` in one concatenation; Burn's
-    /// fusion backend makes that one custom op.
+    /// fusion backend makes that one custom op. The CubeCL backends' scalar
+    /// kernels read `qkv`, `out` and `dout` in place and write dQ, dK and dV
+    /// straight into their thirds of `dqkv`.
     #[allow(clippy::too_many_arguments)]
     fn packed_attention_backward(
         qkv: FloatTensor<Self>,

@@ -4,7 +4,8 @@
 //! What `python -m aam.tools.rocm_attention_diagnostic` was for the reference,
 //! on any backend this binary has. Every attention path the chosen backend can
 //! run (the math path everywhere, the fused CubeCL kernel where the backend
-//! has it) is run through the model's own attention boundary on random inputs
+//! has it, both through the attention boundary and on a packed `qkv` as the
+//! self-attention layers call it) is run through the model's own attention boundary on random inputs
 //! at AAM's shapes, with and without key padding masks, in each float type the
 //! backend supports, and compared with a float64 oracle computed here on the
 //! CPU. Gradients (dQ, dK, dV) are checked too in f32: training runs them.
@@ -33,6 +34,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
+use aam_kernels::{fused_packed_attention, AttentionDropout};
 use aam_models::attention::attention;
 use aam_models::{AttentionBackend, AttnImplementation};
 
@@ -97,6 +99,17 @@ pub struct AttentionArgs {
 enum PathKind {
     Math,
     Fused,
+    /// The fused kernel on one packed `qkv [N, T, 3D]`, as the model's
+    /// self-attention calls it (heads read and written in place).
+    Packed,
+}
+
+/// How a path reaches attention: the model's boundary with an
+/// implementation, or the packed self-attention entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Boundary(AttnImplementation),
+    Packed,
 }
 
 /// A float type of the attention inputs.
@@ -507,13 +520,22 @@ fn check_backend<B: AttentionBackend>(
     let wanted = |p: PathKind| args.paths.is_empty() || args.paths.contains(&p);
     let mut paths = Vec::new();
     if wanted(PathKind::Math) {
-        paths.push(("math".to_string(), AttnImplementation::Math));
+        paths.push((
+            "math".to_string(),
+            Route::Boundary(AttnImplementation::Math),
+        ));
     }
     if B::has_fused_attention() && wanted(PathKind::Fused) {
-        paths.push(("fused".to_string(), AttnImplementation::Fused));
+        paths.push((
+            "fused".to_string(),
+            Route::Boundary(AttnImplementation::Fused),
+        ));
+    }
+    if B::has_fused_attention() && wanted(PathKind::Packed) {
+        paths.push(("packed".to_string(), Route::Packed));
     }
     if let (Some(Fault::InvertedMask), Some(math)) = (args.inject_fault, paths.first_mut()) {
-        if math.1 == AttnImplementation::Math {
+        if math.1 == Route::Boundary(AttnImplementation::Math) {
             math.0 = "math+inverted-mask".into();
         }
     }
@@ -655,8 +677,8 @@ fn tensors<B: AttentionBackend>(
     (make(&x.q), make(&x.k), make(&x.v), mask)
 }
 
-fn fault_for(implementation: AttnImplementation, args: &AttentionArgs) -> Option<Fault> {
-    (implementation == AttnImplementation::Math)
+fn fault_for(route: Route, args: &AttentionArgs) -> Option<Fault> {
+    (route == Route::Boundary(AttnImplementation::Math))
         .then_some(args.inject_fault)
         .flatten()
 }
@@ -674,11 +696,21 @@ fn pool_growth<B: AttentionBackend>(device: &B::Device, before: Option<u64>) -> 
     Some(after.saturating_sub(before?) as f64 / (1u64 << 20) as f64)
 }
 
-/// The model's attention boundary, as the encoders call it (no dropout, no weights).
-fn attend<B: AttentionBackend>(
-    (q, k, v, mask): &AttentionInputs<B>,
-    implementation: AttnImplementation,
-) -> Tensor<B, 4> {
+/// The model's attention boundary, as the encoders call it (no dropout, no
+/// weights), or its packed self-attention: q, k and v laid side by side in
+/// one `[N, T, 3D]` tensor, the output `[N, T, D]` split back into heads.
+fn attend<B: AttentionBackend>((q, k, v, mask): &AttentionInputs<B>, route: Route) -> Tensor<B, 4> {
+    let implementation = match route {
+        Route::Boundary(implementation) => implementation,
+        Route::Packed => {
+            let [n, h, t, dh] = q.dims();
+            let merge = |x: &Tensor<B, 4>| x.clone().swap_dims(1, 2).reshape([n, t, h * dh]);
+            let qkv = Tensor::cat(vec![merge(q), merge(k), merge(v)], 2);
+            return fused_packed_attention(qkv, mask.clone(), h, AttentionDropout::NONE)
+                .reshape([n, t, h, dh])
+                .swap_dims(1, 2);
+        }
+    };
     let dropout = DropoutConfig::new(0.0).init();
     let mask = mask.clone();
     attention(
@@ -724,12 +756,12 @@ fn forward<B: AttentionBackend>(
     case: &Case,
     x: &Inputs,
     device: &B::Device,
-    implementation: AttnImplementation,
+    route: Route,
     precision: Precision,
     args: &AttentionArgs,
 ) -> (Vec<f32>, f64, Option<f64>) {
-    let inputs = tensors::<B>(case, x, device, precision, fault_for(implementation, args));
-    let (out, ms, growth) = measure::<B, _>(device, args.reps, || attend(&inputs, implementation));
+    let inputs = tensors::<B>(case, x, device, precision, fault_for(route, args));
+    let (out, ms, growth) = measure::<B, _>(device, args.reps, || attend(&inputs, route));
     (host(out), ms, growth)
 }
 
@@ -738,16 +770,10 @@ fn backward<B: AttentionBackend + burn::tensor::backend::AutodiffBackend>(
     case: &Case,
     x: &Inputs,
     device: &B::Device,
-    implementation: AttnImplementation,
+    route: Route,
     args: &AttentionArgs,
 ) -> ([Vec<f32>; 3], f64, Option<f64>) {
-    let (q, k, v, mask) = tensors::<B>(
-        case,
-        x,
-        device,
-        Precision::F32,
-        fault_for(implementation, args),
-    );
+    let (q, k, v, mask) = tensors::<B>(case, x, device, Precision::F32, fault_for(route, args));
     let dout = Tensor::<B, 4>::from_data(
         TensorData::new(x.dout.clone(), [case.n, case.h, case.t, case.dh]),
         device,
@@ -759,9 +785,7 @@ fn backward<B: AttentionBackend + burn::tensor::backend::AutodiffBackend>(
             v.clone().require_grad(),
             mask.clone(),
         );
-        let grads = (attend(&inputs, implementation) * dout.clone())
-            .sum()
-            .backward();
+        let grads = (attend(&inputs, route) * dout.clone()).sum().backward();
         [inputs.0, inputs.1, inputs.2]
             .map(|t| t.grad(&grads).expect("q, k and v require gradients"))
     });
