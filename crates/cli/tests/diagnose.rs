@@ -1,6 +1,7 @@
 //! `aam-rs diagnose` through the binary. `attention` passes a correct
 //! backend, fails (exit 1, naming the path) when a wrong attention is injected,
-//! and on wgpu (lavapipe in CI) checks the fused kernel beside the math path.
+//! and on wgpu (lavapipe in CI) checks the fused kernel (through the attention
+//! boundary and on a packed `qkv`) beside the math path.
 //! `step` times training steps of a tiny model on a fixed batch.
 
 use std::process::{Command, Output};
@@ -112,7 +113,7 @@ fn bad_arguments_name_the_flag() {
 
 #[cfg(feature = "wgpu")]
 #[test]
-fn wgpu_fused_and_math_paths_agree_with_the_f64_oracle() {
+fn wgpu_fused_packed_and_math_paths_agree_with_the_f64_oracle() {
     let out = diagnose(&["--backend", "wgpu", "--dtypes", "f32", "--json"]);
     let r = report(&out);
     assert!(
@@ -121,7 +122,7 @@ fn wgpu_fused_and_math_paths_agree_with_the_f64_oracle() {
         String::from_utf8_lossy(&out.stderr)
     );
     let rows = rows(&r);
-    for path in ["math", "fused"] {
+    for path in ["math", "fused", "packed"] {
         let of_path: Vec<&Value> = rows.iter().filter(|row| row["path"] == path).collect();
         assert_eq!(
             of_path.len(),
