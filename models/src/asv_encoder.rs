@@ -454,9 +454,9 @@ mod tests {
     type Cpu = NdArray<f32>;
     type Train = Autodiff<Cpu>;
 
-    /// 16 ASVs of 60 tokens: START, 50 random nucleotides, 9 padding; and one
-    /// interior 0.
-    fn tokens<B: Backend>(device: &B::Device) -> Tensor<B, 3, Int> {
+    /// 16 ASVs `[2, 8, 60]` of 60 tokens: START, 50 random nucleotides, 9
+    /// padding; and one interior 0. The slots in `empty` are all 0.
+    fn token_values(empty: &[usize]) -> Vec<i64> {
         let mut values = Vec::new();
         for row in 0..16i64 {
             values.push(START_TOKEN);
@@ -464,7 +464,14 @@ mod tests {
             values.extend([0; 9]);
         }
         values[5] = 0;
-        Tensor::from_data(TensorData::new(values, [2, 8, 60]), device)
+        for &slot in empty {
+            values[60 * slot..60 * (slot + 1)].fill(0);
+        }
+        values
+    }
+
+    fn tokens<B: Backend>(device: &B::Device) -> Tensor<B, 3, Int> {
+        Tensor::from_data(TensorData::new(token_values(&[]), [2, 8, 60]), device)
     }
 
     fn encoder<B: Backend>(strategy: MaskStrategy, device: &B::Device) -> AsvEncoder<B> {
@@ -558,12 +565,7 @@ mod tests {
     fn empty_slots_are_skipped_and_chunking_changes_nothing() {
         let device = Default::default();
         let enc = encoder::<Cpu>(MaskStrategy::Random, &device);
-        let mut values = tokens::<Cpu>(&device)
-            .into_data()
-            .convert::<i64>()
-            .to_vec::<i64>()
-            .unwrap();
-        values[60 * 3..60 * 4].fill(0); // slot 3 of sample 0 empty
+        let values = token_values(&[3]); // slot 3 of sample 0 empty
         let tokens =
             Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values.clone(), [2, 8, 60]), &device);
         let whole = enc.forward(tokens.clone(), true);
@@ -619,13 +621,7 @@ mod tests {
     fn filled_rows_from_the_host_equal_the_whole_ids() {
         let device = Default::default();
         let enc = encoder::<Cpu>(MaskStrategy::Random, &device);
-        let mut values = tokens::<Cpu>(&device)
-            .into_data()
-            .convert::<i64>()
-            .to_vec::<i64>()
-            .unwrap();
-        values[60 * 3..60 * 4].fill(0);
-        values[60 * 12..60 * 14].fill(0);
+        let values = token_values(&[3, 12, 13]);
         let host: Vec<u8> = values.iter().map(|&t| t as u8).collect();
         let whole = enc.forward(
             Tensor::<Cpu, 3, Int>::from_data(TensorData::new(values.clone(), [2, 8, 60]), &device),
