@@ -45,6 +45,10 @@ struct Layout {
 /// (its backward equal), so only smaller calls split.
 const UNITS_TO_FILL: usize = 1 << 15;
 
+/// Key sequences at least this long are taken for mostly padding (see
+/// `Layout::key_lanes`).
+const LONG_KEYS: usize = 512;
+
 impl Layout {
     /// Rows are split over lanes by default only on CUDA and HIP: there a
     /// cube's units fill its planes in order, so a group of adjacent units is
@@ -98,6 +102,20 @@ impl Layout {
             }
         };
         lanes.min(self.tile)
+    }
+
+    /// Lanes per key in the dK/dV kernel. Long key sequences are AAM's
+    /// sample level, whose 1,024 slots are mostly padding (samples hold
+    /// ~50-700 ASVs): a cube of padding keys exits at once, so the units
+    /// that work are the few valid keys', each looping over all queries.
+    /// There each key splits over 8 lanes (H100, real-sized batch: dK/dV
+    /// 237 → 104 µs a sample-level layer, step 33.9 → 32.1 ms; the ASV
+    /// level's 151 keys keep the rows' setting).
+    fn key_lanes(&self, rows: usize, keys: usize) -> usize {
+        match self.lanes {
+            LanesSetting::Auto if keys >= LONG_KEYS => 8.min(self.tile),
+            _ => self.lanes(rows),
+        }
     }
 
     /// Keys per tile in the forward: at most 16 when rows have one lane each
@@ -1128,7 +1146,7 @@ fn scalar_backward<R, F, I, BT>(
     let lanes_q = layout.lanes(n * h * tq);
     let parts_q = layout.parts(lanes_q);
     let units_q = layout.units(lanes_q, parts_q, tq);
-    let lanes_k = layout.lanes(n * h * tk);
+    let lanes_k = layout.key_lanes(n * h * tk, tk);
     let parts_k = layout.parts(lanes_k);
     let units_k = layout.units(lanes_k, parts_k, tk);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
