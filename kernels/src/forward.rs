@@ -1,6 +1,9 @@
 //! [`AttentionBackend`] for the CubeCL backends (wgpu, CUDA, ROCm/HIP): make
 //! the inputs contiguous, turn the mask into per-key and per-tile validity,
-//! allocate the outputs and launch.
+//! allocate the outputs and launch. The attention kernels index their
+//! operands as `[N, H, T, Dh]` views with any strides: split heads are dense
+//! views, and a packed `qkv [N, T, 3D]` or `out [N, T, D]` is viewed in place
+//! (`heads_view`), so packed self-attention needs no split or merge copies.
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{DType, Shape, Tensor};
@@ -902,15 +905,9 @@ where
         let dq = empty(&q, Shape::new([n, h, tq, dh]), q.dtype);
         // dK and dV from one binding (two writable bindings of one buffer
         // are refused by wgpu, and the packed path writes both into `dqkv`):
-        // `[2, N, H, Tk, Dh]`, then split by views.
-        let dkv = empty(&q, Shape::new([2, n, h, tk, dh]), q.dtype);
-        let dkv_heads = CubeTensor::new(
-            dkv.client.clone(),
-            dkv.handle.clone(),
-            cubecl::zspace::metadata::Metadata::new([n, h, tk, dh], [h * tk * dh, tk * dh, dh, 1]),
-            dkv.device.clone(),
-            dkv.dtype,
-        );
+        // `[2N, H, Tk, Dh]`, whose first N sequences are dK's and whose last
+        // N (at dV's offset) are dV's, then cut in two by views.
+        let dkv = empty(&q, Shape::new([2 * n, h, tk, dh]), q.dtype);
         scalar_backward::<R, F, I, BT>(
             [&q, &k, &v],
             [0, 0],
@@ -918,19 +915,14 @@ where
             into_contiguous(lse),
             key_padding_mask,
             &dq,
-            &dkv_heads,
+            &dkv,
             [0, n * h * tk * dh],
             scale,
             dropout,
         );
-        let dkv = Tensor::<Self, 5>::from_primitive(burn::tensor::TensorPrimitive::Float(dkv));
-        let [dk, dv] = [0, 1].map(|i| {
-            dkv.clone()
-                .narrow(0, i, 1)
-                .reshape([n, h, tk, dh])
-                .into_primitive()
-                .tensor()
-        });
+        let dkv = Tensor::<Self, 4>::from_primitive(burn::tensor::TensorPrimitive::Float(dkv));
+        let [dk, dv] =
+            [0, n].map(|start| dkv.clone().narrow(0, start, n).into_primitive().tensor());
         (dq, dk, dv)
     }
 
