@@ -15,7 +15,8 @@
 # Env: VARIANTS (default "auto auto:ckpt math": the attention path, then options, each after
 #      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision,
 #      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel,
-#      tc0 = AAM_KERNEL_TC=0: f16/bf16 attention on CUDA cores instead of tensor cores),
+#      tc0 = AAM_KERNEL_TC=0: f16/bf16 attention on CUDA cores instead of tensor cores,
+#      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
@@ -57,10 +58,12 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       bf16|fp16) flags="$flags --mixed-precision $opt" ;;
       burndrop) vars="$vars AAM_DROPOUT=burn" ;;
       tc0) vars="$vars AAM_KERNEL_TC=0" ;;
+      allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac
   done
   name=${variant//:/_}; [ "$bin" != aam-rs ] && name="${bin#aam-rs-}_$name"
+  [ -e "$OUT/step_$name.json" ] && name="${name}_again"  # a repeated variant
   echo "== $bin diagnose step --attn-implementation $attn$flags"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
   smi=$!

@@ -146,6 +146,22 @@ impl ModelConfig {
         }
     }
 
+    /// Whether the model computes the same for every filled ASV slot and
+    /// every sample when empty slots after each sample's last filled one are
+    /// dropped: true when every sample-level stack masks empty slots (the
+    /// transformers' key padding mask, the masked poolings, the count loss),
+    /// so a batch can run on its largest sample's slots instead of
+    /// `token_limit`. False with perceiver fusion, whose latents attend over
+    /// every slot, padding included, as in the reference.
+    pub fn empty_slots_are_masked(&self) -> bool {
+        match self {
+            ModelConfig::SequenceEncoder(_) => true,
+            ModelConfig::SequencePredictor(c) => {
+                c.categorical_fusion != crate::sequence_predictor::CategoricalFusion::Perceiver
+            }
+        }
+    }
+
     /// The torch state-dict key of a Burn parameter path (the rename table).
     pub fn torch_key(&self, burn_path: &str) -> String {
         match self {

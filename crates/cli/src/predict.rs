@@ -11,7 +11,7 @@ use aam_models::import::{write_atomic, ModelConfig};
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_models::AttentionBackend;
 use aam_train::checkpoint::{read_checkpoint, Checkpoint};
-use aam_train::run::{batch_tensors, predict_batch};
+use aam_train::run::{batch_tensors, predict_batch, Slots};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 
@@ -168,7 +168,8 @@ fn predict_on<B: AttentionBackend>(
     let mut rows = Vec::with_capacity(dataset.len());
     for batch in loader.epoch(0) {
         let batch = batch?;
-        let (input, _) = batch_tensors::<B>(&batch, device, classifier);
+        let slots = Slots::for_model(&ckpt.meta.model);
+        let (input, _) = batch_tensors::<B>(&batch, device, classifier, slots);
         let b = batch.batch_size();
         let predictions = predict_batch(&model, input, false);
         let (values, width) = match predictions

@@ -24,7 +24,7 @@ use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPr
 use aam_train::loss::LossConfig;
 use aam_train::loss::Predictions;
 use aam_train::optim::{GradientBuffer, Optimizer, OptimizerConfig};
-use aam_train::run::batch_tensors;
+use aam_train::run::{batch_tensors, Slots};
 use anyhow::{ensure, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
@@ -56,6 +56,10 @@ pub struct StepArgs {
     /// ASV slots per sample (S).
     #[arg(long, default_value_t = 1024)]
     token_limit: usize,
+    /// Run the sample level on all `--token-limit` slots, as the reference
+    /// (default: on the batch's filled slots rounded up to 32, as `pretrain`).
+    #[arg(long)]
+    all_slots: bool,
     /// Nucleotides per ASV (L = max_bp + 1 tokens).
     #[arg(long, default_value_t = 150)]
     max_bp: usize,
@@ -299,6 +303,11 @@ where
         .with_per_parameter_updates(AB::fuses_elementwise());
     let name = |path: &str| config.torch_key(path);
     let lr = |_: &str| args.lr;
+    let slots = if args.all_slots {
+        Slots::TokenLimit
+    } else {
+        Slots::for_model(config)
+    };
     let mut times = Vec::new();
     let mut losses = Vec::new();
     let mut peak: Option<u64> = None;
@@ -332,7 +341,7 @@ where
         };
         <AB as Backend>::seed(device, args.seed + step as u64);
         set_attention_dropout_seed(args.seed + step as u64);
-        let (input, targets) = batch_tensors::<AB>(batch, device, false);
+        let (input, targets) = batch_tensors::<AB>(batch, device, false, slots);
         let predictions: Predictions<AB> = {
             let _autocast = autocast(args.precision.mixed_precision);
             encoder.forward(input.tokens, input.counts, true).into()

@@ -5,7 +5,9 @@
 //! `[B, B]` of exactly the batch's samples in batch order, targets `[B, 1]`,
 //! one `[B]` vector of categorical ids per column. Every sample is padded to
 //! exactly `token_limit` ASV slots (the reference pads to S, not to the batch
-//! maximum).
+//! maximum). A model that masks empty slots can run on fewer:
+//! [`Batch::filled_slots`] and [`Batch::with_slots`] (the training crate's
+//! `batch_tensors` uses them).
 //!
 //! [`BatchLoader::epoch`] returns an iterator whose batches are built by
 //! `workers` threads at most `prefetch` batches ahead of the consumer
@@ -192,6 +194,72 @@ impl Batch {
     /// `[B, 1]`.
     pub fn targets_shape(&self) -> [usize; 2] {
         [self.batch_size(), 1]
+    }
+
+    /// One past the last filled slot of any sample: the slots a model that
+    /// masks empty slots needs (a slot is filled when any of its tokens is
+    /// not padding, §1.1).
+    pub fn filled_slots(&self) -> usize {
+        let (s, l) = (self.token_limit, self.seq_len);
+        if l == 0 {
+            return 0;
+        }
+        self.tokens
+            .chunks_exact(s * l)
+            .map(|sample| {
+                sample
+                    .chunks_exact(l)
+                    .rposition(|row| row.iter().any(|&t| t != 0))
+                    .map_or(0, |last| last + 1)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// This batch with `slots` ASV slots per sample instead of `token_limit`:
+    /// the first `slots` of each sample, or padding slots added.
+    ///
+    /// # Panics
+    /// If a filled slot would be cut off (`slots < filled_slots()`).
+    pub fn with_slots(&self, slots: usize) -> Batch {
+        assert!(
+            slots >= self.filled_slots(),
+            "with_slots({slots}) would drop filled ASV slots ({} are needed)",
+            self.filled_slots()
+        );
+        let (s, l) = (self.token_limit, self.seq_len);
+        let kept = slots.min(s);
+        let mut tokens = vec![0u8; self.batch_size() * slots * l];
+        let mut counts = vec![0f32; self.batch_size() * slots];
+        for (i, (tokens, counts)) in tokens
+            .chunks_exact_mut(slots * l)
+            .zip(counts.chunks_exact_mut(slots))
+            .enumerate()
+        {
+            tokens[..kept * l].copy_from_slice(&self.tokens[i * s * l..][..kept * l]);
+            counts[..kept].copy_from_slice(&self.counts[i * s..][..kept]);
+        }
+        Batch {
+            token_limit: slots,
+            tokens,
+            counts,
+            ..self.clone_without_slots()
+        }
+    }
+
+    /// Everything but the per-slot data (tokens and counts left empty).
+    fn clone_without_slots(&self) -> Batch {
+        Batch {
+            sample_ids: self.sample_ids.clone(),
+            positions: self.positions.clone(),
+            token_limit: self.token_limit,
+            seq_len: self.seq_len,
+            tokens: Vec::new(),
+            counts: Vec::new(),
+            unifrac: self.unifrac.clone(),
+            targets: self.targets.clone(),
+            categorical_ids: self.categorical_ids.clone(),
+        }
     }
 }
 
@@ -704,6 +772,47 @@ mod tests {
         assert_eq!(u[2], m.distance("s4", "s1").unwrap());
         assert_eq!(u[0], 0.0);
         assert_eq!(b.targets, Some(vec![10.0, 40.0]));
+    }
+
+    /// Samples with 2 and 4 of 6 slots filled: 4 slots are needed, and a
+    /// batch cut to them (or widened) keeps every sample's slots in place.
+    #[test]
+    fn filled_slots_and_with_slots() {
+        let d = dataset();
+        let loader = BatchLoader::new(
+            d,
+            vec![1, 3],
+            Arc::default(),
+            BatchConfig::validation(2, 6, 0),
+        )
+        .unwrap();
+        let b = loader.batch(0, 0).unwrap();
+        assert_eq!(b.filled_slots(), 4);
+        let (l, s) = (b.seq_len, b.token_limit);
+        for slots in [4, 5, 8] {
+            let cut = b.with_slots(slots);
+            assert_eq!(cut.tokens_shape(), [2, slots, l]);
+            assert_eq!(cut.counts_shape(), [2, slots, 1]);
+            assert_eq!(cut.filled_slots(), 4);
+            for i in 0..2 {
+                for slot in 0..slots {
+                    let row = &cut.tokens[(i * slots + slot) * l..][..l];
+                    let count = cut.counts[i * slots + slot];
+                    if slot < s {
+                        assert_eq!(row, &b.tokens[(i * s + slot) * l..][..l]);
+                        assert_eq!(count, b.counts[i * s + slot]);
+                    } else {
+                        assert!(row.iter().all(|&t| t == 0) && count == 0.0);
+                    }
+                }
+            }
+            assert_eq!(
+                (&cut.sample_ids, &cut.unifrac, &cut.targets),
+                (&b.sample_ids, &b.unifrac, &b.targets)
+            );
+        }
+        let dropped = std::panic::catch_unwind(|| b.with_slots(3));
+        assert!(dropped.is_err(), "cutting a filled slot must panic");
     }
 
     #[test]

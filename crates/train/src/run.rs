@@ -265,12 +265,66 @@ pub fn predict_batch<B: AttentionBackend>(
     }
 }
 
-/// Tensors of a batch: the model input and the loss targets.
+/// Slot counts of a batch's tensors are rounded up to a multiple of this
+/// (at most `token_limit`), so that a run sees a few shapes, not one per
+/// batch.
+pub const SLOT_MULTIPLE: usize = 32;
+
+/// How many ASV slots per sample a batch's tensors have.
+///
+/// The reference pads every sample to `token_limit` (1024) slots, and a
+/// real-sized sample fills 25-100 of them: its sample-level stacks (8 layers
+/// in pretraining, 16 in fine-tuning) then spend ~90% of their work on
+/// padding. Where the model masks empty slots
+/// ([`ModelConfig::empty_slots_are_masked`]), the slots after the batch's
+/// largest sample change nothing it computes for the filled slots and the
+/// samples, so they are left out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slots {
+    /// `token_limit` slots, as the reference.
+    TokenLimit,
+    /// The batch's largest sample's filled slots, rounded up to
+    /// [`SLOT_MULTIPLE`], at most `token_limit`.
+    Filled,
+}
+
+impl Slots {
+    /// [`Slots::Filled`] where the model masks empty slots.
+    pub fn for_model(config: &ModelConfig) -> Self {
+        if config.empty_slots_are_masked() {
+            Slots::Filled
+        } else {
+            Slots::TokenLimit
+        }
+    }
+
+    /// `batch` with these slots (borrowed when it has them already).
+    pub fn apply<'a>(&self, batch: &'a Batch) -> std::borrow::Cow<'a, Batch> {
+        let slots = match self {
+            Slots::TokenLimit => batch.token_limit,
+            Slots::Filled => batch
+                .filled_slots()
+                .max(1)
+                .next_multiple_of(SLOT_MULTIPLE)
+                .min(batch.token_limit),
+        };
+        if slots == batch.token_limit {
+            std::borrow::Cow::Borrowed(batch)
+        } else {
+            std::borrow::Cow::Owned(batch.with_slots(slots))
+        }
+    }
+}
+
+/// Tensors of a batch, with `slots` ASV slots per sample: the model input and
+/// the loss targets.
 pub fn batch_tensors<B: Backend>(
     batch: &Batch,
     device: &B::Device,
     classifier: bool,
+    slots: Slots,
 ) -> (ModelInput<B>, LossTargets<B>) {
+    let batch = &*slots.apply(batch);
     let b = batch.batch_size();
     // Only the filled slots' rows go to the device (see `AsvTokens::from_host`).
     let tokens = AsvTokens::from_host(&batch.tokens, batch.tokens_shape(), device);
@@ -536,6 +590,7 @@ where
 {
     run.validate()?;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
+    let slots = Slots::for_model(&model_config);
     let mut train_cfg = BatchConfig::train(run.batch_size, run.token_limit, run.seed);
     train_cfg.asv_sampling = run.asv_sampling;
     train_cfg.workers = run.workers.max(1);
@@ -624,7 +679,7 @@ where
             set_attention_dropout_seed(stream);
             progress.micro_step += 1;
             timer.mark::<AB>(device, "data");
-            let (input, targets) = batch_tensors::<AB>(&batch, device, classifier);
+            let (input, targets) = batch_tensors::<AB>(&batch, device, classifier, slots);
             timer.mark::<AB>(device, "upload");
             let predictions = {
                 let _autocast = autocast(run.mixed_precision);
@@ -741,7 +796,7 @@ where
             Some(loader) => {
                 observer.validating(loader.num_batches());
                 let eval_model = valid(&model);
-                validate(&eval_model, loader, &run, &data, classifier, device)?
+                validate(&eval_model, loader, &run, &data, classifier, slots, device)?
             }
             None => (BTreeMap::new(), Vec::new()),
         };
@@ -887,6 +942,7 @@ fn validate<B: AttentionBackend>(
     run: &RunConfig,
     data: &TrainData,
     classifier: bool,
+    slots: Slots,
     device: &B::Device,
 ) -> Result<(BTreeMap<String, f64>, Vec<PredictionRow>)> {
     let mut means = Means::default();
@@ -898,7 +954,7 @@ fn validate<B: AttentionBackend>(
     let return_nucleotides = run.loss.nuc_penalty > 0.0;
     for batch in loader.epoch(0) {
         let batch = batch?;
-        let (input, targets) = batch_tensors::<B>(&batch, device, classifier);
+        let (input, targets) = batch_tensors::<B>(&batch, device, classifier, slots);
         let predictions = {
             let _autocast = autocast(run.mixed_precision);
             predict_batch(model, input, return_nucleotides)
