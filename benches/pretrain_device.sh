@@ -14,6 +14,7 @@
 #   .carry/oral2550/          oral_2550.biom, unifrac.unweighted.h5 (from ../shared/data)
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference),
+#      AAM_LOG (default info; info,aam_train=debug logs every step's loss),
 #      TRAIN_TIMEOUT (s, default 480), TRAIN_ARGS (extra flags), BIN (default aam-rs: the
 #      binary .carry/gpu/$BIN.xz, e.g. a fusion build).
 # Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.txz.*.
@@ -34,7 +35,7 @@ fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/gpu_mem.csv" &
 SMI=$!
 start=$(date +%s)
-AAM_LOG=info timeout "${TRAIN_TIMEOUT:-480}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" --attn-implementation "$ATTN" \
+AAM_LOG=${AAM_LOG:-info} timeout "${TRAIN_TIMEOUT:-480}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" --attn-implementation "$ATTN" \
   --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
   --rarefy-depth 1000 --epochs "$EPOCHS" --warmup-steps 100 --num-workers 8 \
   --output-dir /tmp/run ${TRAIN_ARGS:-} > "$OUT/aam.log" 2>&1

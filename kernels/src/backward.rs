@@ -134,6 +134,35 @@ impl<B: AttentionBackend> Backward<B, 1> for SeededDropoutBackward {
     }
 }
 
+/// `residual + seeded_dropout(x)`'s backward: the output gradient for the
+/// residual, and its seeded dropout (the same mask, drawn again) for `x`.
+#[derive(Debug)]
+struct SeededDropoutAddBackward;
+
+impl<B: AttentionBackend> Backward<B, 2> for SeededDropoutAddBackward {
+    type State = AttentionDropout;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let dropout = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [residual, x] = ops.parents;
+        match (residual, x) {
+            (Some(residual), Some(x)) => {
+                grads.register::<B>(x.id, B::seeded_dropout(grad.clone(), dropout));
+                grads.register::<B>(residual.id, grad);
+            }
+            (Some(residual), None) => grads.register::<B>(residual.id, grad),
+            (None, Some(x)) => grads.register::<B>(x.id, B::seeded_dropout(grad, dropout)),
+            (None, None) => {}
+        }
+    }
+}
+
 /// Unpacking rows' backward (`slots.rs`): the packed rows' gradients
 /// gathered from their slots, the fill row's summed over the empty slots.
 #[derive(Debug)]
@@ -374,6 +403,23 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         {
             OpsKind::Tracked(prep) => prep.finish(dropout, B::seeded_dropout(x.primitive, dropout)),
             OpsKind::UnTracked(prep) => prep.finish(B::seeded_dropout(x.primitive, dropout)),
+        }
+    }
+
+    fn seeded_dropout_add(
+        residual: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        // Nothing is kept: the backward draws the mask again.
+        let prepared = SeededDropoutAddBackward
+            .prepare::<C>([residual.node.clone(), x.node.clone()])
+            .compute_bound()
+            .stateful();
+        let out = B::seeded_dropout_add(residual.primitive, x.primitive, dropout);
+        match prepared {
+            OpsKind::Tracked(prep) => prep.finish(dropout, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 

@@ -646,33 +646,30 @@ where
     }
 
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
-        let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
+        let (use_dropout, ..) = dropout_args(dropout);
         if !use_dropout {
             return x;
         }
-        let x = into_contiguous(x);
-        let shape = x.meta.shape().clone();
-        let elements = shape.num_elements();
-        // The hash is keyed by a u32 index.
-        assert!(
-            elements <= u32::MAX as usize,
-            "dropout: {elements} elements exceed the kernel's u32 index"
+        seeded_dropout_launch(into_contiguous(x), None, dropout)
+    }
+
+    fn seeded_dropout_add(
+        residual: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let (use_dropout, ..) = dropout_args(dropout);
+        if !use_dropout {
+            return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_add(residual, x);
+        }
+        let [residual, x] = [residual, x].map(into_contiguous);
+        assert_eq!(
+            residual.meta.shape(),
+            x.meta.shape(),
+            "seeded_dropout_add: shapes differ"
         );
-        let client = x.client.clone();
-        let out = empty(&x, shape, x.dtype);
-        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
-        dropout_elements::launch::<R>(
-            &client,
-            cubes,
-            cube_dim,
-            x.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            threshold,
-            scale,
-            seed,
-            x.dtype.into(),
-        );
-        out
+        assert_eq!(residual.dtype, x.dtype, "seeded_dropout_add: types differ");
+        seeded_dropout_launch(x, Some(residual), dropout)
     }
 
     fn adam_steps(items: Vec<AdamItem<Self>>) -> Vec<[FloatTensor<Self>; 3]> {
@@ -1216,6 +1213,40 @@ fn scalar_backward<R, F, I, BT>(
             q.dtype.into(),
         );
     }
+}
+
+/// One launch of [`dropout_elements`]: the seeded dropout of contiguous `x`,
+/// plus contiguous `residual` where given.
+fn seeded_dropout_launch<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    residual: Option<CubeTensor<R>>,
+    dropout: AttentionDropout,
+) -> CubeTensor<R> {
+    let (_, threshold, scale, seed) = dropout_args(dropout);
+    let shape = x.meta.shape().clone();
+    let elements = shape.num_elements();
+    // The hash is keyed by a u32 index.
+    assert!(
+        elements <= u32::MAX as usize,
+        "dropout: {elements} elements exceed the kernel's u32 index"
+    );
+    let client = x.client.clone();
+    let out = empty(&x, shape, x.dtype);
+    let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
+    dropout_elements::launch::<R>(
+        &client,
+        cubes,
+        cube_dim,
+        x.clone().into_tensor_arg(),
+        residual.as_ref().unwrap_or(&x).clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        threshold,
+        scale,
+        seed,
+        residual.is_some(),
+        x.dtype.into(),
+    );
+    out
 }
 
 /// An element offset as the kernels take it.

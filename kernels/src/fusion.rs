@@ -166,6 +166,25 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         .expect("dropout output")
     }
 
+    fn seeded_dropout_add(
+        residual: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let like = (x.shape.clone(), x.dtype);
+        float_op::<B>(
+            "aam_seeded_dropout_add",
+            vec![residual, x],
+            vec![like],
+            move |inputs| {
+                let [residual, x] = <[_; 2]>::try_from(inputs).expect("residual and x");
+                vec![B::seeded_dropout_add(residual, x, dropout)]
+            },
+        )
+        .pop()
+        .expect("dropout_add output")
+    }
+
     fn adam_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,

@@ -843,22 +843,31 @@ fn element_keep(seed: u32, index: u32, threshold: u32) -> bool {
 }
 
 /// Dropout of a contiguous tensor, or the gradient of one (the same mask):
-/// `output[i] = input[i]·scale` where element `i` is kept, else 0.
+/// `output[i] = input[i]·scale` where element `i` is kept, else 0; with
+/// `with_residual`, plus `residual[i]` (a residual branch in one pass;
+/// otherwise `residual` is any tensor, unread).
 ///
 /// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn dropout_elements<F: Float>(
     input: &Tensor<F>,
+    residual: &Tensor<F>,
     output: &mut Tensor<F>,
     threshold: u32,
     scale: f32,
     seed: u32,
+    #[comptime] with_residual: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i < output.len() {
         let keep = element_keep(seed, i as u32, threshold);
-        output[i] = select(keep, input[i] * F::cast_from(scale), F::new(0.0));
+        let mut y = select(keep, input[i] * F::cast_from(scale), F::new(0.0));
+        if with_residual {
+            y += residual[i];
+        }
+        output[i] = y;
     }
 }
 

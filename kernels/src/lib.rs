@@ -441,6 +441,22 @@ pub trait AttentionBackend: Backend {
         panic!("this backend has no seeded dropout kernel; use aam_kernels::dropout")
     }
 
+    /// `residual + seeded_dropout(x)` (same shapes and type): a transformer
+    /// layer's residual branch as one op and one pass (CubeCL backends),
+    /// where the dropout and the add were two of each. Under autodiff the
+    /// residual's gradient is the output's, and `x`'s the seeded dropout of
+    /// it. The default is the two ops.
+    ///
+    /// # Panics
+    /// When [`AttentionBackend::has_seeded_dropout`] is false.
+    fn seeded_dropout_add(
+        residual: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::float_add(residual, Self::seeded_dropout(x, dropout))
+    }
+
     /// Fused masked self-attention on the packed projection `qkv` (torch's
     /// `in_proj` output: per row the query, key and value, `D = H·Dh` wide
     /// each, head `h` at columns `h·Dh..(h+1)·Dh` of each), to the
@@ -654,6 +670,27 @@ pub fn dropout<B: AttentionBackend, const D: usize>(
     let keep = 1.0 - dropout.prob;
     let mask = x.random_like(burn::tensor::Distribution::Bernoulli(keep));
     x * mask * (1.0 / keep)
+}
+
+/// `residual + dropout(x)` ([`dropout`]), one op where the backend has the
+/// seeded kernel ([`AttentionBackend::seeded_dropout_add`]).
+///
+/// # Shapes
+/// - residual, x: the same shape → output: that shape
+pub fn dropout_add<B: AttentionBackend, const D: usize>(
+    residual: Tensor<B, D>,
+    x: Tensor<B, D>,
+    dropout: AttentionDropout,
+) -> Tensor<B, D> {
+    assert_eq!(residual.dims(), x.dims(), "dropout_add: shapes differ");
+    if dropout.prob > 0.0 && B::has_seeded_dropout() && seeded_dropout_enabled() {
+        return Tensor::from_primitive(TensorPrimitive::Float(B::seeded_dropout_add(
+            residual.into_primitive().tensor(),
+            x.into_primitive().tensor(),
+            dropout,
+        )));
+    }
+    residual + crate::dropout(x, dropout)
 }
 
 /// `AAM_DROPOUT=burn` turns [`dropout`]'s kernel off (Burn's masks

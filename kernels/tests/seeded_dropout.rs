@@ -2,7 +2,9 @@
 //! is either dropped or scaled by exactly `1/(1−p)`, about `p` of them are
 //! dropped, the same seed draws the same mask and another seed another, and
 //! the backward pass (which keeps no mask) drops the gradient with the
-//! forward's mask.
+//! forward's mask. `dropout_add` (a residual branch as one op) equals the
+//! residual plus `dropout` with the same seed, and its backward gives the
+//! residual the output gradient and the input the dropped one.
 //!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
@@ -10,7 +12,7 @@
 
 mod common;
 
-use aam_kernels::{dropout, AttentionBackend, AttentionDropout};
+use aam_kernels::{dropout, dropout_add, AttentionBackend, AttentionDropout};
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use common::*;
@@ -142,5 +144,44 @@ fn the_backward_pass_drops_the_gradient_with_the_forwards_mask() {
     for (i, ((&dx, &w), &keep)) in dx.iter().zip(&values(w.inner())).zip(&mask).enumerate() {
         let want = if keep { w * scale } else { 0.0 };
         assert_eq!(dx, want, "element {i}");
+    }
+}
+
+#[test]
+fn dropout_add_is_the_residual_plus_dropout_both_ways() {
+    let device = Default::default();
+    <Gpu as Backend>::seed(&device, 6);
+    let drop = AttentionDropout {
+        prob: 0.3,
+        seed: 1234,
+    };
+    // An odd size: the last cube is partly empty.
+    let shape = [257, 33];
+    let normal = || Tensor::<GpuAd, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+    let (residual, x, w) = (normal().require_grad(), normal().require_grad(), normal());
+    let y = dropout_add(residual.clone(), x.clone(), drop);
+    let grads = (y.clone() * w.clone()).sum().backward();
+    let dropped = values(dropout(x.clone().inner(), drop));
+    let mask = kept(&values(x.clone().inner()), &dropped, drop.prob);
+    assert!(mask.contains(&false) && mask.contains(&true));
+    for (i, ((&y, &r), &d)) in values(y.inner())
+        .iter()
+        .zip(&values(residual.clone().inner()))
+        .zip(&dropped)
+        .enumerate()
+    {
+        assert_eq!(y, r + d, "element {i}: residual + dropout");
+    }
+    let w = values(w.inner());
+    assert_eq!(
+        values(residual.grad(&grads).expect("the residual has a gradient")),
+        w,
+        "the residual's gradient is the output's"
+    );
+    let dx = values(x.grad(&grads).expect("x has a gradient"));
+    let scale = (1.0 / (1.0 - drop.prob)) as f32;
+    for (i, ((&dx, &w), &keep)) in dx.iter().zip(&w).zip(&mask).enumerate() {
+        let want = if keep { w * scale } else { 0.0 };
+        assert_eq!(dx, want, "element {i}: x's gradient");
     }
 }

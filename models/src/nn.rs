@@ -231,6 +231,27 @@ pub fn dropout<B: AttentionBackend, const D: usize>(
     )
 }
 
+/// `residual + dropout(x)`: a residual branch, one op on the CubeCL
+/// backends ([`aam_kernels::dropout_add`]); dropout only in training, as
+/// [`dropout`].
+pub fn dropout_add<B: AttentionBackend, const D: usize>(
+    dropout: &burn::nn::Dropout,
+    residual: Tensor<B, D>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    if !B::ad_enabled(&x.device()) || dropout.prob == 0.0 {
+        return residual + x;
+    }
+    aam_kernels::dropout_add(
+        residual,
+        x,
+        aam_kernels::AttentionDropout {
+            prob: dropout.prob,
+            seed: crate::attention::next_dropout_seed(),
+        },
+    )
+}
+
 /// `torch.nn.functional.softplus(x, beta=1, threshold=20)`: `ln(1 + eˣ)`, and `x`
 /// itself where `x > 20` (Burn's `softplus` has no threshold and overflows).
 pub fn softplus<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {

@@ -11,7 +11,9 @@ use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
-use crate::nn::{dropout, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use crate::nn::{
+    dropout, dropout_add, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
 use crate::precision::{cast_to, compute_dtype};
 
 /// Configuration of one [`TransformerEncoderLayer`].
@@ -94,13 +96,15 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
         let attn = self
             .self_attn
             .self_attention(low(self.norm1.forward(x.clone())), key_padding_mask);
-        let x = x + back(dropout(&self.dropout1, attn));
+        // The dropout follows the cast back: with mixed precision it drops
+        // and scales the f32 values of the low-precision output.
+        let x = dropout_add(&self.dropout1, x, back(attn));
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
         let h = self
             .activation
             .forward(self.linear1.forward(low(self.norm2.forward(x.clone()))));
         let ff = self.linear2.forward(dropout(&self.dropout, h));
-        x + back(dropout(&self.dropout2, ff))
+        dropout_add(&self.dropout2, x, back(ff))
     }
 }
 

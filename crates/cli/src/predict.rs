@@ -168,7 +168,7 @@ fn predict_on<B: AttentionBackend>(
     let mut rows = Vec::with_capacity(dataset.len());
     for batch in loader.epoch(0) {
         let batch = batch?;
-        let slots = Slots::for_model(&ckpt.meta.model);
+        let slots = Slots::for_run(&ckpt.meta.model, &ckpt.meta.run);
         let (input, _) = batch_tensors::<B>(&batch, device, classifier, slots);
         let b = batch.batch_size();
         let predictions = predict_batch(&model, input, false);

@@ -67,6 +67,11 @@ pub struct DataArgs {
     /// or metadata, instead of stopping.
     #[arg(long)]
     pub drop_missing: bool,
+    /// Run the sample level on all --token-limit slots, as the reference
+    /// (default: on each batch's filled slots, rounded up to 32, where the
+    /// model masks empty slots; the losses and gradients are the same).
+    #[arg(long)]
+    pub all_slots: bool,
 }
 
 /// Architecture flags shared by both commands.
@@ -434,6 +439,7 @@ fn run_config(
         seed: o.seed,
         token_limit: d.token_limit,
         asv_sampling: d.asv_sampling,
+        all_slots: d.all_slots,
         workers: o.num_workers.max(1),
         memory_profile: false,
         mixed_precision: Default::default(),

@@ -117,6 +117,10 @@ pub struct RunConfig {
     pub token_limit: usize,
     /// Which ASVs fill the slots when a sample has more.
     pub asv_sampling: AsvSampling,
+    /// Run every batch on all `token_limit` slots, as the reference
+    /// (`--all-slots`), instead of [`Slots::for_model`].
+    #[serde(default)]
+    pub all_slots: bool,
     /// Batch-building threads.
     pub workers: usize,
     /// Record device memory per phase of the training step (`--memory-profile`);
@@ -298,6 +302,16 @@ impl Slots {
         }
     }
 
+    /// [`Slots::TokenLimit`] where the run asks for all slots, else
+    /// [`Slots::for_model`].
+    pub fn for_run(config: &ModelConfig, run: &RunConfig) -> Self {
+        if run.all_slots {
+            Slots::TokenLimit
+        } else {
+            Self::for_model(config)
+        }
+    }
+
     /// `batch` with these slots (borrowed when it has them already).
     pub fn apply<'a>(&self, batch: &'a Batch) -> std::borrow::Cow<'a, Batch> {
         let slots = match self {
@@ -430,6 +444,15 @@ fn record_batch<B: Backend>(
     for (name, v) in names.iter().zip(&host) {
         means.add(name, *v);
     }
+    tracing::debug!(
+        "{}",
+        names
+            .iter()
+            .zip(&host)
+            .map(|(name, v)| format!("{name} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     if with_accuracy {
         let (hits, n) = (host[host.len() - 2], host[host.len() - 1]);
         if n > 0.0 {
@@ -590,7 +613,7 @@ where
 {
     run.validate()?;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
-    let slots = Slots::for_model(&model_config);
+    let slots = Slots::for_run(&model_config, &run);
     let mut train_cfg = BatchConfig::train(run.batch_size, run.token_limit, run.seed);
     train_cfg.asv_sampling = run.asv_sampling;
     train_cfg.workers = run.workers.max(1);
@@ -768,6 +791,11 @@ where
             // any checkpoint is written from the weights it produced.
             let total = record_batch(&parts, accuracy, grad_norm, &mut means);
             timer.mark::<AB>(device, "read");
+            tracing::debug!(
+                "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples × {} slots",
+                batch.batch_size(),
+                batch.filled_slots()
+            );
             if !total.is_finite() {
                 return Err(TrainError::NonFinite {
                     what: "training loss".into(),

@@ -99,6 +99,7 @@ fn run_config() -> RunConfig {
         seed: 11,
         token_limit: 16,
         asv_sampling: aam_data::AsvSampling::Random,
+        all_slots: false,
         workers: 2,
         memory_profile: false,
         mixed_precision: Default::default(),
