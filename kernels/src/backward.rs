@@ -4,8 +4,9 @@
 //! packed projection `qkv` it is one node from `qkv` to the merged context. Exact GELU
 //! is one node that keeps only its input, LayerNorm one with the closed-form
 //! backward, the dense layer one whose backward sums its weight and bias
-//! gradients over rows in parts, seeded dropout one that keeps nothing, and
-//! unpacking rows to their slots one whose backward gathers.
+//! gradients over rows in parts, seeded dropout (alone or plus a residual)
+//! one that keeps nothing, and unpacking rows to their slots one whose
+//! backward gathers.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::{CheckpointStrategy, NoCheckpointing};

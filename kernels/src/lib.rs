@@ -51,8 +51,8 @@
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
-//!   element-wise seeded dropout behind [`dropout`], and the one-op GELU,
-//!   LayerNorm, column-sum, Adam and key-validity kernels).
+//!   element-wise seeded dropout behind [`dropout`] and [`dropout_add`], and
+//!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels).
 //! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
