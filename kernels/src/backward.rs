@@ -152,14 +152,11 @@ impl<B: AttentionBackend> Backward<B, 2> for SeededDropoutAddBackward {
         let dropout = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         let [residual, x] = ops.parents;
-        match (residual, x) {
-            (Some(residual), Some(x)) => {
-                grads.register::<B>(x.id, B::seeded_dropout(grad.clone(), dropout));
-                grads.register::<B>(residual.id, grad);
-            }
-            (Some(residual), None) => grads.register::<B>(residual.id, grad),
-            (None, Some(x)) => grads.register::<B>(x.id, B::seeded_dropout(grad, dropout)),
-            (None, None) => {}
+        if let Some(x) = x {
+            grads.register::<B>(x.id, B::seeded_dropout(grad.clone(), dropout));
+        }
+        if let Some(residual) = residual {
+            grads.register::<B>(residual.id, grad);
         }
     }
 }

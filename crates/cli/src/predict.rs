@@ -165,10 +165,10 @@ fn predict_on<B: AttentionBackend>(
             .collect::<Result<_, _>>()?,
         _ => Vec::new(),
     };
+    let slots = Slots::for_model(&ckpt.meta.model, ckpt.meta.run.all_slots);
     let mut rows = Vec::with_capacity(dataset.len());
     for batch in loader.epoch(0) {
         let batch = batch?;
-        let slots = Slots::for_run(&ckpt.meta.model, &ckpt.meta.run);
         let (input, _) = batch_tensors::<B>(&batch, device, classifier, slots);
         let b = batch.batch_size();
         let predictions = predict_batch(&model, input, false);

@@ -303,11 +303,7 @@ where
         .with_per_parameter_updates(AB::fuses_elementwise());
     let name = |path: &str| config.torch_key(path);
     let lr = |_: &str| args.lr;
-    let slots = if args.all_slots {
-        Slots::TokenLimit
-    } else {
-        Slots::for_model(config)
-    };
+    let slots = Slots::for_model(config, args.all_slots);
     let mut times = Vec::new();
     let mut losses = Vec::new();
     let mut peak: Option<u64> = None;

@@ -22,6 +22,7 @@
 //! loses its last sample (the UniFrac loss needs pairs; the CLIs demand an
 //! even batch size).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -222,11 +223,33 @@ impl Batch {
     /// # Panics
     /// If a filled slot would be cut off (`slots < filled_slots()`).
     pub fn with_slots(&self, slots: usize) -> Batch {
+        let filled = self.filled_slots();
         assert!(
-            slots >= self.filled_slots(),
-            "with_slots({slots}) would drop filled ASV slots ({} are needed)",
-            self.filled_slots()
+            slots >= filled,
+            "with_slots({slots}) would drop filled ASV slots ({filled} are needed)"
         );
+        self.copy_slots(slots)
+    }
+
+    /// This batch on its filled slots ([`Batch::filled_slots`], at least
+    /// one) rounded up to a multiple of `multiple`, at most `token_limit`;
+    /// borrowed when that is `token_limit`. One scan of the tokens.
+    pub fn without_empty_slots(&self, multiple: usize) -> Cow<'_, Batch> {
+        let slots = self
+            .filled_slots()
+            .max(1)
+            .next_multiple_of(multiple)
+            .min(self.token_limit);
+        if slots == self.token_limit {
+            Cow::Borrowed(self)
+        } else {
+            Cow::Owned(self.copy_slots(slots))
+        }
+    }
+
+    /// The first `slots` of each sample, or padding slots added (the caller
+    /// has checked that no filled slot is cut).
+    fn copy_slots(&self, slots: usize) -> Batch {
         let (s, l) = (self.token_limit, self.seq_len);
         let kept = slots.min(s);
         let mut tokens = vec![0u8; self.batch_size() * slots * l];
@@ -775,7 +798,8 @@ mod tests {
     }
 
     /// Samples with 2 and 4 of 6 slots filled: 4 slots are needed, and a
-    /// batch cut to them (or widened) keeps every sample's slots in place.
+    /// batch cut to them (or widened) keeps every sample's slots in place;
+    /// `without_empty_slots` rounds the 4 up, within the 6.
     #[test]
     fn filled_slots_and_with_slots() {
         let d = dataset();
@@ -811,6 +835,11 @@ mod tests {
                 (&b.sample_ids, &b.unifrac, &b.targets)
             );
         }
+        // Rounded up to a multiple, within token_limit (else the batch itself).
+        let trimmed = b.without_empty_slots(4);
+        assert!(matches!(trimmed, Cow::Owned(_)));
+        assert_eq!(*trimmed, b.with_slots(4));
+        assert!(matches!(b.without_empty_slots(8), Cow::Borrowed(_)));
         let dropped = std::panic::catch_unwind(|| b.with_slots(3));
         assert!(dropped.is_err(), "cutting a filled slot must panic");
     }

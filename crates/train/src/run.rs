@@ -118,7 +118,7 @@ pub struct RunConfig {
     /// Which ASVs fill the slots when a sample has more.
     pub asv_sampling: AsvSampling,
     /// Run every batch on all `token_limit` slots, as the reference
-    /// (`--all-slots`), instead of [`Slots::for_model`].
+    /// (`--all-slots`), instead of [`Slots::for_model`]'s choice.
     #[serde(default)]
     pub all_slots: bool,
     /// Batch-building threads.
@@ -293,39 +293,22 @@ pub enum Slots {
 }
 
 impl Slots {
-    /// [`Slots::Filled`] where the model masks empty slots.
-    pub fn for_model(config: &ModelConfig) -> Self {
-        if config.empty_slots_are_masked() {
+    /// [`Slots::TokenLimit`] where the run asks for all slots
+    /// (`--all-slots`) or the model does not mask empty slots, else
+    /// [`Slots::Filled`].
+    pub fn for_model(config: &ModelConfig, all_slots: bool) -> Self {
+        if !all_slots && config.empty_slots_are_masked() {
             Slots::Filled
         } else {
             Slots::TokenLimit
         }
     }
 
-    /// [`Slots::TokenLimit`] where the run asks for all slots, else
-    /// [`Slots::for_model`].
-    pub fn for_run(config: &ModelConfig, run: &RunConfig) -> Self {
-        if run.all_slots {
-            Slots::TokenLimit
-        } else {
-            Self::for_model(config)
-        }
-    }
-
     /// `batch` with these slots (borrowed when it has them already).
     pub fn apply<'a>(&self, batch: &'a Batch) -> std::borrow::Cow<'a, Batch> {
-        let slots = match self {
-            Slots::TokenLimit => batch.token_limit,
-            Slots::Filled => batch
-                .filled_slots()
-                .max(1)
-                .next_multiple_of(SLOT_MULTIPLE)
-                .min(batch.token_limit),
-        };
-        if slots == batch.token_limit {
-            std::borrow::Cow::Borrowed(batch)
-        } else {
-            std::borrow::Cow::Owned(batch.with_slots(slots))
+        match self {
+            Slots::TokenLimit => std::borrow::Cow::Borrowed(batch),
+            Slots::Filled => batch.without_empty_slots(SLOT_MULTIPLE),
         }
     }
 }
@@ -613,7 +596,7 @@ where
 {
     run.validate()?;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
-    let slots = Slots::for_run(&model_config, &run);
+    let slots = Slots::for_model(&model_config, run.all_slots);
     let mut train_cfg = BatchConfig::train(run.batch_size, run.token_limit, run.seed);
     train_cfg.asv_sampling = run.asv_sampling;
     train_cfg.workers = run.workers.max(1);
@@ -792,7 +775,7 @@ where
             let total = record_batch(&parts, accuracy, grad_norm, &mut means);
             timer.mark::<AB>(device, "read");
             tracing::debug!(
-                "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples × {} slots",
+                "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples, {} filled slots",
                 batch.batch_size(),
                 batch.filled_slots()
             );

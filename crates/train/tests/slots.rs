@@ -168,7 +168,8 @@ fn filled_slots_train_as_all_slots() {
         ),
     ];
     for (name, config) in configs {
-        assert_eq!(Slots::for_model(&config), Slots::Filled, "{name}");
+        assert_eq!(Slots::for_model(&config, false), Slots::Filled, "{name}");
+        assert_eq!(Slots::for_model(&config, true), Slots::TokenLimit, "{name}");
         let config = config.without_dropout();
         let (all_losses, all_grads) = step(&config, &loader, Slots::TokenLimit);
         let (cut_losses, cut_grads) = step(&config, &loader, Slots::Filled);
@@ -188,7 +189,7 @@ fn filled_slots_train_as_all_slots() {
     }
     // The perceiver attends over padded slots: it keeps them all.
     assert_eq!(
-        Slots::for_model(&predictor(CategoricalFusion::Perceiver, cardinality)),
+        Slots::for_model(&predictor(CategoricalFusion::Perceiver, cardinality), false),
         Slots::TokenLimit
     );
 }
