@@ -7,8 +7,11 @@
 //! the packed ASV rows and the losses, as `pretrain` does. No dropout or
 //! masking, whose random draws differ between backends.
 //!
-//! Runs on wgpu (lavapipe in CI).
-#![cfg(feature = "wgpu")]
+//! Runs on wgpu (lavapipe in CI) and, built with the `cuda` feature, on
+//! CUDA (the device machine; README "GPU runs"). `AAM_GRADIENTS_MODEL=default`
+//! checks the default-size model (D=128, 4 heads, 4 layers per stack)
+//! instead of the small one CI runs.
+#![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -18,53 +21,25 @@ use aam_data::{
     BatchConfig, BatchLoader, BiomTable, Dataset, DistanceMatrix, MatrixIds, MissingPolicy,
 };
 use aam_models::asv_encoder::AsvEncoderConfig;
-use aam_models::import::{AamModel, ModelConfig, StateTensor};
+use aam_models::import::{ModelConfig, StateTensor};
 use aam_models::sample_encoder::SampleSequenceEncoderConfig;
 use aam_models::sequence_encoder::SequenceEncoderConfig;
 use aam_models::AttentionBackend;
+use aam_train::gradcheck::{compare, step_gradients};
 use aam_train::loss::LossConfig;
-use aam_train::run::{batch_tensors, predict_batch, Slots};
-use burn::backend::{Autodiff, NdArray, Wgpu};
-use burn::prelude::*;
+use aam_train::run::Slots;
+use burn::backend::NdArray;
 
 /// Losses: f32 on both sides, reductions in other orders.
-const LOSS_RTOL: f32 = 1e-5;
-/// Gradients, relative to each tensor's largest magnitude (floored at 1e-3).
-const GRAD_RTOL: f32 = 1e-3;
+const LOSS_RTOL: f64 = 1e-5;
+/// Gradients, relative to each tensor's largest magnitude (floored at 1e-3):
+/// wgpu computes f32 matmuls in f32.
+const WGPU_GRAD_RTOL: f64 = 1e-3;
+/// CUDA's matmuls run in TF32 (10-bit mantissa), as in `backend_parity`.
+const CUDA_GRAD_RTOL: f64 = 1e-2;
 
-/// `(unifrac loss, nucleotide loss, gradients by torch key)` of one step.
-type Step = (f32, f32, HashMap<String, Vec<f32>>);
-
-fn step<B: AttentionBackend>(
-    config: &ModelConfig,
-    state: &HashMap<String, StateTensor>,
-    batch: &aam_data::Batch,
-    device: &B::Device,
-) -> Step {
-    let mut model: AamModel<Autodiff<B>> = config.init(device).unwrap();
-    model
-        .load_state_dict(config, state.clone(), Path::new("the CPU model"))
-        .unwrap();
-    let (input, targets) = batch_tensors::<Autodiff<B>>(batch, device, false, Slots::Filled);
-    let predictions = predict_batch(&model, input, true);
-    let parts = LossConfig::default()
-        .forward(&predictions, &targets)
-        .unwrap();
-    let scalar = |t: Option<Tensor<Autodiff<B>, 1>>| -> f32 { t.unwrap().into_scalar().elem() };
-    let (unifrac, nuc) = (scalar(parts.unifrac.clone()), scalar(parts.nuc.clone()));
-    let grads = parts.total.backward();
-    let named = model
-        .named_gradients(config, &grads)
-        .into_iter()
-        .filter_map(|(k, g)| g.map(|g| (k, g.convert::<f32>().to_vec::<f32>().unwrap())))
-        .collect();
-    (unifrac, nuc, named)
-}
-
-#[test]
-fn wgpu_training_gradients_equal_the_cpus_on_a_real_batch() {
-    // Unrolling only changes code generation; lavapipe compiles faster without.
-    std::env::set_var("AAM_KERNEL_UNROLL", "0");
+/// The first 8 demo samples (rarefied to 500 reads) as one batch.
+fn demo_batch() -> aam_data::Batch {
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crates/data/demo");
     let table = BiomTable::read(demo.join("demo.biom"))
         .unwrap()
@@ -85,59 +60,104 @@ fn wgpu_training_gradients_equal_the_cpus_on_a_real_batch() {
         BatchConfig::validation(8, 1024, 0),
     )
     .unwrap();
-    let batch = loader.batch(0, 0).unwrap();
+    loader.batch(0, 0).unwrap()
+}
+
+/// The pretraining model without dropout or masking: small (D=32, 2 heads,
+/// one layer per stack), or the default size with `AAM_GRADIENTS_MODEL=default`.
+fn model_config() -> ModelConfig {
+    let default_size = std::env::var("AAM_GRADIENTS_MODEL").is_ok_and(|v| v == "default");
+    let (dim, heads, layers) = if default_size {
+        (128, 4, 4)
+    } else {
+        (32, 2, 1)
+    };
     let asv = AsvEncoderConfig::new()
-        .with_embedding_dim(32)
-        .with_num_layers(1)
-        .with_num_heads(2)
+        .with_embedding_dim(dim)
+        .with_num_layers(layers)
+        .with_num_heads(heads)
         .with_predict_nucleotides(true);
     let sample = SampleSequenceEncoderConfig::new(asv)
-        .with_sample_num_layers(1)
-        .with_sample_num_heads(2);
-    let config = ModelConfig::SequenceEncoder(
+        .with_sample_num_layers(layers)
+        .with_sample_num_heads(heads);
+    ModelConfig::SequenceEncoder(
         SequenceEncoderConfig::new(sample)
-            .with_encoder_num_layers(1)
-            .with_encoder_num_heads(2),
+            .with_encoder_num_layers(layers)
+            .with_encoder_num_heads(heads),
     )
-    .without_dropout();
+    .without_dropout()
+}
+
+/// One step on backend `B` against the CPU's, on the same weights and batch:
+/// losses within [`LOSS_RTOL`], every gradient within `grad_rtol`.
+fn check<B: AttentionBackend>(backend: &str, device: &B::Device, grad_rtol: f64) {
+    // Unrolling only changes code generation; lavapipe compiles faster without.
+    std::env::set_var("AAM_KERNEL_UNROLL", "0");
+    let batch = demo_batch();
+    let config = model_config();
     let cpu = Default::default();
-    let state: HashMap<_, _> = config
+    let state: HashMap<String, StateTensor> = config
         .init::<NdArray<f32>>(&cpu)
         .unwrap()
         .state_dict(&config)
         .into_iter()
         .collect();
-    let (u_cpu, n_cpu, g_cpu) = step::<NdArray<f32>>(&config, &state, &batch, &cpu);
-    let (u_gpu, n_gpu, g_gpu) = step::<Wgpu>(&config, &state, &batch, &Default::default());
-    for (what, want, got) in [("unifrac", u_cpu, u_gpu), ("nucleotide", n_cpu, n_gpu)] {
-        assert!(
-            (want - got).abs() <= LOSS_RTOL * want.abs().max(1.0),
-            "{what} loss: wgpu {got}, CPU {want}"
-        );
+    let loss = LossConfig::default();
+    let want = step_gradients::<NdArray<f32>>(&config, &state, &batch, &loss, Slots::Filled, &cpu)
+        .unwrap();
+    let got = step_gradients::<B>(&config, &state, &batch, &loss, Slots::Filled, device).unwrap();
+    let c = compare(&want, &got);
+    for (what, w, g) in &c.losses {
+        eprintln!("{what} loss: {backend} {g}, CPU {w}");
     }
+    eprintln!("gradient norm: {backend} {}, CPU {}", c.norms.1, c.norms.0);
+    assert!(
+        c.worst_loss() <= LOSS_RTOL,
+        "{backend} losses differ from the CPU's: {:?}",
+        c.losses
+    );
     assert_eq!(
-        g_cpu.len(),
-        g_gpu.len(),
+        want.gradients.len(),
+        got.gradients.len(),
         "the same parameters have gradients"
     );
-    let mut worst = (0f32, String::new());
-    for (key, want) in &g_cpu {
-        let got = &g_gpu[key];
-        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
-        let err = want
-            .iter()
-            .zip(got)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-            / scale;
-        assert!(err <= GRAD_RTOL, "gradient of {key}: rel err {err:e}");
-        if err > worst.0 {
-            worst = (err, key.clone());
-        }
-    }
+    let failures: Vec<String> = c
+        .tensors
+        .iter()
+        .filter(|t| t.rel_err > grad_rtol)
+        .map(|t| {
+            format!(
+                "{}: rel err {:e} (norm {} vs CPU {})",
+                t.key, t.rel_err, t.norm_got, t.norm_want
+            )
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{backend} gradients differ from the CPU's:\n  {}",
+        failures.join("\n  ")
+    );
+    let worst = c.worst_tensor().unwrap();
     eprintln!(
-        "wgpu vs CPU: worst gradient rel err {:e} ({}) over {} tensors",
-        worst.0,
-        worst.1,
-        g_cpu.len()
+        "{backend} vs CPU: worst gradient rel err {:e} ({}) over {} tensors",
+        worst.rel_err,
+        worst.key,
+        c.tensors.len()
+    );
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_training_gradients_equal_the_cpus_on_a_real_batch() {
+    check::<burn::backend::Wgpu>("wgpu", &Default::default(), WGPU_GRAD_RTOL);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_training_gradients_equal_the_cpus_on_a_real_batch() {
+    check::<burn::backend::Cuda>(
+        "cuda",
+        &burn::backend::cuda::CudaDevice::new(0),
+        CUDA_GRAD_RTOL,
     );
 }

@@ -1,5 +1,7 @@
 //! `aam-rs diagnose attention`: is masked attention computed correctly here?
-//! (`aam-rs diagnose step`, the training-speed check, lives in `step.rs`.)
+//! (`aam-rs diagnose step`, the training-speed check, lives in `step.rs`;
+//! `aam-rs diagnose gradients`, the whole training step on real data against
+//! the CPU, in `gradients.rs`.)
 //!
 //! What `python -m aam.tools.rocm_attention_diagnostic` was for the reference,
 //! on any backend this binary has. Every attention path the chosen backend can
@@ -53,6 +55,9 @@ enum Diagnosis {
     Attention(AttentionArgs),
     /// Time pretrain's optimiser step on the reference benchmark's batch.
     Step(crate::step::StepArgs),
+    /// Compare pretrain's losses and gradients on a backend with the CPU's,
+    /// on real batches of a table.
+    Gradients(crate::gradients::GradientsArgs),
 }
 
 /// `aam-rs diagnose attention`.
@@ -438,6 +443,7 @@ pub fn run(args: DiagnoseArgs) -> Result<()> {
     match args.what {
         Diagnosis::Attention(a) => run_attention(a),
         Diagnosis::Step(a) => crate::step::run(a),
+        Diagnosis::Gradients(a) => crate::gradients::run(a),
     }
 }
 

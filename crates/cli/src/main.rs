@@ -14,6 +14,7 @@ mod convert;
 mod cpu_profile;
 mod diagnose;
 mod forward;
+mod gradients;
 mod inspect;
 mod plot;
 mod predict;

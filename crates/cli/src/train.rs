@@ -447,9 +447,9 @@ fn run_config(
 }
 
 /// The table, rarefied, and the dataset joined with the matrix (and metadata).
-struct Prepared {
-    dataset: Arc<Dataset>,
-    train: Vec<usize>,
+pub(crate) struct Prepared {
+    pub(crate) dataset: Arc<Dataset>,
+    pub(crate) train: Vec<usize>,
     validation: Vec<usize>,
     sources: BTreeMap<String, String>,
     /// The classifier's labels (index = class), when the target is a label column.
@@ -458,14 +458,14 @@ struct Prepared {
 
 /// The target of `train`: a metadata column, numeric or (with `--classifier`)
 /// labels; `labels` fixes the label order (a resumed run's).
-struct TargetSpec<'a> {
+pub(crate) struct TargetSpec<'a> {
     path: &'a Path,
     column: &'a str,
     classifier: bool,
     labels: Option<&'a [String]>,
 }
 
-fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
+pub(crate) fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
     ensure!(
         (0.0..1.0).contains(&d.test_size),
         "--test-size must lie in [0, 1), got {}",

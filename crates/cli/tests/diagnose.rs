@@ -3,6 +3,8 @@
 //! and on wgpu (lavapipe in CI) checks the fused kernel (through the attention
 //! boundary and on a packed `qkv`) beside the math path.
 //! `step` times training steps of a tiny model on a fixed batch.
+//! `gradients` compares a backend's training step with the CPU's on the demo
+//! data, and fails when one gradient is off.
 
 use std::process::{Command, Output};
 
@@ -229,4 +231,89 @@ fn step_times_training_steps_on_a_fixed_batch() {
         .expect("runs");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--asvs-per-sample"));
+}
+
+/// `aam-rs diagnose gradients` on a small model and the demo data (real
+/// 100-nt ASVs in 150-nt rows): the arguments, the JSON report, and the
+/// command's failure when one gradient is off by 5% (`--inject-fault`).
+fn gradients(backend: &str, extra: &[&str]) -> (Output, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("gradients.json");
+    let demo = concat!(env!("CARGO_MANIFEST_DIR"), "/../data/demo");
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(["diagnose", "gradients", "--backend", backend])
+        .args(["--table", &format!("{demo}/demo.biom")])
+        .args(["--unifrac-matrix", &format!("{demo}/unifrac.unweighted.h5")])
+        .args(["--rarefy-depth", "500", "--token-limit", "256"])
+        .args([
+            "--embedding-dim",
+            "32",
+            "--attention-heads",
+            "2",
+            "--attention-layers",
+            "1",
+        ])
+        .args(["--batches", "1", "--json-out", json.to_str().unwrap()])
+        .args(extra)
+        .env("AAM_KERNEL_UNROLL", "0")
+        .output()
+        .expect("runs");
+    let report = std::fs::read(&json)
+        .map(|bytes| serde_json::from_slice(&bytes).expect("JSON report"))
+        .unwrap_or(Value::Null);
+    (out, report)
+}
+
+#[test]
+fn gradients_on_the_cpu_agree_and_an_injected_fault_fails() {
+    let (out, r) = gradients("ndarray", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(r["passed"], true);
+    let batch = &r["batches"][0];
+    // The same computation on both sides: equal to the last bit.
+    assert_eq!(batch["worst_rel_err"], 0.0, "{batch}");
+    assert!(batch["grad_norm_cpu"].as_f64().unwrap() > 0.0);
+    assert!(batch["asvs"].as_u64().unwrap() > 8, "{batch}");
+
+    let (out, r) = gradients("ndarray", &["--inject-fault"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(r["passed"], false);
+    let failures = r["batches"][0]["failures"].as_array().unwrap();
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    let rel = failures[0][1].as_f64().unwrap();
+    assert!((rel - 0.05).abs() < 1e-3, "{failures:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("over tolerance"), "{stdout}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("differs from the CPU's"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let (out, _) = gradients("ndarray", &["--batch-size", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--batch-size"));
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_gradients_equal_the_cpus_on_the_demo_data() {
+    let (out, r) = gradients("wgpu", &["--tolerance", "1e-3"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let batch = &r["batches"][0];
+    let (cpu, gpu) = (
+        batch["grad_norm_cpu"].as_f64().unwrap(),
+        batch["grad_norm_backend"].as_f64().unwrap(),
+    );
+    assert!((cpu - gpu).abs() <= 1e-4 * cpu, "{batch}");
 }

@@ -4,7 +4,9 @@
 //! optimisers and learning-rate schedules (§4.1–4.2: [`optim`],
 //! [`schedule`]), checkpoints ([`checkpoint`]) and the epoch loop with
 //! validation, early stopping and logs (§4.3–4.4: [`run::fit`]), generic
-//! over any Burn autodiff backend that implements the attention extension.
+//! over any Burn autodiff backend that implements the attention extension;
+//! and [`gradcheck`], which compares a backend's training step with the
+//! CPU's on the same weights and batch.
 //!
 //! **Design choices to defend.**
 //! - *Parameters are named by their torch state-dict key everywhere*: in
@@ -28,6 +30,7 @@
 
 pub mod checkpoint;
 mod error;
+pub mod gradcheck;
 pub mod loss;
 pub mod metrics;
 pub mod optim;

@@ -1,0 +1,289 @@
+//! `aam-rs diagnose gradients`: does this backend train right on my data?
+//!
+//! Runs `pretrain`'s step (forward, losses, backward) on real batches of a
+//! user's table twice, on the chosen backend and on the CPU (ndarray, f32),
+//! from the same weights, and compares the losses and every parameter's
+//! gradient ([`aam_train::gradcheck`]). Fresh weights by default, or a
+//! checkpoint's (`--checkpoint`: the weights a run reached, with its model).
+//! Dropout and nucleotide masking are off on both sides: their random draws
+//! differ between backends.
+//!
+//! `diagnose attention` checks the attention kernels on random inputs; this
+//! checks the whole step on the batches a run would see, with their real
+//! ASV lengths and sample sizes. The reference's ROCm failure (`mem_efficient`
+//! attention, wrong only with a padding mask) is the kind of error it exists
+//! to catch.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use aam_data::{BatchConfig, BatchLoader, Transforms};
+use aam_models::import::{ModelConfig, StateTensor};
+use aam_models::sequence_encoder::EncoderType;
+use aam_train::checkpoint::read_checkpoint;
+use aam_train::gradcheck::{compare, step_gradients, Comparison, StepGradients};
+use aam_train::loss::LossConfig;
+use aam_train::run::Slots;
+use anyhow::{ensure, Context, Result};
+use clap::Args;
+use serde::Serialize;
+
+use crate::backend::BackendKind;
+use crate::train::{base_config, prepare, DataArgs, ModelArgs};
+
+/// `aam-rs diagnose gradients`.
+#[derive(Args, Debug)]
+pub struct GradientsArgs {
+    /// Backend to check against the CPU (one compiled into this binary).
+    #[arg(long, value_enum, default_value_t = BackendKind::default())]
+    backend: BackendKind,
+    #[command(flatten)]
+    data: DataArgs,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Check the weights of this training checkpoint, with its model and
+    /// loss weights (the model flags are then ignored), instead of fresh ones.
+    #[arg(long, value_name = "CHECKPOINT")]
+    checkpoint: Option<PathBuf>,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Batches to check.
+    #[arg(long, default_value_t = 3)]
+    batches: usize,
+    /// The first batch checked: its index in the first epoch's order
+    /// (`pretrain`'s with the same seed; to check where a run went wrong).
+    #[arg(long, default_value_t = 0)]
+    first_batch: usize,
+    /// Times the checked backend runs each batch's step (each compared with
+    /// the CPU's): a kernel that reads memory it never wrote, or races,
+    /// gives different results in different runs.
+    #[arg(long, default_value_t = 1)]
+    repeats: usize,
+    /// Seed of the rarefaction, the split, the batch order and fresh weights
+    /// (`pretrain`'s default).
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Largest accepted gradient difference, relative to each parameter's
+    /// largest gradient magnitude (losses: relative to max(|loss|, 1)). The
+    /// default allows for CUDA's TF32 matmuls (~5e-3); f32 backends agree
+    /// to ~1e-5.
+    #[arg(long, default_value_t = 1e-2)]
+    tolerance: f64,
+    /// Also write the result as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json_out: Option<PathBuf>,
+    /// Self-test: scale the checked backend's gradient of one parameter
+    /// (the one with the largest entry) by 1.05, which the check must report.
+    #[arg(long, hide = true)]
+    inject_fault: bool,
+}
+
+/// One batch's comparison, as reported.
+#[derive(Debug, Serialize)]
+struct BatchReport {
+    batch: usize,
+    samples: usize,
+    asvs: usize,
+    /// `(name, cpu, backend)`.
+    losses: Vec<(&'static str, f64, f64)>,
+    grad_norm_cpu: f64,
+    grad_norm_backend: f64,
+    worst_rel_err: f64,
+    worst_parameter: String,
+    /// Parameters over the tolerance: `(key, rel err, CPU norm, backend norm)`.
+    failures: Vec<(String, f64, f64, f64)>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    backend: String,
+    tolerance: f64,
+    parameters: usize,
+    batches: Vec<BatchReport>,
+    passed: bool,
+}
+
+pub fn run(args: GradientsArgs) -> Result<()> {
+    ensure!(
+        args.batch_size >= 2 && args.batch_size % 2 == 0,
+        "--batch-size must be even and at least 2 (the UniFrac loss compares pairs), got {}",
+        args.batch_size
+    );
+    ensure!(args.batches >= 1, "--batches must be at least 1");
+    let checkpoint = args
+        .checkpoint
+        .as_ref()
+        .map(|p| read_checkpoint(p).with_context(|| format!("--checkpoint {}", p.display())))
+        .transpose()?;
+    let (config, loss) = match &checkpoint {
+        Some(c) => (c.meta.model.clone(), c.meta.run.loss.clone()),
+        None => (
+            ModelConfig::SequenceEncoder(base_config(
+                &args.model,
+                args.data.max_bp,
+                args.data.token_limit,
+                EncoderType::Unifrac,
+            )?),
+            LossConfig {
+                count_penalty: 0.0,
+                ..Default::default()
+            },
+        ),
+    };
+    ensure!(
+        matches!(config, ModelConfig::SequenceEncoder(_)),
+        "--checkpoint: diagnose gradients checks pretraining checkpoints (a `train` checkpoint needs its metadata targets)"
+    );
+    let config = config.without_dropout();
+    let prepared = prepare(&args.data, args.seed, None)?;
+    let transforms = match &checkpoint {
+        Some(c) => c.meta.data.transforms.clone(),
+        None => Transforms {
+            counts: Some(prepared.dataset.fit_count_normalizer(&prepared.train)?),
+            ..Default::default()
+        },
+    };
+    let mut batch_config = BatchConfig::train(args.batch_size, args.data.token_limit, args.seed);
+    batch_config.asv_sampling = args.data.asv_sampling;
+    let loader = BatchLoader::new(
+        prepared.dataset.clone(),
+        prepared.train.clone(),
+        Arc::new(transforms),
+        batch_config,
+    )?;
+    let available = loader.num_batches();
+    ensure!(
+        args.first_batch < available,
+        "--first-batch {}: the first epoch has {available} batches of --batch-size {}",
+        args.first_batch,
+        args.batch_size
+    );
+    let cpu = burn::backend::ndarray::NdArrayDevice::Cpu;
+    let state: HashMap<String, StateTensor> = match &checkpoint {
+        Some(c) => c.model.clone(),
+        None => {
+            <burn::backend::NdArray<f32> as burn::prelude::Backend>::seed(&cpu, args.seed);
+            config
+                .init::<burn::backend::NdArray<f32>>(&cpu)?
+                .state_dict(&config)
+                .into_iter()
+                .collect()
+        }
+    };
+    let parameters = state.values().map(|t| t.values.len()).sum();
+    let slots = Slots::for_model(&config, args.data.all_slots);
+    let backend = args.backend.name();
+    println!(
+        "aam-rs diagnose gradients: {backend} against the CPU, {} weights ({parameters} parameters), batches {}..{} of {available}",
+        if checkpoint.is_some() { "checkpoint" } else { "fresh" },
+        args.first_batch,
+        (args.first_batch + args.batches).min(available)
+    );
+    let mut reports = Vec::new();
+    for k in args.first_batch..(args.first_batch + args.batches).min(available) {
+        let batch = loader.batch(0, k)?;
+        let asvs = batch.counts.iter().filter(|&&c| c > 0.0).count();
+        let want = step_gradients::<burn::backend::NdArray<f32>>(
+            &config, &state, &batch, &loss, slots, &cpu,
+        )?;
+        for _ in 0..args.repeats.max(1) {
+            let mut got: StepGradients = crate::with_backend!(args.backend, |B, device| {
+                Ok::<_, anyhow::Error>(step_gradients::<B>(
+                    &config, &state, &batch, &loss, slots, &device,
+                )?)
+            })?;
+            if args.inject_fault {
+                let largest = |g: &Vec<f32>| g.iter().fold(0f32, |m, x| m.max(x.abs()));
+                if let Some(g) = got
+                    .gradients
+                    .values_mut()
+                    .max_by(|a, b| largest(a).total_cmp(&largest(b)))
+                {
+                    g.iter_mut().for_each(|x| *x *= 1.05);
+                }
+            }
+            let report = batch_report(k, batch.batch_size(), asvs, &compare(&want, &got), &args);
+            print_batch(&report, &backend);
+            reports.push(report);
+        }
+    }
+    let passed = reports.iter().all(|r| r.failures.is_empty());
+    let report = Report {
+        backend: backend.clone(),
+        tolerance: args.tolerance,
+        parameters,
+        batches: reports,
+        passed,
+    };
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing --json-out {}", path.display()))?;
+    }
+    ensure!(
+        passed,
+        "{backend}'s training step differs from the CPU's by more than --tolerance {} (above)",
+        args.tolerance
+    );
+    println!(
+        "{backend}'s losses and gradients equal the CPU's within {}",
+        args.tolerance
+    );
+    Ok(())
+}
+
+fn batch_report(
+    batch: usize,
+    samples: usize,
+    asvs: usize,
+    c: &Comparison,
+    args: &GradientsArgs,
+) -> BatchReport {
+    let worst = c.worst_tensor();
+    let mut failures: Vec<(String, f64, f64, f64)> = c
+        .tensors
+        .iter()
+        .filter(|t| t.rel_err > args.tolerance)
+        .map(|t| (t.key.clone(), t.rel_err, t.norm_want, t.norm_got))
+        .collect();
+    if c.worst_loss() > args.tolerance {
+        failures.insert(0, ("loss".into(), c.worst_loss(), c.norms.0, c.norms.1));
+    }
+    BatchReport {
+        batch,
+        samples,
+        asvs,
+        losses: c.losses.clone(),
+        grad_norm_cpu: c.norms.0,
+        grad_norm_backend: c.norms.1,
+        worst_rel_err: worst.map_or(0.0, |t| t.rel_err),
+        worst_parameter: worst.map_or(String::new(), |t| t.key.clone()),
+        failures,
+    }
+}
+
+fn print_batch(r: &BatchReport, backend: &str) {
+    let losses: Vec<String> = r
+        .losses
+        .iter()
+        .map(|(name, cpu, got)| format!("{name} {got:.6} (CPU {cpu:.6})"))
+        .collect();
+    println!(
+        "batch {} ({} samples, {} ASVs): {}; gradient norm {:.4} (CPU {:.4}); worst parameter rel err {:.1e} ({})",
+        r.batch,
+        r.samples,
+        r.asvs,
+        losses.join(", "),
+        r.grad_norm_backend,
+        r.grad_norm_cpu,
+        r.worst_rel_err,
+        r.worst_parameter
+    );
+    for (key, err, cpu, got) in r.failures.iter().take(12) {
+        println!("  over tolerance: {key}: rel err {err:.2e}, norm {got:.4e} on {backend}, {cpu:.4e} on the CPU");
+    }
+    if r.failures.len() > 12 {
+        println!("  ... and {} more", r.failures.len() - 12);
+    }
+}
