@@ -62,7 +62,8 @@ pub struct GradientsArgs {
     #[arg(long, default_value_t = 1)]
     repeats: usize,
     /// Seed of the rarefaction, the split, the batch order and fresh weights
-    /// (`pretrain`'s default).
+    /// (`pretrain`'s default; with `--checkpoint`, give the run's `--seed`
+    /// and data flags to see its batches).
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Largest accepted gradient difference, relative to each parameter's
