@@ -34,8 +34,10 @@ use burn::backend::NdArray;
 const LOSS_RTOL: f64 = 1e-5;
 /// Gradients, relative to each tensor's largest magnitude (floored at 1e-3):
 /// wgpu computes f32 matmuls in f32.
+#[cfg(feature = "wgpu")]
 const WGPU_GRAD_RTOL: f64 = 1e-3;
 /// CUDA's matmuls run in TF32 (10-bit mantissa), as in `backend_parity`.
+#[cfg(feature = "cuda")]
 const CUDA_GRAD_RTOL: f64 = 1e-2;
 
 /// The first 8 demo samples (rarefied to 500 reads) as one batch.
