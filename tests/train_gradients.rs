@@ -118,11 +118,7 @@ fn check<B: AttentionBackend>(backend: &str, device: &B::Device, grad_rtol: f64)
         "{backend} losses differ from the CPU's: {:?}",
         c.losses
     );
-    assert_eq!(
-        want.gradients.len(),
-        got.gradients.len(),
-        "the same parameters have gradients"
-    );
+    // A gradient on one side only counts as an infinite error.
     let failures: Vec<String> = c
         .tensors
         .iter()

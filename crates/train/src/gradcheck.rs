@@ -43,16 +43,23 @@ impl StepGradients {
     pub fn norm(&self) -> f64 {
         self.gradients
             .values()
-            .flatten()
-            .map(|&g| (g as f64) * (g as f64))
+            .map(|g| l2(g).powi(2))
             .sum::<f64>()
             .sqrt()
     }
 }
 
+/// The L2 norm of `values`, summed in f64.
+fn l2(values: &[f32]) -> f64 {
+    values
+        .iter()
+        .map(|&x| (x as f64).powi(2))
+        .sum::<f64>()
+        .sqrt()
+}
+
 /// The losses and gradients of one step of `model` (with weights `state`)
-/// on `batch`, on backend `B`. `classifier`: the batch's targets are class
-/// indices.
+/// on `batch`, on backend `B` (a classifier's targets are class indices).
 pub fn step_gradients<B: AttentionBackend>(
     config: &ModelConfig,
     state: &HashMap<String, StateTensor>,
@@ -123,13 +130,17 @@ pub struct Comparison {
 }
 
 impl Comparison {
-    /// The largest relative difference of any loss part (relative to the
-    /// oracle's value, floored at 1).
-    pub fn worst_loss(&self) -> f64 {
+    /// `(name, oracle, checked, relative difference)` of each loss part,
+    /// the difference relative to the oracle's value floored at 1.
+    pub fn loss_errors(&self) -> impl Iterator<Item = (&'static str, f64, f64, f64)> + '_ {
         self.losses
             .iter()
-            .map(|(_, want, got)| rel_or_inf(want, got, want.abs().max(1.0)))
-            .fold(0.0, f64::max)
+            .map(|&(name, want, got)| (name, want, got, rel_or_inf(want, got, want.abs().max(1.0))))
+    }
+
+    /// The largest relative difference of any loss part ([`Self::loss_errors`]).
+    pub fn worst_loss(&self) -> f64 {
+        self.loss_errors().map(|(.., err)| err).fold(0.0, f64::max)
     }
 
     /// The worst parameter, if any.
@@ -139,7 +150,7 @@ impl Comparison {
 }
 
 /// `|a - b| / scale`, infinite where either is not finite.
-fn rel_or_inf(a: &f64, b: &f64, scale: f64) -> f64 {
+fn rel_or_inf(a: f64, b: f64, scale: f64) -> f64 {
     let d = (a - b).abs() / scale;
     if d.is_finite() {
         d
@@ -155,7 +166,6 @@ pub fn compare(want: &StepGradients, got: &StepGradients) -> Comparison {
         .iter()
         .map(|(name, w)| (*name, *w, got.losses.get(name).copied().unwrap_or(f64::NAN)))
         .collect();
-    let norm = |g: &[f32]| g.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
     let keys: std::collections::BTreeSet<&String> =
         want.gradients.keys().chain(got.gradients.keys()).collect();
     let mut tensors: Vec<TensorDifference> = keys
@@ -170,7 +180,7 @@ pub fn compare(want: &StepGradients, got: &StepGradients) -> Comparison {
                         .max(1e-3);
                     w.iter()
                         .zip(g)
-                        .map(|(&a, &b)| rel_or_inf(&(a as f64), &(b as f64), scale))
+                        .map(|(&a, &b)| rel_or_inf(a as f64, b as f64, scale))
                         .fold(0.0, f64::max)
                 }
                 _ => f64::INFINITY,
@@ -178,8 +188,8 @@ pub fn compare(want: &StepGradients, got: &StepGradients) -> Comparison {
             TensorDifference {
                 key: key.clone(),
                 rel_err,
-                norm_want: w.map_or(0.0, |w| norm(w)),
-                norm_got: g.map_or(0.0, |g| norm(g)),
+                norm_want: w.map_or(0.0, |w| l2(w)),
+                norm_got: g.map_or(0.0, |g| l2(g)),
             }
         })
         .collect();
