@@ -27,6 +27,20 @@ use crate::matmul;
 /// Rows per part of a split sum. Below two parts the sum runs in one piece.
 pub const ROWS_PER_PART: usize = 2048;
 
+/// [`ROWS_PER_PART`], or `AAM_DENSE_PART_ROWS` where set (`0`: no split), to
+/// take the split apart when a backend's gradients look wrong.
+fn rows_per_part() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| match std::env::var("AAM_DENSE_PART_ROWS") {
+        Ok(v) => match v.parse::<usize>() {
+            Ok(0) => usize::MAX,
+            Ok(n) => n,
+            Err(_) => panic!("AAM_DENSE_PART_ROWS must be a row count (0: no split), not {v:?}"),
+        },
+        Err(_) => ROWS_PER_PART,
+    })
+}
+
 /// `aᵀ·b`, summed over the shared row axis in parts of [`ROWS_PER_PART`].
 ///
 /// # Shapes
@@ -35,16 +49,17 @@ pub const ROWS_PER_PART: usize = 2048;
 pub fn row_product<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
     let [m, p] = a.dims();
     let q = b.dims()[1];
-    let parts = m / ROWS_PER_PART;
+    let rows = rows_per_part();
+    let parts = m / rows;
     if parts < 2 {
         return matmul(a.transpose(), b);
     }
-    let split = parts * ROWS_PER_PART;
+    let split = parts * rows;
     let (a_head, a_tail) = split_rows(a, split);
     let (b_head, b_tail) = split_rows(b, split);
     let head = matmul(
-        a_head.reshape([parts, ROWS_PER_PART, p]).swap_dims(1, 2),
-        b_head.reshape([parts, ROWS_PER_PART, q]),
+        a_head.reshape([parts, rows, p]).swap_dims(1, 2),
+        b_head.reshape([parts, rows, q]),
     )
     .sum_dim(0)
     .reshape([p, q]);
@@ -61,13 +76,14 @@ pub fn row_product<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2>
 /// - output: `[N]`
 pub fn sum_rows<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 1> {
     let [m, n] = t.dims();
-    let parts = m / ROWS_PER_PART;
+    let rows = rows_per_part();
+    let parts = m / rows;
     if parts < 2 {
         return t.sum_dim(0).reshape([n]);
     }
-    let (head, tail) = split_rows(t, parts * ROWS_PER_PART);
+    let (head, tail) = split_rows(t, parts * rows);
     let head = head
-        .reshape([parts, ROWS_PER_PART, n])
+        .reshape([parts, rows, n])
         .sum_dim(1)
         .sum_dim(0)
         .reshape([n]);
@@ -129,6 +145,9 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
     Option<Tensor<B, 2>>,
     Option<Tensor<B, 1>>,
 ) {
+    if want[1] && std::env::var_os("AAM_DENSE_CHECK").is_some() {
+        check_weight_gradient(&x, &dy);
+    }
     let dx = want[0].then(|| matmul(dy.clone(), weight));
     let dw = want[1].then(|| row_product(dy.clone(), x));
     let db = want[2].then(|| {
@@ -137,6 +156,43 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
         )))
     });
     (dx, dw, db)
+}
+
+/// `AAM_DENSE_CHECK`: the weight gradient three ways on the inputs the
+/// backward pass was given (split, one product, split on fresh copies of the
+/// inputs), compared on the host and printed to stderr. Slow: a diagnostic.
+fn check_weight_gradient<B: Backend>(x: &Tensor<B, 2>, dy: &Tensor<B, 2>) {
+    let host = |t: Tensor<B, 2>| -> Vec<f32> {
+        t.into_data().convert::<f32>().to_vec::<f32>().expect("f32")
+    };
+    let split = host(row_product(dy.clone(), x.clone()));
+    let one = host(matmul(dy.clone().transpose(), x.clone()));
+    let copied = host(row_product(
+        dy.clone().mul_scalar(1.0),
+        x.clone().mul_scalar(1.0),
+    ));
+    let diff = |a: &[f32], b: &[f32]| {
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale
+    };
+    let finite = |t: &Tensor<B, 2>| {
+        host(t.clone()).iter().fold((0usize, 0f32), |(n, m), v| {
+            if v.is_finite() {
+                (n, m.max(v.abs()))
+            } else {
+                (n + 1, m)
+            }
+        })
+    };
+    eprintln!(
+        "AAM_DENSE_CHECK dy {:?} x {:?}: split vs one product {:.2e}, copies split vs one {:.2e}; dy (non-finite, max) {:?}, x {:?}",
+        dy.dims(),
+        x.dims(),
+        diff(&split, &one),
+        diff(&copied, &one),
+        finite(dy),
+        finite(x)
+    );
 }
 
 #[cfg(test)]

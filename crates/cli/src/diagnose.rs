@@ -58,6 +58,9 @@ enum Diagnosis {
     /// Compare pretrain's losses and gradients on a backend with the CPU's,
     /// on real batches of a table.
     Gradients(crate::gradients::GradientsArgs),
+    /// Check a dense layer's split weight gradient on random inputs against
+    /// a float64 product, part by part.
+    Dense(crate::dense_check::DenseArgs),
 }
 
 /// `aam-rs diagnose attention`.
@@ -444,6 +447,7 @@ pub fn run(args: DiagnoseArgs) -> Result<()> {
         Diagnosis::Attention(a) => run_attention(a),
         Diagnosis::Step(a) => crate::step::run(a),
         Diagnosis::Gradients(a) => crate::gradients::run(a),
+        Diagnosis::Dense(a) => crate::dense_check::run(a),
     }
 }
 

@@ -5,8 +5,13 @@
 //! from the same weights, and compares the losses and every parameter's
 //! gradient ([`aam_train::gradcheck`]). Fresh weights by default, or a
 //! checkpoint's (`--checkpoint`: the weights a run reached, with its model).
-//! Dropout and nucleotide masking are off on both sides: their random draws
-//! differ between backends.
+//! Fresh weights are drawn on the CPU, or on the checked backend as
+//! `pretrain` draws them (`--weights-on backend`), which also checks the
+//! backend's random initialisation against the CPU's
+//! ([`aam_train::gradcheck::compare_draws`]). The gradient norm is checked
+//! twice: summed on the host, and as the training loop computes it on the
+//! device (what `--max-grad-norm` clips by). Dropout and nucleotide masking
+//! are off on both sides: their random draws differ between backends.
 //!
 //! `diagnose attention` checks the attention kernels on random inputs; this
 //! checks the whole step on the batches a run would see, with their real
@@ -22,11 +27,11 @@ use aam_data::{BatchConfig, BatchLoader, Transforms};
 use aam_models::import::{ModelConfig, StateTensor};
 use aam_models::sequence_encoder::EncoderType;
 use aam_train::checkpoint::read_checkpoint;
-use aam_train::gradcheck::{compare, step_gradients, Comparison, StepGradients};
+use aam_train::gradcheck::{compare, compare_draws, step_gradients, Comparison, StepGradients};
 use aam_train::loss::LossConfig;
 use aam_train::run::Slots;
 use anyhow::{ensure, Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 
 use crate::backend::BackendKind;
@@ -61,6 +66,11 @@ pub struct GradientsArgs {
     /// gives different results in different runs.
     #[arg(long, default_value_t = 1)]
     repeats: usize,
+    /// Where fresh weights are drawn: on the CPU, or on the checked backend
+    /// as `pretrain` draws them (then each parameter's draw is also compared
+    /// with the CPU's: the same distribution, other random numbers).
+    #[arg(long, value_enum, default_value_t = WeightsOn::Cpu, conflicts_with = "checkpoint")]
+    weights_on: WeightsOn,
     /// Seed of the rarefaction, the split, the batch order and fresh weights
     /// (`pretrain`'s default; with `--checkpoint`, give the run's `--seed`
     /// and data flags to see its batches).
@@ -81,6 +91,24 @@ pub struct GradientsArgs {
     inject_fault: bool,
 }
 
+/// Where `diagnose gradients` draws fresh weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum WeightsOn {
+    Cpu,
+    Backend,
+}
+
+/// One parameter's fresh draw on the backend against the CPU's.
+#[derive(Debug, Serialize)]
+struct DrawReport {
+    key: String,
+    /// `(mean, std)`.
+    cpu: (f64, f64),
+    backend: (f64, f64),
+    repeated: f64,
+    problem: Option<String>,
+}
+
 /// One batch's comparison, as reported.
 #[derive(Debug, Serialize)]
 struct BatchReport {
@@ -91,6 +119,8 @@ struct BatchReport {
     losses: Vec<(&'static str, f64, f64)>,
     grad_norm_cpu: f64,
     grad_norm_backend: f64,
+    /// The backend's norm as the training loop computes it, on the device.
+    grad_norm_backend_device: f64,
     worst_rel_err: f64,
     worst_parameter: String,
     /// Losses and parameters over the tolerance: `(what, rel err, CPU,
@@ -103,6 +133,8 @@ struct Report {
     backend: String,
     tolerance: f64,
     parameters: usize,
+    /// With `--weights-on backend`: every parameter's draw, worst first.
+    weights: Vec<DrawReport>,
     batches: Vec<BatchReport>,
     passed: bool,
 }
@@ -163,15 +195,42 @@ pub fn run(args: GradientsArgs) -> Result<()> {
         args.batch_size
     );
     let cpu = burn::backend::ndarray::NdArrayDevice::Cpu;
-    let state: HashMap<String, StateTensor> = match &checkpoint {
-        Some(c) => c.model.clone(),
-        None => {
-            <burn::backend::NdArray<f32> as burn::prelude::Backend>::seed(&cpu, args.seed);
-            config
-                .init::<burn::backend::NdArray<f32>>(&cpu)?
-                .state_dict(&config)
+    let cpu_draw = || -> Result<HashMap<String, StateTensor>> {
+        <burn::backend::NdArray<f32> as burn::prelude::Backend>::seed(&cpu, args.seed);
+        Ok(config
+            .init::<burn::backend::NdArray<f32>>(&cpu)?
+            .state_dict(&config)
+            .into_iter()
+            .collect())
+    };
+    let mut weights = Vec::new();
+    let state: HashMap<String, StateTensor> = match (&checkpoint, args.weights_on) {
+        (Some(c), _) => c.model.clone(),
+        (None, WeightsOn::Cpu) => cpu_draw()?,
+        (None, WeightsOn::Backend) => {
+            let drawn: HashMap<String, StateTensor> =
+                crate::with_backend!(args.backend, |B, device| {
+                    <B as burn::prelude::Backend>::seed(&device, args.seed);
+                    Ok::<_, anyhow::Error>(
+                        config
+                            .init::<B>(&device)?
+                            .state_dict(&config)
+                            .into_iter()
+                            .collect(),
+                    )
+                })?;
+            weights = compare_draws(&cpu_draw()?, &drawn)
                 .into_iter()
-                .collect()
+                .map(|d| DrawReport {
+                    key: d.key,
+                    cpu: d.want,
+                    backend: d.got,
+                    repeated: d.repeated,
+                    problem: d.problem,
+                })
+                .collect();
+            print_draws(&weights, &args.backend.name());
+            drawn
         }
     };
     let parameters = state.values().map(|t| t.values.len()).sum();
@@ -205,17 +264,22 @@ pub fn run(args: GradientsArgs) -> Result<()> {
                 {
                     g.iter_mut().for_each(|x| *x *= 1.05);
                 }
+                // As a fault in the backward pass would: the device's norm
+                // sums the faulty gradient.
+                got.device_norm = got.norm();
             }
             let report = batch_report(k, batch.batch_size(), asvs, &compare(&want, &got), &args);
             print_batch(&report, &backend);
             reports.push(report);
         }
     }
-    let passed = reports.iter().all(|r| r.failures.is_empty());
+    let passed = reports.iter().all(|r| r.failures.is_empty())
+        && weights.iter().all(|w| w.problem.is_none());
     let report = Report {
         backend: backend.clone(),
         tolerance: args.tolerance,
         parameters,
+        weights,
         batches: reports,
         passed,
     };
@@ -223,6 +287,10 @@ pub fn run(args: GradientsArgs) -> Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing --json-out {}", path.display()))?;
     }
+    ensure!(
+        report.weights.iter().all(|w| w.problem.is_none()),
+        "{backend}'s fresh weights are not drawn as the CPU's are (above)"
+    );
     ensure!(
         passed,
         "{backend}'s training step differs from the CPU's by more than --tolerance {} (above)",
@@ -251,6 +319,12 @@ fn batch_report(
                 .iter()
                 .map(|t| (t.key.clone(), t.rel_err, t.norm_want, t.norm_got)),
         )
+        .chain(std::iter::once((
+            "gradient norm on the device (against the host's sum)".to_string(),
+            c.device_norm_error(),
+            c.norms.1,
+            c.device_norms.1,
+        )))
         .filter(|(_, err, ..)| *err > args.tolerance)
         .collect();
     BatchReport {
@@ -260,9 +334,33 @@ fn batch_report(
         losses: c.losses.clone(),
         grad_norm_cpu: c.norms.0,
         grad_norm_backend: c.norms.1,
+        grad_norm_backend_device: c.device_norms.1,
         worst_rel_err: worst.map_or(0.0, |t| t.rel_err),
         worst_parameter: worst.map_or(String::new(), |t| t.key.clone()),
         failures,
+    }
+}
+
+fn print_draws(rows: &[DrawReport], backend: &str) {
+    let bad = rows.iter().filter(|r| r.problem.is_some()).count();
+    println!(
+        "fresh weights drawn on {backend}: {bad} of {} parameters look unlike the CPU's draw",
+        rows.len()
+    );
+    // Worst first: the problems, then the largest spread ratios.
+    for r in rows.iter().take(bad.max(3)) {
+        println!(
+            "  {}: mean {:.3e} std {:.3e} on {backend}, mean {:.3e} std {:.3e} on the CPU, {:.2}% repeated{}",
+            r.key,
+            r.backend.0,
+            r.backend.1,
+            r.cpu.0,
+            r.cpu.1,
+            100.0 * r.repeated,
+            r.problem
+                .as_ref()
+                .map_or(String::new(), |p| format!(": {p}"))
+        );
     }
 }
 
@@ -273,12 +371,13 @@ fn print_batch(r: &BatchReport, backend: &str) {
         .map(|(name, cpu, got)| format!("{name} {got:.6} (CPU {cpu:.6})"))
         .collect();
     println!(
-        "batch {} ({} samples, {} ASVs): {}; gradient norm {:.4} (CPU {:.4}); worst parameter rel err {:.1e} ({})",
+        "batch {} ({} samples, {} ASVs): {}; gradient norm {:.4} (on the device {:.4}; CPU {:.4}); worst parameter rel err {:.1e} ({})",
         r.batch,
         r.samples,
         r.asvs,
         losses.join(", "),
         r.grad_norm_backend,
+        r.grad_norm_backend_device,
         r.grad_norm_cpu,
         r.worst_rel_err,
         r.worst_parameter

@@ -12,6 +12,7 @@ mod backend;
 mod convert;
 #[cfg(feature = "cpu-profile")]
 mod cpu_profile;
+mod dense_check;
 mod diagnose;
 mod forward;
 mod gradients;

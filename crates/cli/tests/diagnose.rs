@@ -266,7 +266,9 @@ fn gradients(backend: &str, extra: &[&str]) -> (Output, Value) {
 
 #[test]
 fn gradients_on_the_cpu_agree_and_an_injected_fault_fails() {
-    let (out, r) = gradients("ndarray", &[]);
+    // Weights drawn on the checked backend, here the CPU itself: the same
+    // draw, so every parameter passes the draw check.
+    let (out, r) = gradients("ndarray", &["--weights-on", "backend"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -274,10 +276,20 @@ fn gradients_on_the_cpu_agree_and_an_injected_fault_fails() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(r["passed"], true);
+    let weights = r["weights"].as_array().unwrap();
+    assert!(weights.len() > 20, "{weights:?}");
+    assert!(
+        weights.iter().all(|w| w["problem"].is_null()),
+        "{weights:?}"
+    );
+    assert!(stdout.contains("0 of"), "{stdout}");
     let batch = &r["batches"][0];
     // The same computation on both sides: equal to the last bit.
     assert_eq!(batch["worst_rel_err"], 0.0, "{batch}");
-    assert!(batch["grad_norm_cpu"].as_f64().unwrap() > 0.0);
+    let norm = batch["grad_norm_cpu"].as_f64().unwrap();
+    assert!(norm > 0.0);
+    let device = batch["grad_norm_backend_device"].as_f64().unwrap();
+    assert!((device - norm).abs() <= 1e-5 * norm, "{batch}");
     assert!(batch["asvs"].as_u64().unwrap() > 8, "{batch}");
 
     let (out, r) = gradients("ndarray", &["--inject-fault"]);
@@ -298,12 +310,64 @@ fn gradients_on_the_cpu_agree_and_an_injected_fault_fails() {
     let (out, _) = gradients("ndarray", &["--batch-size", "3"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--batch-size"));
+
+    let (out, _) = gradients(
+        "ndarray",
+        &[
+            "--weights-on",
+            "backend",
+            "--checkpoint",
+            "ckpt.safetensors",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--weights-on"));
+}
+
+/// `aam-rs diagnose dense` takes the split weight gradient apart (the whole
+/// op, the batched parts, the sum over them) against a float64 product.
+#[test]
+fn dense_checks_the_split_weight_gradient_part_by_part() {
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args([
+            "diagnose",
+            "dense",
+            "--backend",
+            "ndarray",
+            "--rows",
+            "5000,2100",
+        ])
+        .args(["--widths", "16x8", "--part-rows", "1024"])
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("4 parts of 1024"), "{stdout}");
+    assert_eq!(stdout.matches("rel err").count(), 8, "{stdout}");
+    assert!(stdout.contains("every product within"), "{stdout}");
+    // A tolerance nothing meets fails the command.
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args([
+            "diagnose",
+            "dense",
+            "--backend",
+            "ndarray",
+            "--rows",
+            "3000",
+        ])
+        .args(["--widths", "16x8", "--tolerance", "0"])
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("OVER TOLERANCE"));
 }
 
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_gradients_equal_the_cpus_on_the_demo_data() {
-    let (out, r) = gradients("wgpu", &["--tolerance", "1e-3"]);
+    // Weights drawn on wgpu, as `pretrain` draws them: CubeCL's random
+    // kernels must give the CPU's distributions.
+    let (out, r) = gradients("wgpu", &["--tolerance", "1e-3", "--weights-on", "backend"]);
     assert!(
         out.status.success(),
         "{}\n{}",
@@ -316,4 +380,7 @@ fn wgpu_gradients_equal_the_cpus_on_the_demo_data() {
         batch["grad_norm_backend"].as_f64().unwrap(),
     );
     assert!((cpu - gpu).abs() <= 1e-4 * cpu, "{batch}");
+    let device = batch["grad_norm_backend_device"].as_f64().unwrap();
+    assert!((device - gpu).abs() <= 1e-4 * gpu, "{batch}");
+    assert!(r["weights"].as_array().unwrap().len() > 20);
 }

@@ -190,6 +190,24 @@ impl<B: Backend> GradientBuffer<B> {
         }
     }
 
+    /// Every gradient read to the host as f32, by torch key (one read per
+    /// gradient: for checks, not for the training loop).
+    pub fn to_host(&self) -> BTreeMap<String, Vec<f32>> {
+        self.grads
+            .iter()
+            .map(|(key, g)| {
+                let values = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
+                    B::float_reshape(g.clone(), Shape::from(vec![g.shape().num_elements()])),
+                ))
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 gradient");
+                (key.clone(), values)
+            })
+            .collect()
+    }
+
     /// Whether no gradient was collected.
     pub fn is_empty(&self) -> bool {
         self.grads.is_empty()

@@ -922,7 +922,8 @@ where
 }
 
 impl<B: Backend> GradientBuffer<B> {
-    fn collect_model<AB: AutodiffBackend<InnerBackend = B>>(
+    /// [`GradientBuffer::collect`] for either model.
+    pub fn collect_model<AB: AutodiffBackend<InnerBackend = B>>(
         model: &AamModel<AB>,
         grads: &AB::Gradients,
         name: &dyn Fn(&str) -> String,
