@@ -23,8 +23,9 @@ pub struct DenseArgs {
     /// Backend to check.
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     backend: BackendKind,
-    /// Row counts to check (comma-separated): a batch's ASV tokens.
-    #[arg(long, value_delimiter = ',', default_value = "38203")]
+    /// Row counts to check (comma-separated): a batch's ASV tokens (the
+    /// default: oral2550's batch 7 at the default model).
+    #[arg(long, value_delimiter = ',', default_value = "53152")]
     rows: Vec<usize>,
     /// Widths `(dy, x)` to check, as `PxQ` (comma-separated): the layer's
     /// output and input widths.
