@@ -12,13 +12,7 @@
 # a cold kernel cache takes minutes of compiling and autotuning, and the cache is saved at the end).
 # Writes gradients_<i>.{txt,json} and cache.txz.* to $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
-xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs && chmod +x /tmp/bin/aam-rs
-for f in oral_2550.biom unifrac.unweighted.h5; do
-  [ -f ".carry/oral2550/$f" ] || xz -dc ".carry/oral2550/$f.xz" > ".carry/oral2550/$f"
-done
-source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
-export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+source tests/oral2550_carry.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 status=0; i=0
 IFS=';' read -ra runs <<< "${RUNS:---attn-implementation auto;--attn-implementation math}"

@@ -8,13 +8,7 @@
 # Writes norms_<i>.log.gz (every step's losses and gradient norm, AAM_LOG=aam_train=debug) and
 # cache.txz.* to $OUT; prints each run's first 12 and last 4 steps.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
-xz -dc .carry/gpu/aam-rs.xz > /tmp/bin/aam-rs && chmod +x /tmp/bin/aam-rs
-for f in oral_2550.biom unifrac.unweighted.h5; do
-  [ -f ".carry/oral2550/$f" ] || xz -dc ".carry/oral2550/$f.xz" > ".carry/oral2550/$f"
-done
-source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
-export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+source tests/oral2550_carry.sh
 i=0
 IFS=';' read -ra variants <<< "${VARIANTS:---dropout 0 --nuc-mask-ratio 0}"
 for extra in "${variants[@]}"; do

@@ -328,36 +328,28 @@ fn gradients_on_the_cpu_agree_and_an_injected_fault_fails() {
 /// op, the batched parts, the sum over them) against a float64 product.
 #[test]
 fn dense_checks_the_split_weight_gradient_part_by_part() {
-    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
-        .args([
-            "diagnose",
-            "dense",
-            "--backend",
-            "ndarray",
-            "--rows",
-            "5000,2100",
-        ])
-        .args(["--widths", "16x8", "--part-rows", "1024"])
-        .output()
-        .expect("runs");
+    let dense = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+            .args([
+                "diagnose",
+                "dense",
+                "--backend",
+                "ndarray",
+                "--widths",
+                "16x8",
+            ])
+            .args(args)
+            .output()
+            .expect("runs")
+    };
+    let out = dense(&["--rows", "5000,2100", "--part-rows", "1024"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     assert!(stdout.contains("4 parts of 1024"), "{stdout}");
     assert_eq!(stdout.matches("rel err").count(), 8, "{stdout}");
     assert!(stdout.contains("every product within"), "{stdout}");
     // A tolerance nothing meets fails the command.
-    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
-        .args([
-            "diagnose",
-            "dense",
-            "--backend",
-            "ndarray",
-            "--rows",
-            "3000",
-        ])
-        .args(["--widths", "16x8", "--tolerance", "0"])
-        .output()
-        .expect("runs");
+    let out = dense(&["--rows", "3000", "--tolerance", "0"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("OVER TOLERANCE"));
 }
