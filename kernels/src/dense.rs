@@ -41,30 +41,48 @@ fn rows_per_part() -> usize {
     })
 }
 
+/// [`matmul`] through [`crate::AttentionBackend::dense_matmul`] where no
+/// inner dimension is 1 (the backend's kernel choice for the dense layers).
+fn product<B: crate::AttentionBackend, const D: usize>(
+    a: Tensor<B, D>,
+    b: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let [m, k] = [a.dims()[D - 2], a.dims()[D - 1]];
+    let n = b.dims()[D - 1];
+    if m > 1 && k > 1 && n > 1 && D <= 3 {
+        Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::dense_matmul(
+            a.into_primitive().tensor(),
+            b.into_primitive().tensor(),
+        )))
+    } else {
+        matmul(a, b)
+    }
+}
+
 /// `aᵀ·b`, summed over the shared row axis in parts of [`ROWS_PER_PART`].
 ///
 /// # Shapes
 /// - a: `[M, P]`, b: `[M, Q]`
 /// - output: `[P, Q]`
-pub fn row_product<B: Backend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
+pub fn row_product<B: crate::AttentionBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
     let [m, p] = a.dims();
     let q = b.dims()[1];
     let rows = rows_per_part();
     let parts = m / rows;
     if parts < 2 {
-        return matmul(a.transpose(), b);
+        return product(a.transpose(), b);
     }
     let split = parts * rows;
     let (a_head, a_tail) = split_rows(a, split);
     let (b_head, b_tail) = split_rows(b, split);
-    let head = matmul(
+    let head = product(
         a_head.reshape([parts, rows, p]).swap_dims(1, 2),
         b_head.reshape([parts, rows, q]),
     )
     .sum_dim(0)
     .reshape([p, q]);
     match (a_tail, b_tail) {
-        (Some(a), Some(b)) => head + matmul(a.transpose(), b),
+        (Some(a), Some(b)) => head + product(a.transpose(), b),
         _ => head,
     }
 }
@@ -148,7 +166,7 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
     if want[1] && std::env::var_os("AAM_DENSE_CHECK").is_some() {
         check_weight_gradient(&x, &dy);
     }
-    let dx = want[0].then(|| matmul(dy.clone(), weight));
+    let dx = want[0].then(|| product(dy.clone(), weight));
     let dw = want[1].then(|| row_product(dy.clone(), x));
     let db = want[2].then(|| {
         Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(B::column_sum(
@@ -161,7 +179,7 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
 /// `AAM_DENSE_CHECK`: the weight gradient three ways on the inputs the
 /// backward pass was given (split, one product, split on fresh copies of the
 /// inputs), compared on the host and printed to stderr. Slow: a diagnostic.
-fn check_weight_gradient<B: Backend>(x: &Tensor<B, 2>, dy: &Tensor<B, 2>) {
+fn check_weight_gradient<B: crate::AttentionBackend>(x: &Tensor<B, 2>, dy: &Tensor<B, 2>) {
     let host = |t: Tensor<B, 2>| -> Vec<f32> {
         t.into_data().convert::<f32>().to_vec::<f32>().expect("f32")
     };

@@ -645,6 +645,23 @@ where
         true
     }
 
+    fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        if !fixed_dense_matmul() {
+            return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_matmul(a, b);
+        }
+        let (shapes, dtype) = ((a.meta.shape().clone(), b.meta.shape().clone()), a.dtype);
+        burn_cubecl::kernel::matmul::matmul::<R>(
+            a,
+            b,
+            None,
+            burn_cubecl::kernel::matmul::MatmulStrategy::Cube,
+            dtype,
+        )
+        .unwrap_or_else(|e| {
+            panic!("AAM_DENSE_MATMUL=cube: CubeCL's matmul cannot run {shapes:?}: {e:?}")
+        })
+    }
+
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
         let (use_dropout, ..) = dropout_args(dropout);
         if !use_dropout {
@@ -1247,6 +1264,18 @@ fn seeded_dropout_launch<R: CubeRuntime>(
         x.dtype.into(),
     );
     out
+}
+
+/// `AAM_DENSE_MATMUL=cube`: the dense layers' backward products run CubeCL's
+/// default matmul kernel instead of the autotuned one
+/// ([`AttentionBackend::dense_matmul`]).
+fn fixed_dense_matmul() -> bool {
+    static FIXED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FIXED.get_or_init(|| match std::env::var("AAM_DENSE_MATMUL").as_deref() {
+        Err(_) | Ok("auto") => false,
+        Ok("cube") => true,
+        Ok(other) => panic!("AAM_DENSE_MATMUL must be auto or cube, not {other:?}"),
+    })
 }
 
 /// An element offset as the kernels take it.

@@ -379,6 +379,17 @@ pub trait AttentionBackend: Backend {
         )
     }
 
+    /// `a·b` for the dense layers' backward products (rank 2, or rank 3
+    /// batched over the leading axis; no unit inner dimensions: see
+    /// [`matmul`]). The default is the backend's matmul (autotuned on
+    /// CubeCL). CubeCL backends run CubeCL's one default kernel instead with
+    /// `AAM_DENSE_MATMUL=cube`: no autotune, and a kernel that cannot run
+    /// says so (a check on autotune's choice; `benches/RESULTS.md`, twentieth
+    /// session).
+    fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(a, b)
+    }
+
     /// The sum over the rows, in parts ([`sum_rows`]): one op where the
     /// backend has the kernel (instead of a split, reshapes and two sums).
     ///
