@@ -1,6 +1,8 @@
 //! `AAM_DENSE_MATMUL=cube`: the dense layer's backward products on CubeCL's
 //! default matmul kernel (no autotune) give the CPU's gradients, through the
-//! split weight gradient with its batched parts and leftover rows.
+//! split weight gradient with its batched parts and leftover rows; and the
+//! forward gives the CPU's output at a shape where CubeCL's matmul with the
+//! transposed weight as a view was wrong (`dense_forward` copies it).
 //!
 //! A test binary of its own: the switch is read once per process.
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
