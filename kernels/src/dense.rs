@@ -168,7 +168,9 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
     Option<Tensor<B, 2>>,
     Option<Tensor<B, 1>>,
 ) {
-    if want[1] && std::env::var_os("AAM_DENSE_CHECK").is_some() {
+    static CHECK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    // Read once: this runs for every dense layer of every step.
+    if want[1] && *CHECK.get_or_init(|| std::env::var_os("AAM_DENSE_CHECK").is_some()) {
         check_weight_gradient(&x, &dy);
     }
     let dx = want[0].then(|| product(dy.clone(), weight));
