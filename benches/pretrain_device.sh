@@ -6,12 +6,13 @@
 # model measured in the same call (shared/bench/pt_reference_bench.py).
 #
 # Run from the repository root on the device (see README "GPU runs"), with carried:
-#   .carry/gpu/aam-rs.{gz,xz}     CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
-#                             --features cuda,wgpu; gzip
+#   .carry/gpu/aam-rs.xz      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
+#                             --features cuda,fusion; xz
 #   .carry/gpu/cache/         optional: CubeCL's compiled kernels and autotune results from an
 #                             earlier call ($OUT/cache.txz.*; benches/kernel_cache.sh), so the
 #                             first epoch skips the JIT
-#   .carry/oral2550/          oral_2550.biom, unifrac.unweighted.h5 (from ../shared/data)
+#   .carry/oral2550/*.xz      oral_2550.biom and unifrac.unweighted.h5 from ../shared/data, xz'd
+#                             (tests/oral2550_carry.sh unpacks them and the binary)
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference),
 #      AAM_LOG (default info; info,aam_train=debug logs every step's loss),
@@ -20,12 +21,7 @@
 # Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.txz.*.
 set -uo pipefail
 EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}; ATTN=${ATTN:-auto}; PT=${PT:-1}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
-BIN=${BIN:-aam-rs}
-if [ -f ".carry/gpu/$BIN.xz" ]; then xz -dc ".carry/gpu/$BIN.xz" > /tmp/bin/aam-rs  # smaller carry
-else gunzip -c ".carry/gpu/$BIN.gz" > /tmp/bin/aam-rs; fi; chmod +x /tmp/bin/aam-rs
-source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
-export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+source tests/oral2550_carry.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if [ "$PT" = 1 ]; then
   AAM_SRC=.ref OUT=$OUT PYTHONUNBUFFERED=1 python3 .carry/pt_reference_bench.py > "$OUT/pt.log" 2>&1

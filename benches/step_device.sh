@@ -16,6 +16,8 @@
 #      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision,
 #      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel,
 #      tc0 = AAM_KERNEL_TC=0: f16/bf16 attention on CUDA cores instead of tensor cores,
+#      autotune = AAM_DENSE_MATMUL=autotune: the dense layers' products on Burn's autotuned
+#      matmul instead of the validated kernels,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
@@ -58,6 +60,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       bf16|fp16) flags="$flags --mixed-precision $opt" ;;
       burndrop) vars="$vars AAM_DROPOUT=burn" ;;
       tc0) vars="$vars AAM_KERNEL_TC=0" ;;
+      autotune) vars="$vars AAM_DENSE_MATMUL=autotune" ;;
       allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac

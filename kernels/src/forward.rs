@@ -646,20 +646,10 @@ where
     }
 
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        if !fixed_dense_matmul() {
+        if autotuned_dense_matmul() {
             return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_matmul(a, b);
         }
-        let (shapes, dtype) = ((a.meta.shape().clone(), b.meta.shape().clone()), a.dtype);
-        burn_cubecl::kernel::matmul::matmul::<R>(
-            a,
-            b,
-            None,
-            burn_cubecl::kernel::matmul::MatmulStrategy::Cube,
-            dtype,
-        )
-        .unwrap_or_else(|e| {
-            panic!("AAM_DENSE_MATMUL=cube: CubeCL's matmul cannot run {shapes:?}: {e:?}")
-        })
+        validated_matmul(a, b)
     }
 
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
@@ -1266,16 +1256,84 @@ fn seeded_dropout_launch<R: CubeRuntime>(
     out
 }
 
-/// `AAM_DENSE_MATMUL=cube`: the dense layers' backward products run CubeCL's
-/// default matmul kernel instead of the autotuned one
-/// ([`AttentionBackend::dense_matmul`]).
-fn fixed_dense_matmul() -> bool {
-    static FIXED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FIXED.get_or_init(|| match std::env::var("AAM_DENSE_MATMUL").as_deref() {
-        Err(_) | Ok("auto") => false,
-        Ok("cube") => true,
-        Ok(other) => panic!("AAM_DENSE_MATMUL must be auto or cube, not {other:?}"),
+/// `AAM_DENSE_MATMUL=autotune`: the dense layers' products on Burn's
+/// autotuned matmul, as before the twenty-first session (to compare; see
+/// [`validated_matmul`] for why that is not the default).
+fn autotuned_dense_matmul() -> bool {
+    static AUTOTUNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AUTOTUNED.get_or_init(|| match std::env::var("AAM_DENSE_MATMUL").as_deref() {
+        Err(_) | Ok("validated") => false,
+        Ok("autotune") => true,
+        Ok(other) => panic!("AAM_DENSE_MATMUL must be validated or autotune, not {other:?}"),
     })
+}
+
+/// CubeCL matmul kernels for the dense layers, in order of preference: the
+/// first that can run on the device and operands computes the product.
+///
+/// Why not Burn's autotuned matmul: autotune times every candidate kernel
+/// once per *bucket* of problems (sizes rounded to a coarse grid, layouts)
+/// and reuses the winner for every problem in the bucket, and two candidates
+/// are wrong on problems their bucket admits (`kernels/tests/matmul_kernels.rs`,
+/// `benches/RESULTS.md`, twenty-first session):
+/// - `specialized_cyclic_{cmma,mma}` with a transposed left operand whose
+///   inner size is 32 more than a multiple of 64 (on an H100: relative error
+///   8-23 at `[128, 1952]ᵀ·[1952, 512]`). The dense weight gradient's leftover
+///   rows hit this once every ~64 batch sizes; autotune had picked it on a
+///   batch where it is right, so two batches an epoch got weight gradients
+///   ~5,000x too large and real-data pretraining on CUDA diverged.
+/// - `double_unit` with a transposed right operand (CUDA and lavapipe,
+///   e.g. `[1000, 24]·[24, 16]`, relative error 0.1-1.5).
+///
+/// The kernels here were right on every shape and layout tested, including
+/// those; their speed is within ~1.3x of autotune's pick at AAM's shapes.
+/// TMA needs an sm_90 GPU (Hopper and later); CMMA tensor cores most GPUs;
+/// the unit kernel runs everywhere (lavapipe in CI).
+fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
+    use cubek::matmul::components::tile::TileMatmulKind;
+    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+    use cubek::matmul::launch::{launch_ref, Strategy};
+    use cubek::matmul::routines::{simple::SimpleArgs, BlueprintStrategy};
+    use cubek::std::InputBinding;
+
+    let simple = |tile_matmul| SimpleArgs {
+        multi_rows: false,
+        tile_matmul,
+    };
+    let strategies = [
+        Strategy::SimpleTmaMma(BlueprintStrategy::Inferred(simple(TileMatmulKind::Mma))),
+        Strategy::SimpleCyclicCmma(BlueprintStrategy::Inferred(simple(TileMatmulKind::Cmma))),
+        Strategy::SimpleUnit(BlueprintStrategy::Inferred(Default::default())),
+    ];
+    let dtype = lhs.dtype;
+    let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, dtype);
+    let mut errors = Vec::new();
+    for strategy in &strategies {
+        let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
+            lhs: dtype.into(),
+            rhs: dtype.into(),
+            out: dtype.into(),
+        });
+        match launch_ref(
+            strategy,
+            &lhs.client,
+            InputBinding::new(lhs.clone().binding(), dtype.into()),
+            InputBinding::new(rhs.clone().binding(), dtype.into()),
+            out.clone().binding(),
+            &mut elems,
+        ) {
+            Ok(()) => return out,
+            Err(e) => errors.push(format!("{strategy}: {e:?}")),
+        }
+    }
+    panic!(
+        "no validated matmul kernel runs {:?}·{:?} (strides {:?}, {:?}) here: {errors:?}; \
+         AAM_DENSE_MATMUL=autotune uses Burn's autotuned matmul",
+        lhs.meta.shape(),
+        rhs.meta.shape(),
+        lhs.meta.strides(),
+        rhs.meta.strides()
+    )
 }
 
 /// An element offset as the kernels take it.

@@ -381,11 +381,11 @@ pub trait AttentionBackend: Backend {
 
     /// `a·b` for the dense layers' backward products (rank 2, or rank 3
     /// batched over the leading axis; no unit inner dimensions: see
-    /// [`matmul`]). The default is the backend's matmul (autotuned on
-    /// CubeCL). CubeCL backends run CubeCL's one default kernel instead with
-    /// `AAM_DENSE_MATMUL=cube`: no autotune, and a kernel that cannot run
-    /// says so (a check on autotune's choice; `benches/RESULTS.md`, twentieth
-    /// session).
+    /// [`matmul`]). The default is the backend's matmul. CubeCL backends run
+    /// a fixed list of kernels validated at AAM's shapes and layouts instead
+    /// of Burn's autotuned matmul, which picked a kernel that is wrong for
+    /// some row counts (`forward.rs`, `validated_matmul`);
+    /// `AAM_DENSE_MATMUL=autotune` restores autotune.
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(a, b)
     }

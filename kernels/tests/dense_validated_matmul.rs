@@ -1,10 +1,9 @@
-//! `AAM_DENSE_MATMUL=cube`: the dense layer's backward products on CubeCL's
-//! default matmul kernel (no autotune) give the CPU's gradients, through the
-//! split weight gradient with its batched parts and leftover rows; and the
-//! forward gives the CPU's output at a shape where CubeCL's matmul with the
-//! transposed weight as a view was wrong (`dense_forward` copies it).
-//!
-//! A test binary of its own: the switch is read once per process.
+//! The dense layer end to end under autodiff: its backward products on the
+//! validated CubeCL kernels (`AttentionBackend::dense_matmul`, not Burn's
+//! autotune) give the CPU's gradients, through the split weight gradient with
+//! its batched parts and leftover rows; and the forward gives the CPU's
+//! output at a shape where CubeCL's autotuned matmul with the transposed
+//! weight as a view was wrong (`dense_forward` copies it).
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -46,9 +45,7 @@ const RTOL: f32 = 1e-2;
 const RTOL: f32 = GRAD_RTOL_F32;
 
 #[test]
-fn dense_gradients_on_the_fixed_kernel_equal_the_cpus() {
-    // Read once per process, before the first dense backward.
-    std::env::set_var("AAM_DENSE_MATMUL", "cube");
+fn dense_gradients_on_the_validated_kernels_equal_the_cpus() {
     let mut rng = Rng::new(20);
     // Two whole parts and a leftover of 17 rows; widths unlike each other.
     let (rows, k, n) = (2 * ROWS_PER_PART + 17, 24, 16);
