@@ -57,7 +57,10 @@
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
 //!   statistics, so either backward follows either forward.
-//! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches.
+//! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches,
+//!   and the dense layers' products on a fixed list of validated matmul
+//!   kernels instead of Burn's autotune (two autotune candidates are wrong at
+//!   shapes their bucket admits; `validated_matmul`).
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
 //!   kernels as custom operations of the lazy fusion stream.
