@@ -1291,10 +1291,8 @@ fn autotuned_dense_matmul() -> bool {
 /// the unit kernel runs everywhere (lavapipe in CI).
 fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
     use cubek::matmul::components::tile::TileMatmulKind;
-    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
-    use cubek::matmul::launch::{launch_ref, Strategy};
+    use cubek::matmul::launch::Strategy;
     use cubek::matmul::routines::{simple::SimpleArgs, BlueprintStrategy};
-    use cubek::std::InputBinding;
 
     let simple = |tile_matmul| SimpleArgs {
         multi_rows: false,
@@ -1305,23 +1303,10 @@ fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> C
         Strategy::SimpleCyclicCmma(BlueprintStrategy::Inferred(simple(TileMatmulKind::Cmma))),
         Strategy::SimpleUnit(BlueprintStrategy::Inferred(Default::default())),
     ];
-    let dtype = lhs.dtype;
-    let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, dtype);
+    let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, lhs.dtype);
     let mut errors = Vec::new();
     for strategy in &strategies {
-        let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
-            lhs: dtype.into(),
-            rhs: dtype.into(),
-            out: dtype.into(),
-        });
-        match launch_ref(
-            strategy,
-            &lhs.client,
-            InputBinding::new(lhs.clone().binding(), dtype.into()),
-            InputBinding::new(rhs.clone().binding(), dtype.into()),
-            out.clone().binding(),
-            &mut elems,
-        ) {
+        match launch_matmul(strategy, &lhs, &rhs, &out) {
             Ok(()) => return out,
             Err(e) => errors.push(format!("{strategy}: {e:?}")),
         }
@@ -1333,6 +1318,35 @@ fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> C
         rhs.meta.shape(),
         lhs.meta.strides(),
         rhs.meta.strides()
+    )
+}
+
+/// `out = lhs·rhs` on one CubeCL matmul kernel, no autotune: an error where
+/// that kernel cannot run on the device or operands (CubeCL's own check,
+/// before any launch). Operands of one float type, rank 2 or batched rank 3,
+/// in any strides CubeCL's matmul takes (transposed views included).
+pub fn launch_matmul<R: CubeRuntime>(
+    strategy: &cubek::matmul::launch::Strategy,
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    out: &CubeTensor<R>,
+) -> Result<(), cubek::matmul::definition::MatmulSetupError> {
+    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+    use cubek::std::InputBinding;
+
+    let dtype = lhs.dtype;
+    let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
+        lhs: dtype.into(),
+        rhs: dtype.into(),
+        out: out.dtype.into(),
+    });
+    cubek::matmul::launch::launch_ref(
+        strategy,
+        &lhs.client,
+        InputBinding::new(lhs.clone().binding(), dtype.into()),
+        InputBinding::new(rhs.clone().binding(), rhs.dtype.into()),
+        out.clone().binding(),
+        &mut elems,
     )
 }
 

@@ -84,6 +84,8 @@ pub use dense::{row_product, sum_rows, ROWS_PER_PART};
 pub use slots::{unpack_rows, RowSlots};
 #[cfg(feature = "cubecl")]
 mod forward;
+#[cfg(feature = "cubecl")]
+pub use forward::launch_matmul;
 #[cfg(feature = "fusion")]
 mod fusion;
 #[cfg(feature = "cubecl")]

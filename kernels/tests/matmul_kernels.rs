@@ -158,14 +158,12 @@ fn leftover_rows_as_a_view_into_the_buffer() {
 #[test]
 fn autotune_candidates_at_aam_shapes() {
     use cubek::matmul::components::tile::TileMatmulKind::{self, Cmma, Mma};
-    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
-    use cubek::matmul::launch::{launch_ref, Strategy};
+    use cubek::matmul::launch::Strategy;
     use cubek::matmul::routines::{
         double_buffering::DoubleBufferingArgs, double_unit::DoubleUnitSelectionArgs,
         ordered_double_buffering::OrderedSelectionArgs, simple::SimpleArgs,
         simple_unit::SimpleUnitSelectionArgs, BlueprintStrategy, TileSizeSelection,
     };
-    use cubek::std::InputBinding;
     use BlueprintStrategy::Inferred;
 
     let mut candidates = vec![Strategy::Naive];
@@ -239,30 +237,14 @@ fn autotune_candidates_at_aam_shapes() {
         let out = Tensor::<B, 3>::zeros([b, m, n], &Default::default())
             .into_primitive()
             .tensor();
-        let dtype = lhs.dtype;
-        let launch = || {
-            let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
-                lhs: dtype.into(),
-                rhs: dtype.into(),
-                out: dtype.into(),
-            });
-            launch_ref(
-                strategy,
-                &lhs.client,
-                InputBinding::new(lhs.clone().binding(), dtype.into()),
-                InputBinding::new(rhs.clone().binding(), dtype.into()),
-                out.clone().binding(),
-                &mut elems,
-            )
-        };
-        launch().ok()?;
+        aam_kernels::launch_matmul(strategy, &lhs, &rhs, &out).ok()?;
         let got = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out.clone()))
             .into_data()
             .to_vec::<f32>()
             .expect("f32");
         let start = std::time::Instant::now();
         for _ in 0..5 {
-            launch().ok()?;
+            aam_kernels::launch_matmul(strategy, &lhs, &rhs, &out).ok()?;
         }
         <B as burn::tensor::backend::Backend>::sync(&Default::default()).expect("sync");
         Some((got, start.elapsed().as_secs_f64() / 5.0 * 1e6))
