@@ -1344,7 +1344,8 @@ pub fn launch_matmul<R: CubeRuntime>(
         strategy,
         &lhs.client,
         InputBinding::new(lhs.clone().binding(), dtype.into()),
-        InputBinding::new(rhs.clone().binding(), rhs.dtype.into()),
+        // Both operands read as the left one's type, as Burn's matmul does.
+        InputBinding::new(rhs.clone().binding(), dtype.into()),
         out.clone().binding(),
         &mut elems,
     )
