@@ -139,9 +139,10 @@ pub(crate) fn dense_forward<B: Backend>(
     let n = weight.dims()[0];
     if m > 1 && k > 1 && n > 1 {
         // The transposed weight copied to its own contiguous tensor (a small
-        // copy): CubeCL's matmul gave wrong products with the transposed
-        // view as its right operand (wgpu on lavapipe, `[1000, 24]·[24, 16]`,
-        // 0.6 relative; `kernels/tests/dense_fixed_matmul.rs`).
+        // copy): Burn's autotuned matmul may pick CubeCL's `double_unit`
+        // kernel, which is wrong with a transposed view as its right operand
+        // (`[1000, 24]·[24, 16]`, 0.6 relative; `forward.rs`,
+        // `validated_matmul`; `kernels/tests/dense_validated_matmul.rs`).
         let wt = weight.transpose().reshape([k * n]).reshape([k, n]);
         return burn::tensor::module::linear(x, wt, bias);
     }

@@ -1304,13 +1304,20 @@ fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> C
         Strategy::SimpleUnit(BlueprintStrategy::Inferred(Default::default())),
     ];
     let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, lhs.dtype);
-    let mut errors = Vec::new();
-    for strategy in &strategies {
+    // Errors kept unformatted: a GPU without TMA skips the first kernel on
+    // every product of every step.
+    let mut errors = strategies.each_ref().map(|_| None);
+    for (strategy, error) in strategies.iter().zip(&mut errors) {
         match launch_matmul(strategy, &lhs, &rhs, &out) {
             Ok(()) => return out,
-            Err(e) => errors.push(format!("{strategy}: {e:?}")),
+            Err(e) => *error = Some(e),
         }
     }
+    let errors: Vec<String> = strategies
+        .iter()
+        .zip(errors)
+        .map(|(strategy, e)| format!("{strategy}: {e:?}"))
+        .collect();
     panic!(
         "no validated matmul kernel runs {:?}·{:?} (strides {:?}, {:?}) here: {errors:?}; \
          AAM_DENSE_MATMUL=autotune uses Burn's autotuned matmul",

@@ -13,10 +13,13 @@
 //! through Mesa's lavapipe (a CPU Vulkan driver, where the unit kernel runs).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
+mod common;
+
 use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn_cubecl::CubeBackend;
+use common::Rng;
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime as Runtime;
 #[cfg(not(feature = "cuda"))]
@@ -30,17 +33,10 @@ const RTOL: f64 = 1e-2;
 #[cfg(not(feature = "cuda"))]
 const RTOL: f64 = 1e-5;
 
-/// Uniform values in [-0.5, 0.5) from a seed (xorshift64*).
+/// Standard normal values from a seed.
 fn draw(len: usize, seed: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
+    let mut rng = Rng::new(seed);
+    (0..len).map(|_| rng.normal()).collect()
 }
 
 /// `[b, r, c]` holding `values` (row-major), stored as `[b, c, r]` and
