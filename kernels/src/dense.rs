@@ -142,7 +142,7 @@ pub(crate) fn dense_forward<B: Backend>(
         // copy): Burn's autotuned matmul may pick CubeCL's `double_unit`
         // kernel, which is wrong with a transposed view as its right operand
         // (`[1000, 24]·[24, 16]`, 0.6 relative; `forward.rs`,
-        // `validated_matmul`; `kernels/tests/dense_validated_matmul.rs`).
+        // `dense_matmul_candidates`; `kernels/tests/dense_validated_matmul.rs`).
         let wt = weight.transpose().reshape([k * n]).reshape([k, n]);
         return burn::tensor::module::linear(x, wt, bias);
     }

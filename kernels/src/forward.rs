@@ -646,10 +646,13 @@ where
     }
 
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        if autotuned_dense_matmul() {
-            return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_matmul(a, b);
+        match dense_matmul_choice() {
+            DenseMatmul::Tuned => tuned_matmul(a, b),
+            DenseMatmul::Validated => validated_matmul(a, b),
+            DenseMatmul::Autotune => {
+                <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_matmul(a, b)
+            }
         }
-        validated_matmul(a, b)
     }
 
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
@@ -1256,26 +1259,42 @@ fn seeded_dropout_launch<R: CubeRuntime>(
     out
 }
 
-/// `AAM_DENSE_MATMUL=autotune`: the dense layers' products on Burn's
-/// autotuned matmul, as before the twenty-first session (to compare; see
-/// [`validated_matmul`] for why that is not the default).
-fn autotuned_dense_matmul() -> bool {
-    static AUTOTUNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AUTOTUNED.get_or_init(|| match std::env::var("AAM_DENSE_MATMUL").as_deref() {
-        Err(_) | Ok("validated") => false,
-        Ok("autotune") => true,
-        Ok(other) => panic!("AAM_DENSE_MATMUL must be validated or autotune, not {other:?}"),
+/// How the dense layers' products pick their kernel (`AAM_DENSE_MATMUL`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DenseMatmul {
+    /// `tuned` (default): autotune over [`dense_matmul_candidates`] only.
+    Tuned,
+    /// `validated`: the first of [`dense_matmul_candidates`]' fixed order
+    /// that runs, no autotune (the twenty-first session's default).
+    Validated,
+    /// `autotune`: Burn's autotuned matmul over all of CubeCL's kernels,
+    /// two of them wrong on some shapes (to compare; see
+    /// [`dense_matmul_candidates`]).
+    Autotune,
+}
+
+fn dense_matmul_choice() -> DenseMatmul {
+    static CHOICE: std::sync::OnceLock<DenseMatmul> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("AAM_DENSE_MATMUL").as_deref() {
+        Err(_) | Ok("tuned") => DenseMatmul::Tuned,
+        Ok("validated") => DenseMatmul::Validated,
+        Ok("autotune") => DenseMatmul::Autotune,
+        Ok(other) => {
+            panic!("AAM_DENSE_MATMUL must be tuned, validated or autotune, not {other:?}")
+        }
     })
 }
 
-/// CubeCL matmul kernels for the dense layers, in order of preference: the
-/// first that can run on the device and operands computes the product.
+/// The CubeCL matmul kernels the dense layers' products may run on, each
+/// checked against a float64 product in every operand layout the dense
+/// backward makes (`kernels/tests/matmul_kernels.rs`, on CUDA also over
+/// every inner size modulo 64).
 ///
-/// Why not Burn's autotuned matmul: autotune times every candidate kernel
+/// Why not all of Burn's autotune candidates: autotune times the candidates
 /// once per *bucket* of problems (sizes rounded to a coarse grid, layouts)
-/// and reuses the winner for every problem in the bucket, and two candidates
-/// are wrong on problems their bucket admits (`kernels/tests/matmul_kernels.rs`,
-/// `benches/RESULTS.md`, twenty-first session):
+/// and reuses the winner for every problem in the bucket, and two
+/// candidates are wrong on problems their bucket admits (`benches/RESULTS.md`,
+/// twenty-first session):
 /// - `specialized_cyclic_{cmma,mma}` with a transposed left operand whose
 ///   inner size is 32 more than a multiple of 64 (on an H100: relative error
 ///   8-23 at `[128, 1952]ᵀ·[1952, 512]`). The dense weight gradient's leftover
@@ -1285,32 +1304,103 @@ fn autotuned_dense_matmul() -> bool {
 /// - `double_unit` with a transposed right operand (CUDA and lavapipe,
 ///   e.g. `[1000, 24]·[24, 16]`, relative error 0.1-1.5).
 ///
-/// The kernels here were right on every shape and layout tested, including
-/// those; their speed is within ~1.3x of autotune's pick at AAM's shapes.
-/// TMA needs an sm_90 GPU (Hopper and later); CMMA tensor cores most GPUs;
-/// the unit kernel runs everywhere (lavapipe in CI).
-fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
-    use cubek::matmul::components::tile::TileMatmulKind;
+/// Autotune over this list is safe because every member is right wherever
+/// it runs, whichever wins a bucket. The unit kernel comes first: it runs
+/// everywhere (lavapipe in CI), and a tuner's first candidate is its
+/// fallback. TMA needs an sm_90 GPU (Hopper and later), CMMA/MMA tensor
+/// cores; a kernel that cannot run on the device or operands is skipped.
+pub fn dense_matmul_candidates() -> Vec<cubek::matmul::launch::Strategy> {
+    use cubek::matmul::components::tile::TileMatmulKind::{Cmma, Mma};
     use cubek::matmul::launch::Strategy;
-    use cubek::matmul::routines::{simple::SimpleArgs, BlueprintStrategy};
+    use cubek::matmul::routines::double_buffering::DoubleBufferingArgs;
+    use cubek::matmul::routines::{simple::SimpleArgs, BlueprintStrategy::Inferred};
 
     let simple = |tile_matmul| SimpleArgs {
         multi_rows: false,
         tile_matmul,
     };
-    let strategies = [
-        Strategy::SimpleTmaMma(BlueprintStrategy::Inferred(simple(TileMatmulKind::Mma))),
-        Strategy::SimpleCyclicCmma(BlueprintStrategy::Inferred(simple(TileMatmulKind::Cmma))),
-        Strategy::SimpleUnit(BlueprintStrategy::Inferred(Default::default())),
-    ];
+    vec![
+        Strategy::SimpleUnit(Inferred(Default::default())),
+        Strategy::SimpleCyclicCmma(Inferred(simple(Cmma))),
+        Strategy::SimpleTmaMma(Inferred(simple(Mma))),
+        Strategy::SpecializedTmaMma(Inferred(().into())),
+        Strategy::DoubleCyclicMma(Inferred(DoubleBufferingArgs {
+            specialized: true,
+            tile_matmul: Mma,
+        })),
+    ]
+}
+
+/// `lhs·rhs` on the fastest of [`dense_matmul_candidates`] for the problem's
+/// autotune bucket (CubeCL's tuner: timed on the first problem of a bucket,
+/// kept in CubeCL's on-disk autotune cache).
+fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
+    use cubecl::tune::{local_tuner, LocalTuner, Tunable, TunableSet};
+    use cubek::matmul::launch::MatmulAutotuneKey;
+
+    type Operands<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
+    static TUNER: LocalTuner<MatmulAutotuneKey, cubecl::CubeTuneId> =
+        local_tuner!("dense-matmul");
+
+    let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, lhs.dtype);
+    let client = lhs.client.clone();
+    let id = cubecl::CubeTuneId::new(&lhs.client, &lhs.device);
+    let tunables = TUNER.init(|| {
+        let key = |(lhs, rhs, out): &Operands<R>| {
+            MatmulAutotuneKey::generate(
+                &lhs.client,
+                lhs.meta.shape(),
+                rhs.meta.shape(),
+                lhs.meta.strides(),
+                rhs.meta.strides(),
+                lhs.dtype.into(),
+                rhs.dtype.into(),
+                out.dtype.into(),
+                None,
+                None,
+            )
+        };
+        // Timing runs write a copy of the output, not the output itself.
+        let inputs = |_: &MatmulAutotuneKey, (lhs, rhs, out): &Operands<R>| {
+            (lhs.clone(), rhs.clone(), out.copy())
+        };
+        let mut set = TunableSet::new(key, inputs);
+        for strategy in dense_matmul_candidates() {
+            set = set.with(Tunable::new(
+                &strategy.to_string(),
+                move |(lhs, rhs, out): Operands<R>| {
+                    launch_matmul(&strategy, &lhs, &rhs, &out).map_err(|e| format!("{e:?}"))
+                },
+            ));
+        }
+        set
+    });
+    TUNER.execute(&id, &client, tunables, (lhs, rhs, out.clone()));
+    out
+}
+
+/// `lhs·rhs` on the first of [`dense_matmul_candidates`] that runs, tried
+/// from the fastest on an H100 (`AAM_DENSE_MATMUL=validated`).
+fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
+    use cubek::matmul::launch::Strategy;
+
+    let mut strategies = dense_matmul_candidates();
+    // Unit kernel last; TMA, then CMMA tensor cores first.
+    strategies.retain(|s| {
+        matches!(
+            s,
+            Strategy::SimpleTmaMma(_) | Strategy::SimpleCyclicCmma(_) | Strategy::SimpleUnit(_)
+        )
+    });
+    strategies.reverse();
     let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, lhs.dtype);
     // Errors kept unformatted: a GPU without TMA skips the first kernel on
     // every product of every step.
-    let mut errors = strategies.each_ref().map(|_| None);
-    for (strategy, error) in strategies.iter().zip(&mut errors) {
+    let mut errors = Vec::with_capacity(strategies.len());
+    for strategy in &strategies {
         match launch_matmul(strategy, &lhs, &rhs, &out) {
             Ok(()) => return out,
-            Err(e) => *error = Some(e),
+            Err(e) => errors.push(e),
         }
     }
     let errors: Vec<String> = strategies

@@ -61,12 +61,28 @@ fn mix(value: u32) -> u32 {
     x
 }
 
-/// Whether attention probability `(bh, row, col)` survives dropout: a
+/// The per-head part of the attention dropout hash ([`dropout_keep`]):
+/// computed once per unit, as every unit of a cube works on one head.
+#[cube]
+pub(crate) fn dropout_head_key(seed: u32, bh: u32) -> u32 {
+    mix(seed ^ bh)
+}
+
+/// Whether attention probability `(row, col)` of the head with
+/// `head_key = dropout_head_key(seed, bh)` survives dropout: a
 /// counter-based hash, so forward and backward draw the same mask without
 /// storing it. Kept when the hash is at least `threshold = p·2³²`.
+///
+/// One mix round per probability: the row and column enter through odd
+/// multipliers (a bijection each, spreading them over the high bits) and
+/// the round's avalanche decorrelates neighbours. The row's product is
+/// loop-invariant for the forward and dQ kernels (a unit owns a row) and the
+/// column's for dK/dV (a unit owns a key). Three chained rounds, one each
+/// for head, row and column, made the hash ~25 integer operations per
+/// probability, as many as the f32 forward's arithmetic per key.
 #[cube]
-pub(crate) fn dropout_keep(seed: u32, bh: u32, row: u32, col: u32, threshold: u32) -> bool {
-    let x = mix(mix(mix(seed ^ bh) ^ row) ^ col);
+pub(crate) fn dropout_keep(head_key: u32, row: u32, col: u32, threshold: u32) -> bool {
+    let x = mix(head_key ^ (row * 0x9e37_79b1u32) ^ (col * 0x85eb_ca77u32));
     x >= threshold
 }
 
@@ -191,6 +207,7 @@ pub fn attention_forward<F: Float>(
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
     let n = bh / heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
@@ -289,7 +306,7 @@ pub fn attention_forward<F: Float>(
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
                         let keep =
-                            dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                            dropout_keep(head_key, row as u32, col, dropout_threshold);
                         weight = select(keep, p * dropout_scale, 0.0f32);
                     }
                     let at = jj * stride + first_quad;
@@ -539,6 +556,7 @@ pub fn attention_backward_dq<F: Float>(
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
     let n = bh / heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
@@ -622,7 +640,7 @@ pub fn attention_backward_dq<F: Float>(
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
                         let keep =
-                            dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                            dropout_keep(head_key, row as u32, col, dropout_threshold);
                         dp = select(keep, dp * dropout_scale, 0.0f32);
                     }
                     let ds = p * (dp - row_delta);
@@ -687,6 +705,7 @@ pub fn attention_backward_dkdv<F: Float>(
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
     let n = bh / heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
@@ -808,7 +827,7 @@ pub fn attention_backward_dkdv<F: Float>(
                 let mut p_kept = p;
                 if use_dropout {
                     let i = (start + ii) as u32;
-                    let keep = dropout_keep(seed, bh as u32, i, col as u32, dropout_threshold);
+                    let keep = dropout_keep(head_key, i, col as u32, dropout_threshold);
                     p_kept = select(keep, p * dropout_scale, 0.0f32);
                     dp = select(keep, dp * dropout_scale, 0.0f32);
                 }

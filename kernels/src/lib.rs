@@ -58,9 +58,9 @@
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
 //!   statistics, so either backward follows either forward.
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches,
-//!   and the dense layers' products on a fixed list of validated matmul
-//!   kernels instead of Burn's autotune (two autotune candidates are wrong at
-//!   shapes their bucket admits; `validated_matmul`).
+//!   and the dense layers' products tuned over a list of validated matmul
+//!   kernels instead of all of Burn's autotune candidates (two of those are
+//!   wrong at shapes their bucket admits; `dense_matmul_candidates`).
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
 //!   kernels as custom operations of the lazy fusion stream.
@@ -85,7 +85,7 @@ pub use slots::{unpack_rows, RowSlots};
 #[cfg(feature = "cubecl")]
 mod forward;
 #[cfg(feature = "cubecl")]
-pub use forward::launch_matmul;
+pub use forward::{dense_matmul_candidates, launch_matmul};
 #[cfg(feature = "fusion")]
 mod fusion;
 #[cfg(feature = "cubecl")]
@@ -386,11 +386,12 @@ pub trait AttentionBackend: Backend {
 
     /// `a·b` for the dense layers' backward products (rank 2, or rank 3
     /// batched over the leading axis; no unit inner dimensions: see
-    /// [`matmul`]). The default is the backend's matmul. CubeCL backends run
-    /// a fixed list of kernels validated at AAM's shapes and layouts instead
-    /// of Burn's autotuned matmul, which picked a kernel that is wrong for
-    /// some row counts (`forward.rs`, `validated_matmul`);
-    /// `AAM_DENSE_MATMUL=autotune` restores autotune.
+    /// [`matmul`]). The default is the backend's matmul. CubeCL backends
+    /// autotune over kernels validated at AAM's shapes and layouts only, not
+    /// over all of Burn's candidates, one of which is wrong for some row
+    /// counts (`forward.rs`, `dense_matmul_candidates`);
+    /// `AAM_DENSE_MATMUL=validated` runs the first that runs of a fixed
+    /// order (no autotune), `AAM_DENSE_MATMUL=autotune` Burn's autotune.
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(a, b)
     }

@@ -51,7 +51,7 @@
 use cubecl::cmma::{self, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
 
-use crate::kernel::{dropout_keep, FAST_EXP};
+use crate::kernel::{dropout_head_key, dropout_keep, FAST_EXP};
 
 /// Side of a tensor-core tile: 16 rows, 16 keys, 16 head dims.
 pub const TC_TILE: usize = 16;
@@ -121,6 +121,7 @@ pub fn attention_forward_tc<F: Float>(
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
     let n = bh / heads as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -247,7 +248,7 @@ pub fn attention_forward_tc<F: Float>(
                         if use_dropout {
                             let col = (t * tile_keys + key) as u32;
                             let keep =
-                                dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                                dropout_keep(head_key, row as u32, col, dropout_threshold);
                             weight = select(keep, p * dropout_scale, 0.0f32);
                         }
                         p_block[my_weights + j * units_per_row] = F::cast_from(weight);
@@ -630,6 +631,7 @@ pub fn attention_backward_dq_tc<F: Float>(
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
     let n = bh / heads as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -773,7 +775,7 @@ pub fn attention_backward_dq_tc<F: Float>(
                         if use_dropout {
                             let col = (t * tile_keys + first_key + j * units_per_row) as u32;
                             let keep =
-                                dropout_keep(seed, bh as u32, row as u32, col, dropout_threshold);
+                                dropout_keep(head_key, row as u32, col, dropout_threshold);
                             dp_ij = select(keep, dp_ij * dropout_scale, 0.0f32);
                         }
                         ds_block[my_weights + j * units_per_row] =
@@ -840,6 +842,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
     let n = bh / heads as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
@@ -984,7 +987,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         if use_dropout {
                             let i = (start + first_q + j * units_per_row) as u32;
                             let keep =
-                                dropout_keep(seed, bh as u32, i, key as u32, dropout_threshold);
+                                dropout_keep(head_key, i, key as u32, dropout_threshold);
                             kept = select(keep, p * dropout_scale, 0.0f32);
                         }
                         w_block[my_weights + j * units_per_row] = F::cast_from(kept);
@@ -1008,7 +1011,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         if use_dropout {
                             let i = (start + first_q + j * units_per_row) as u32;
                             let keep =
-                                dropout_keep(seed, bh as u32, i, key as u32, dropout_threshold);
+                                dropout_keep(head_key, i, key as u32, dropout_threshold);
                             dp = select(keep, dp * dropout_scale, 0.0f32);
                         }
                         w_block[my_weights + j * units_per_row] =

@@ -51,6 +51,79 @@ fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
     check_dropout();
 }
 
+/// The attention dropout mask itself, read out: with `q = k = 0` every
+/// probability is `1/T`, and with `v_j` the unit vector `e_j` the output is
+/// the mask, `out[i, j] = keep(i, j)·scale/T`. About `p` of the
+/// probabilities are dropped overall, per head, per row and per column, and
+/// neighbours (next row, next column, next head) are uncorrelated: the
+/// hash's one mix round per probability leaves no structure a model could
+/// pick up.
+#[test]
+fn dropout_mask_drops_about_p_without_structure() {
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let (n, h, t) = (8, 4, 128);
+    let prob = 0.3;
+    let gpu = Default::default();
+    let zeros = Tensor::<Gpu, 4>::zeros([n, h, t, t], &gpu);
+    let v = Tensor::<Gpu, 2>::eye(t, &gpu)
+        .reshape([1, 1, t, t])
+        .expand([n, h, t, t]);
+    let drop = AttentionDropout { prob, seed: 2024 };
+    let out = values(fused_attention(zeros.clone(), zeros, v, None, drop));
+    let kept_value = (1.0 / (1.0 - prob)) as f32 / t as f32;
+    let dropped: Vec<f64> = out
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            assert!(
+                x == 0.0 || (x - kept_value).abs() <= 1e-6,
+                "output {i} = {x}: neither 0 nor {kept_value}"
+            );
+            f64::from(u8::from(x == 0.0))
+        })
+        .collect();
+    let at = |head: usize, i: usize, j: usize| dropped[(head * t + i) * t + j];
+    let heads = n * h;
+    let fraction = |cells: &mut dyn Iterator<Item = f64>| {
+        let (sum, count) = cells.fold((0.0, 0.0), |(s, c), x| (s + x, c + 1.0));
+        sum / count
+    };
+    let overall = fraction(&mut dropped.iter().copied());
+    assert!((overall - prob).abs() < 0.005, "dropped {overall}, want {prob}");
+    for head in 0..heads {
+        let f = fraction(&mut (0..t * t).map(|c| at(head, c / t, c % t)));
+        assert!((f - prob).abs() < 0.06, "head {head}: dropped {f}");
+    }
+    for line in 0..t {
+        let row = fraction(&mut (0..heads * t).map(|c| at(c / t, line, c % t)));
+        let col = fraction(&mut (0..heads * t).map(|c| at(c / t, c % t, line)));
+        assert!((row - prob).abs() < 0.04, "row {line}: dropped {row}");
+        assert!((col - prob).abs() < 0.04, "column {line}: dropped {col}");
+    }
+    // Correlation of each probability's decision with a neighbour's.
+    let correlation = |neighbour: &dyn Fn(usize, usize, usize) -> f64, heads: usize| {
+        let (mut sxy, mut count) = (0.0, 0.0);
+        for head in 0..heads {
+            for i in 0..t - 1 {
+                for j in 0..t - 1 {
+                    sxy += (at(head, i, j) - overall) * (neighbour(head, i, j) - overall);
+                    count += 1.0;
+                }
+            }
+        }
+        sxy / count / (overall * (1.0 - overall))
+    };
+    for (what, r) in [
+        ("next row", correlation(&|hd, i, j| at(hd, i + 1, j), heads)),
+        ("next column", correlation(&|hd, i, j| at(hd, i, j + 1), heads)),
+        ("next head", correlation(&|hd, i, j| at(hd + 1, i, j), heads - 1)),
+        ("next row and column", correlation(&|hd, i, j| at(hd, i + 1, j + 1), heads)),
+    ] {
+        assert!(r.abs() < 0.015, "{what}: correlation {r}");
+    }
+}
+
 /// f16 / bf16 forward (acceptance: ≤1e-2). The reference runs in f32 on the
 /// inputs rounded to the half type, so what is measured is the kernel's own
 /// error: its f32 accumulation and the rounding of its output.

@@ -1,13 +1,15 @@
 //! The dense layers' products on CubeCL ([`AttentionBackend::dense_matmul`]:
-//! a fixed list of validated kernels, not Burn's autotune) against a float64
-//! product, at the layouts the dense backward makes: transposed views on
-//! either side, batched parts, and leftover rows as a view into the middle of
-//! a buffer.
+//! autotuned over a list of validated kernels, not over all of Burn's
+//! candidates) against a float64 product, at the layouts the dense backward
+//! makes: transposed views on either side, batched parts, and leftover rows
+//! as a view into the middle of a buffer; and each kernel of that list
+//! ([`aam_kernels::dense_matmul_candidates`]) on its own, wherever it runs.
 //!
-//! On CUDA (the device machine) a second test also runs every candidate of
-//! Burn's matmul autotune on AAM's weight-gradient shapes and prints each
-//! one's error and time: the table behind `validated_matmul`'s list
-//! (`benches/RESULTS.md`, twenty-first session).
+//! On CUDA (the device machine) two more tests: each listed kernel over 64
+//! consecutive inner sizes (one of Burn's candidates is wrong at one residue
+//! modulo 64), and every candidate of Burn's matmul autotune on AAM's
+//! weight-gradient shapes, printing each one's error and time: the table
+//! behind the list (`benches/RESULTS.md`, twenty-first session).
 //!
 //! Runs on CUDA when built with `--features cuda`, else on wgpu: in CI
 //! through Mesa's lavapipe (a CPU Vulkan driver, where the unit kernel runs).
@@ -117,6 +119,95 @@ fn dense_products_equal_a_float64_product_in_every_layout() {
             );
         }
     }
+}
+
+/// `lhs·rhs` on one kernel; `None` where it cannot run on this device and
+/// these operands (CubeCL's own check: no tensor cores on lavapipe, no TMA
+/// before sm_90, strides TMA cannot take).
+fn launched(
+    strategy: &cubek::matmul::launch::Strategy,
+    lhs: Tensor<B, 3>,
+    rhs: Tensor<B, 3>,
+) -> Option<Vec<f32>> {
+    let [b, m, _] = lhs.dims();
+    let n = rhs.dims()[2];
+    let out = Tensor::<B, 3>::zeros([b, m, n], &Default::default())
+        .into_primitive()
+        .tensor();
+    let (lhs, rhs) = (lhs.into_primitive().tensor(), rhs.into_primitive().tensor());
+    aam_kernels::launch_matmul(strategy, &lhs, &rhs, &out).ok()?;
+    Some(
+        Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32"),
+    )
+}
+
+#[test]
+fn every_listed_kernel_equals_a_float64_product_where_it_runs() {
+    let shapes = [[1, 1000, 24, 16], [3, 16, 256, 24], [1, 40, 608, 16]];
+    let mut ran = 0;
+    for strategy in aam_kernels::dense_matmul_candidates() {
+        for [b, m, k, n] in shapes {
+            let (lhs, rhs) = (draw(b * m * k, 5), draw(b * k * n, 6));
+            let want = reference(&lhs, &rhs, [b, m, k, n]);
+            for (lhs_t, rhs_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                let lhs = tensor(&lhs, [b, m, k], lhs_t);
+                let Some(got) = launched(&strategy, lhs, tensor(&rhs, [b, k, n], rhs_t)) else {
+                    continue;
+                };
+                ran += 1;
+                let err = rel(&got, &want);
+                assert!(
+                    err <= RTOL,
+                    "{strategy}: [{b}, {m}, {k}]·[{b}, {k}, {n}], lhs transposed {lhs_t}, \
+                     rhs transposed {rhs_t}: rel err {err:e}"
+                );
+            }
+        }
+    }
+    // The unit kernel runs everywhere: at least its 12 products.
+    assert!(ran >= 12, "only {ran} products ran");
+}
+
+/// Each listed kernel at `[128, k]ᵀ·[k, 512]`-like products for 64
+/// consecutive inner sizes `k`, in the three layouts with a transposed view,
+/// against CubeCL's naive kernel: `specialized_cyclic` (not listed) is wrong
+/// at `k ≡ 32 (mod 64)` with a transposed left operand.
+#[cfg(feature = "cuda")]
+#[test]
+fn listed_kernels_over_inner_sizes_modulo_64() {
+    use cubek::matmul::launch::Strategy;
+    let (m, n) = (128, 512);
+    let mut failures = Vec::new();
+    for k in 1920..1984 {
+        let (lhs, rhs) = (draw(m * k, k as u64), draw(k * n, k as u64 + 1));
+        for (lhs_t, rhs_t) in [(true, false), (false, true), (true, true)] {
+            let operands = || {
+                (
+                    tensor(&lhs, [1, m, k], lhs_t),
+                    tensor(&rhs, [1, k, n], rhs_t),
+                )
+            };
+            let (a, b) = operands();
+            let want: Vec<f64> = launched(&Strategy::Naive, a, b)
+                .expect("naive runs")
+                .iter()
+                .map(|v| *v as f64)
+                .collect();
+            for strategy in aam_kernels::dense_matmul_candidates() {
+                let (a, b) = operands();
+                if let Some(got) = launched(&strategy, a, b) {
+                    let err = rel(&got, &want);
+                    if err > RTOL {
+                        failures.push(format!("{strategy} k {k} lhsT {lhs_t} rhsT {rhs_t}: {err:.1e}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "wrong products: {failures:#?}");
 }
 
 #[test]
