@@ -17,7 +17,8 @@
 #      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel,
 #      tc0 = AAM_KERNEL_TC=0: f16/bf16 attention on CUDA cores instead of tensor cores,
 #      autotune = AAM_DENSE_MATMUL=autotune: the dense layers' products on Burn's autotuned
-#      matmul instead of the validated kernels,
+#      matmul (all of CubeCL's kernels) instead of autotune over the validated ones,
+#      validated = AAM_DENSE_MATMUL=validated: the first validated kernel that runs, no autotune,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
@@ -61,6 +62,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       burndrop) vars="$vars AAM_DROPOUT=burn" ;;
       tc0) vars="$vars AAM_KERNEL_TC=0" ;;
       autotune) vars="$vars AAM_DENSE_MATMUL=autotune" ;;
+      validated) vars="$vars AAM_DENSE_MATMUL=validated" ;;
       allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac

@@ -114,6 +114,28 @@ impl<B: AttentionBackend> Backward<B, 1> for GeluExactBackward {
     }
 }
 
+/// The fused GELU and dropout's backward: keeps `x` (as [`GeluExactBackward`])
+/// and the dropout's seed, and draws the mask again.
+#[derive(Debug)]
+struct GeluExactDropoutBackward;
+
+impl<B: AttentionBackend> Backward<B, 1> for GeluExactDropoutBackward {
+    type State = (NodeId, AttentionDropout);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let (x, dropout) = ops.state;
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::gelu_exact_dropout_backward(x, grad, dropout)
+        });
+    }
+}
+
 /// Seeded dropout's backward: the same mask on the output gradient, drawn
 /// again from the seed (nothing kept).
 #[derive(Debug)]
@@ -358,6 +380,23 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                 prep.finish(state, B::gelu_exact(x.primitive))
             }
             OpsKind::UnTracked(prep) => prep.finish(B::gelu_exact(x.primitive)),
+        }
+    }
+
+    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        match GeluExactDropoutBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let state = prep.checkpoint(&x);
+                prep.finish(
+                    (state, dropout),
+                    B::gelu_exact_dropout(x.primitive, dropout),
+                )
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gelu_exact_dropout(x.primitive, dropout)),
         }
     }
 

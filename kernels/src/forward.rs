@@ -720,40 +720,23 @@ where
     }
 
     fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        let x = into_contiguous(x);
-        let shape = x.meta.shape().clone();
-        let elements = shape.num_elements();
-        let client = x.client.clone();
-        let y = empty(&x, shape, x.dtype);
-        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
-        gelu_elements::launch::<R>(
-            &client,
-            cubes,
-            cube_dim,
-            x.clone().into_tensor_arg(),
-            y.clone().into_tensor_arg(),
-            x.dtype.into(),
-        );
-        y
+        gelu_launch(x, AttentionDropout::NONE)
     }
 
     fn gelu_exact_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
-        let [x, dy] = [x, dy].map(into_contiguous);
-        let shape = dy.meta.shape().clone();
-        let elements = shape.num_elements();
-        let client = dy.client.clone();
-        let dx = empty(&dy, shape, dy.dtype);
-        let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
-        gelu_backward_elements::launch::<R>(
-            &client,
-            cubes,
-            cube_dim,
-            x.into_tensor_arg(),
-            dy.clone().into_tensor_arg(),
-            dx.clone().into_tensor_arg(),
-            dy.dtype.into(),
-        );
-        dx
+        gelu_backward_launch(x, dy, AttentionDropout::NONE)
+    }
+
+    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        gelu_launch(x, dropout)
+    }
+
+    fn gelu_exact_dropout_backward(
+        x: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        gelu_backward_launch(x, dy, dropout)
     }
 
     fn layer_norm_with_stats(
@@ -1227,6 +1210,72 @@ fn scalar_backward<R, F, I, BT>(
 
 /// One launch of [`dropout_elements`]: the seeded dropout of contiguous `x`,
 /// plus contiguous `residual` where given.
+/// [`gelu_elements`] on `x` (made contiguous), with the seeded dropout of
+/// its output when `dropout.prob > 0`.
+fn gelu_launch<R: CubeRuntime>(x: CubeTensor<R>, dropout: AttentionDropout) -> CubeTensor<R> {
+    let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
+    let x = into_contiguous(x);
+    let shape = x.meta.shape().clone();
+    let elements = dropout_elements_count(&shape);
+    let client = x.client.clone();
+    let y = empty(&x, shape, x.dtype);
+    let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
+    gelu_elements::launch::<R>(
+        &client,
+        cubes,
+        cube_dim,
+        x.clone().into_tensor_arg(),
+        y.clone().into_tensor_arg(),
+        threshold,
+        scale,
+        seed,
+        use_dropout,
+        x.dtype.into(),
+    );
+    y
+}
+
+/// [`gelu_backward_elements`]: `x`'s gradient from `dy`, through
+/// [`gelu_launch`]'s dropout mask when `dropout.prob > 0`.
+fn gelu_backward_launch<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    dy: CubeTensor<R>,
+    dropout: AttentionDropout,
+) -> CubeTensor<R> {
+    let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
+    let [x, dy] = [x, dy].map(into_contiguous);
+    let shape = dy.meta.shape().clone();
+    let elements = dropout_elements_count(&shape);
+    let client = dy.client.clone();
+    let dx = empty(&dy, shape, dy.dtype);
+    let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
+    gelu_backward_elements::launch::<R>(
+        &client,
+        cubes,
+        cube_dim,
+        x.into_tensor_arg(),
+        dy.clone().into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        threshold,
+        scale,
+        seed,
+        use_dropout,
+        dy.dtype.into(),
+    );
+    dx
+}
+
+/// The elements of a tensor whose dropout mask is hashed from the element
+/// index (a u32 in the kernels).
+fn dropout_elements_count(shape: &Shape) -> usize {
+    let elements = shape.num_elements();
+    assert!(
+        elements <= u32::MAX as usize,
+        "dropout: {elements} elements exceed the kernel's u32 index"
+    );
+    elements
+}
+
 fn seeded_dropout_launch<R: CubeRuntime>(
     x: CubeTensor<R>,
     residual: Option<CubeTensor<R>>,
@@ -1234,12 +1283,7 @@ fn seeded_dropout_launch<R: CubeRuntime>(
 ) -> CubeTensor<R> {
     let (_, threshold, scale, seed) = dropout_args(dropout);
     let shape = x.meta.shape().clone();
-    let elements = shape.num_elements();
-    // The hash is keyed by a u32 index.
-    assert!(
-        elements <= u32::MAX as usize,
-        "dropout: {elements} elements exceed the kernel's u32 index"
-    );
+    let elements = dropout_elements_count(&shape);
     let client = x.client.clone();
     let out = empty(&x, shape, x.dtype);
     let (cubes, cube_dim) = one_unit_each(&client, elements, 256);
@@ -1303,6 +1347,12 @@ fn dense_matmul_choice() -> DenseMatmul {
 ///   ~5,000x too large and real-data pretraining on CUDA diverged.
 /// - `double_unit` with a transposed right operand (CUDA and lavapipe,
 ///   e.g. `[1000, 24]·[24, 16]`, relative error 0.1-1.5).
+/// - `double_cyclic_mma` (specialized) with a transposed right operand and
+///   an inner size 32 more than a multiple of 64 (on an H100: relative
+///   error 0.13-5 at `[128, 1952]·[1952, 512]ᵀ`, `[40, 608]·[608, 16]ᵀ` and
+///   `[24, 96]·[96, 40]ᵀ`; twenty-second session). It is the fastest kernel
+///   on the weight gradient's leftover rows, and was on this list until
+///   `kernels/tests/matmul_kernels.rs` caught it.
 ///
 /// Autotune over this list is safe because every member is right wherever
 /// it runs, whichever wins a bucket. The unit kernel comes first: it runs
@@ -1312,7 +1362,6 @@ fn dense_matmul_choice() -> DenseMatmul {
 pub fn dense_matmul_candidates() -> Vec<cubek::matmul::launch::Strategy> {
     use cubek::matmul::components::tile::TileMatmulKind::{Cmma, Mma};
     use cubek::matmul::launch::Strategy;
-    use cubek::matmul::routines::double_buffering::DoubleBufferingArgs;
     use cubek::matmul::routines::{simple::SimpleArgs, BlueprintStrategy::Inferred};
 
     let simple = |tile_matmul| SimpleArgs {
@@ -1324,10 +1373,6 @@ pub fn dense_matmul_candidates() -> Vec<cubek::matmul::launch::Strategy> {
         Strategy::SimpleCyclicCmma(Inferred(simple(Cmma))),
         Strategy::SimpleTmaMma(Inferred(simple(Mma))),
         Strategy::SpecializedTmaMma(Inferred(().into())),
-        Strategy::DoubleCyclicMma(Inferred(DoubleBufferingArgs {
-            specialized: true,
-            tile_matmul: Mma,
-        })),
     ]
 }
 

@@ -295,6 +295,37 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         .expect("gelu gradient")
     }
 
+    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+        let like = (x.shape.clone(), x.dtype);
+        float_op::<B>("aam_gelu_dropout", vec![x], vec![like], move |inputs| {
+            vec![B::gelu_exact_dropout(
+                inputs.into_iter().next().expect("x"),
+                dropout,
+            )]
+        })
+        .pop()
+        .expect("gelu dropout output")
+    }
+
+    fn gelu_exact_dropout_backward(
+        x: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let like = (dy.shape.clone(), dy.dtype);
+        float_op::<B>(
+            "aam_gelu_dropout_backward",
+            vec![x, dy],
+            vec![like],
+            move |inputs| {
+                let [x, dy] = <[_; 2]>::try_from(inputs).expect("two inputs");
+                vec![B::gelu_exact_dropout_backward(x, dy, dropout)]
+            },
+        )
+        .pop()
+        .expect("gelu dropout gradient")
+    }
+
     fn layer_norm_with_stats(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,

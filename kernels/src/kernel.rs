@@ -1193,28 +1193,49 @@ pub fn sum_partials<F: Float>(
     }
 }
 
-/// Exact GELU per element, `y = x·Φ(x)`, `Φ(x) = ½·(1 + erf(x/√2))`, in f32.
+/// Exact GELU per element, `y = x·Φ(x)`, `Φ(x) = ½·(1 + erf(x/√2))`, in f32;
+/// with `use_dropout`, then the seeded dropout of `y` ([`dropout_elements`]'
+/// mask for the same seed): the feed-forward's activation and its dropout
+/// in one pass over the layer's widest activation instead of two.
 ///
 /// Launch: one unit per element, cubes from `calculate_cube_count_elemwise`.
 #[cube(launch)]
-pub fn gelu_elements<F: Float>(x: &Tensor<F>, y: &mut Tensor<F>, #[define(F)] _dtype: StorageType) {
+pub fn gelu_elements<F: Float>(
+    x: &Tensor<F>,
+    y: &mut Tensor<F>,
+    threshold: u32,
+    scale: f32,
+    seed: u32,
+    #[comptime] use_dropout: bool,
+    #[define(F)] _dtype: StorageType,
+) {
     let i = ABSOLUTE_POS;
     if i < y.len() {
         let v = f32::cast_from(x[i]);
         let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
-        y[i] = F::cast_from(v * cdf);
+        let mut out = v * cdf;
+        if use_dropout {
+            out = select(element_keep(seed, i as u32, threshold), out * scale, 0.0f32);
+        }
+        y[i] = F::cast_from(out);
     }
 }
 
 /// Exact GELU's input gradient per element, `dx = dy·(Φ(x) + x·φ(x))`,
-/// `φ(x) = exp(−x²/2)/√(2π)`, in f32.
+/// `φ(x) = exp(−x²/2)/√(2π)`, in f32; with `use_dropout`, `dy` first goes
+/// through the forward's dropout mask (drawn again from `seed`).
 ///
 /// Launch: one unit per element.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn gelu_backward_elements<F: Float>(
     x: &Tensor<F>,
     dy: &Tensor<F>,
     dx: &mut Tensor<F>,
+    threshold: u32,
+    scale: f32,
+    seed: u32,
+    #[comptime] use_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
@@ -1222,6 +1243,10 @@ pub fn gelu_backward_elements<F: Float>(
         let v = f32::cast_from(x[i]);
         let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
         let pdf = f32::exp(-0.5f32 * v * v) * 0.398_942_3f32;
-        dx[i] = F::cast_from(f32::cast_from(dy[i]) * (cdf + v * pdf));
+        let mut g = f32::cast_from(dy[i]);
+        if use_dropout {
+            g = select(element_keep(seed, i as u32, threshold), g * scale, 0.0f32);
+        }
+        dx[i] = F::cast_from(g * (cdf + v * pdf));
     }
 }

@@ -4,6 +4,9 @@
 //! input gradient of `gelu_exact` under autodiff, over a range that covers both
 //! tails, at sizes around a cube's 256 units.
 //!
+//! The fused GELU and dropout (`aam_kernels::gelu_dropout`) against the two
+//! ops with the same seed, values and input gradient.
+//!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver). With `fusion`
 //! the kernels run as custom ops of Burn's fusion stream.
@@ -11,7 +14,7 @@
 
 mod common;
 
-use aam_kernels::AttentionBackend;
+use aam_kernels::{AttentionBackend, AttentionDropout};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorPrimitive;
@@ -47,5 +50,44 @@ fn gelu_kernels_match_the_ops() {
             let err = rel(&got[i], &want[i]);
             assert!(err <= 2e-6, "n {n}: {name} off by {err:e}");
         }
+    }
+}
+
+/// `gelu_dropout(x)` and `dropout(gelu(x))` with one seed: the same values
+/// (one kernel against two, the same hash of the element index) and the same
+/// input gradient (the fused backward draws the mask again), about `p` of
+/// the outputs dropped.
+#[test]
+fn gelu_dropout_is_the_dropout_of_gelu_both_ways() {
+    let drop = AttentionDropout {
+        prob: 0.25,
+        seed: 77,
+    };
+    let mut rng = Rng::new(14);
+    let n = 20_000;
+    let x: Vec<f32> = (0..n).map(|_| 2.0 * rng.normal()).collect();
+    let dy: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+    let run = |fused: bool| -> [Vec<f32>; 2] {
+        let device = Default::default();
+        let x = Tensor::<GpuAd, 2>::from_data(TensorData::new(x.clone(), [n / 100, 100]), &device)
+            .require_grad();
+        let dy = Tensor::<GpuAd, 2>::from_data(TensorData::new(dy.clone(), [n / 100, 100]), &device);
+        let y = if fused {
+            aam_kernels::gelu_dropout(x.clone(), drop)
+        } else {
+            let gelu: Tensor<GpuAd, 2> = Tensor::from_primitive(TensorPrimitive::Float(
+                GpuAd::gelu_exact(x.clone().into_primitive().tensor()),
+            ));
+            aam_kernels::dropout(gelu, drop)
+        };
+        let grads = (y.clone() * dy).sum().backward();
+        [values(y), values(x.grad(&grads).expect("dx"))]
+    };
+    let (fused, split) = (run(true), run(false));
+    let dropped = fused[0].iter().filter(|v| **v == 0.0).count() as f64 / n as f64;
+    assert!((dropped - 0.25).abs() < 0.02, "dropped {dropped}");
+    for (i, name) in ["y", "dx"].iter().enumerate() {
+        let err = rel(&fused[i], &split[i]);
+        assert!(err <= 1e-6, "{name}: fused off the two ops by {err:e}");
     }
 }

@@ -192,6 +192,28 @@ impl Activation {
             Activation::Relu => activation::relu(x),
         }
     }
+
+    /// `dropout.forward(activation(x))` (dropout active only while autodiff
+    /// is on, as [`dropout`]): with exact GELU one op on the CubeCL backends
+    /// ([`aam_kernels::gelu_dropout`]), the same values and mask as the two.
+    pub fn forward_dropout<B: AttentionBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        dropout: &burn::nn::Dropout,
+    ) -> Tensor<B, D> {
+        match self {
+            Activation::Gelu if B::ad_enabled(&x.device()) && dropout.prob > 0.0 => {
+                aam_kernels::gelu_dropout(
+                    x,
+                    aam_kernels::AttentionDropout {
+                        prob: dropout.prob,
+                        seed: crate::attention::next_dropout_seed(),
+                    },
+                )
+            }
+            _ => self::dropout(dropout, self.forward(x)),
+        }
+    }
 }
 
 /// Exact GELU, `x·Φ(x) = ½·x·(1 + erf(x/√2))`, as `nn.GELU()`, value and

@@ -12,7 +12,7 @@ use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
 use crate::nn::{
-    dropout, dropout_add, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+    dropout_add, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
 use crate::precision::{cast_to, compute_dtype};
 
@@ -100,10 +100,11 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
         // and scales the f32 values of the low-precision output.
         let x = dropout_add(&self.dropout1, x, back(attn));
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
-        let h = self
-            .activation
-            .forward(self.linear1.forward(low(self.norm2.forward(x.clone()))));
-        let ff = self.linear2.forward(dropout(&self.dropout, h));
+        let h = self.activation.forward_dropout(
+            self.linear1.forward(low(self.norm2.forward(x.clone()))),
+            &self.dropout,
+        );
+        let ff = self.linear2.forward(h);
         dropout_add(&self.dropout2, x, back(ff))
     }
 }
