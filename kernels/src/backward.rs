@@ -265,6 +265,65 @@ impl<B: AttentionBackend> Backward<B, 2> for DenseBackward {
     }
 }
 
+/// The backward of [`AttentionBackend::gelu_dropout_dense`]: recomputes the
+/// activation from `h` (the only activation the node keeps), then the dense
+/// layer's backward on it, then the fused GELU and dropout's. `N` is 3 with
+/// a bias, 2 without.
+#[derive(Debug)]
+struct GeluDropoutDenseBackward;
+
+impl GeluDropoutDenseBackward {
+    fn run<B: AttentionBackend, const N: usize>(
+        ops: Ops<(NodeId, NodeId, AttentionDropout), N>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (h_state, w_state, dropout) = ops.state;
+        let h: FloatTensor<B> = checkpointer.retrieve_node_output(h_state);
+        let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
+        let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
+        let activation = B::gelu_exact_dropout(h.clone(), dropout);
+        let (da, dw, db) = B::dense_backward(activation, w, dy, want);
+        let parents = &ops.parents;
+        if let (Some(node), Some(da)) = (&parents[0], da) {
+            grads.register::<B>(node.id, B::gelu_exact_dropout_backward(h, da, dropout));
+        }
+        if let (Some(node), Some(dw)) = (&parents[1], dw) {
+            grads.register::<B>(node.id, dw);
+        }
+        if let (Some(Some(node)), Some(db)) = (parents.get(2), db) {
+            grads.register::<B>(node.id, db);
+        }
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 3> for GeluDropoutDenseBackward {
+    type State = (NodeId, NodeId, AttentionDropout);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 3>(ops, grads, checkpointer);
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 2> for GeluDropoutDenseBackward {
+    type State = (NodeId, NodeId, AttentionDropout);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 2>(ops, grads, checkpointer);
+    }
+}
+
 /// LayerNorm's closed-form backward (`norm.rs`). `N` is 3 with a shift, 2
 /// without.
 #[derive(Debug)]
@@ -495,6 +554,48 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                 }
                 OpsKind::UnTracked(prep) => {
                     prep.finish(B::dense(x.primitive, weight.primitive, None))
+                }
+            },
+        }
+    }
+
+    fn gelu_dropout_dense(
+        h: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        let forward = |h, w, b| B::gelu_dropout_dense(h, w, b, dropout);
+        match bias {
+            Some(bias) => match GeluDropoutDenseBackward
+                .prepare::<C>([h.node.clone(), weight.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&h), prep.checkpoint(&weight), dropout);
+                    prep.finish(
+                        state,
+                        forward(h.primitive, weight.primitive, Some(bias.primitive)),
+                    )
+                }
+                OpsKind::UnTracked(prep) => prep.finish(forward(
+                    h.primitive,
+                    weight.primitive,
+                    Some(bias.primitive),
+                )),
+            },
+            None => match GeluDropoutDenseBackward
+                .prepare::<C>([h.node.clone(), weight.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&h), prep.checkpoint(&weight), dropout);
+                    prep.finish(state, forward(h.primitive, weight.primitive, None))
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(forward(h.primitive, weight.primitive, None))
                 }
             },
         }

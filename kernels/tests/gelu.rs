@@ -91,3 +91,51 @@ fn gelu_dropout_is_the_dropout_of_gelu_both_ways() {
         assert!(err <= 1e-6, "{name}: fused off the two ops by {err:e}");
     }
 }
+
+/// `gelu_dropout_dense(h, w, b)` (one autodiff node that keeps `h` and
+/// recomputes the activation in its backward) and `dense(gelu_dropout(h),
+/// w, b)` with one seed: the same output and the same gradients of `h`, `w`
+/// and `b`, with and without a bias.
+#[test]
+fn gelu_dropout_dense_is_the_dense_of_gelu_dropout_both_ways() {
+    let drop = AttentionDropout {
+        prob: 0.2,
+        seed: 5,
+    };
+    let (m, f, n) = (300, 64, 24);
+    let mut rng = Rng::new(15);
+    let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal()).collect() };
+    let (h, w, b, dy) = (draw(m * f), draw(n * f), draw(n), draw(m * n));
+    for with_bias in [true, false] {
+        let run = |fused: bool| -> Vec<Vec<f32>> {
+            let device = Default::default();
+            let tensor = |v: &Vec<f32>, shape: [usize; 2]| {
+                Tensor::<GpuAd, 2>::from_data(TensorData::new(v.clone(), shape), &device)
+            };
+            let h = tensor(&h, [m, f]).require_grad();
+            let w = tensor(&w, [n, f]).require_grad();
+            let b = tensor(&b, [1, n]).reshape([n]).require_grad();
+            let bias = with_bias.then(|| b.clone());
+            let y = if fused {
+                aam_kernels::gelu_dropout_dense(h.clone(), w.clone(), bias, drop)
+            } else {
+                aam_kernels::dense(aam_kernels::gelu_dropout(h.clone(), drop), w.clone(), bias)
+            };
+            let grads = (y.clone() * tensor(&dy, [m, n])).sum().backward();
+            let mut out = vec![values(y), values(h.grad(&grads).expect("dh"))];
+            out.push(values(w.grad(&grads).expect("dw")));
+            if with_bias {
+                out.push(values(b.grad(&grads).expect("db")));
+            }
+            out
+        };
+        let (fused, split) = (run(true), run(false));
+        for (i, name) in ["y", "dh", "dw", "db"].iter().take(fused.len()).enumerate() {
+            let err = rel(&fused[i], &split[i]);
+            assert!(
+                err <= 1e-6,
+                "bias {with_bias}: {name}: fused off the ops by {err:e}"
+            );
+        }
+    }
+}

@@ -86,6 +86,45 @@ impl<B: AttentionBackend> Linear<B> {
             self.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
         )
     }
+
+    /// `self.forward(dropout.forward(activation.forward(input)))`, a
+    /// feed-forward layer's second half (dropout active only while autodiff
+    /// is on, as [`dropout`]). With exact GELU in training, one op
+    /// ([`aam_kernels::gelu_dropout_dense`]): on the CubeCL backends its
+    /// autodiff node keeps `input` and recomputes the activation in the
+    /// backward pass instead of keeping it (a quarter less memory per
+    /// layer), with the same values and dropout mask as the ops.
+    ///
+    /// # Shapes
+    /// - input: `[..., d_input]`
+    /// - output: `[..., d_output]`
+    pub fn forward_activated<const D: usize>(
+        &self,
+        input: Tensor<B, D>,
+        activation: Activation,
+        dropout: &burn::nn::Dropout,
+    ) -> Tensor<B, D> {
+        let training = B::ad_enabled(&input.device()) && dropout.prob > 0.0;
+        if activation != Activation::Gelu || !training {
+            return self.forward(self::dropout(dropout, activation.forward(input)));
+        }
+        let dtype = input.dtype();
+        let dims = input.dims();
+        let [d_output, d_input] = self.weight.dims();
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let y = aam_kernels::gelu_dropout_dense(
+            input.reshape([rows, d_input]),
+            cast_to(self.weight.val(), dtype),
+            self.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
+            aam_kernels::AttentionDropout {
+                prob: dropout.prob,
+                seed: crate::attention::next_dropout_seed(),
+            },
+        );
+        let mut out = dims;
+        out[D - 1] = d_output;
+        y.reshape(out)
+    }
 }
 
 /// `y = x·Wᵀ + b` over the last axis, with `weight` in torch layout.
@@ -190,28 +229,6 @@ impl Activation {
         match self {
             Activation::Gelu => gelu(x),
             Activation::Relu => activation::relu(x),
-        }
-    }
-
-    /// `dropout.forward(activation(x))` (dropout active only while autodiff
-    /// is on, as [`dropout`]): with exact GELU one op on the CubeCL backends
-    /// ([`aam_kernels::gelu_dropout`]), the same values and mask as the two.
-    pub fn forward_dropout<B: AttentionBackend, const D: usize>(
-        &self,
-        x: Tensor<B, D>,
-        dropout: &burn::nn::Dropout,
-    ) -> Tensor<B, D> {
-        match self {
-            Activation::Gelu if B::ad_enabled(&x.device()) && dropout.prob > 0.0 => {
-                aam_kernels::gelu_dropout(
-                    x,
-                    aam_kernels::AttentionDropout {
-                        prob: dropout.prob,
-                        seed: crate::attention::next_dropout_seed(),
-                    },
-                )
-            }
-            _ => self::dropout(dropout, self.forward(x)),
         }
     }
 }

@@ -100,11 +100,12 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
         // and scales the f32 values of the low-precision output.
         let x = dropout_add(&self.dropout1, x, back(attn));
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
-        let h = self.activation.forward_dropout(
-            self.linear1.forward(low(self.norm2.forward(x.clone()))),
-            &self.dropout,
-        );
-        let ff = self.linear2.forward(h);
+        let h = self
+            .linear1
+            .forward(low(self.norm2.forward(x.clone())));
+        let ff = self
+            .linear2
+            .forward_activated(h, self.activation, &self.dropout);
         dropout_add(&self.dropout2, x, back(ff))
     }
 }
