@@ -579,11 +579,9 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                         forward(h.primitive, weight.primitive, Some(bias.primitive)),
                     )
                 }
-                OpsKind::UnTracked(prep) => prep.finish(forward(
-                    h.primitive,
-                    weight.primitive,
-                    Some(bias.primitive),
-                )),
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(forward(h.primitive, weight.primitive, Some(bias.primitive)))
+                }
             },
             None => match GeluDropoutDenseBackward
                 .prepare::<C>([h.node.clone(), weight.node.clone()])

@@ -1384,8 +1384,7 @@ fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeT
     use cubek::matmul::launch::MatmulAutotuneKey;
 
     type Operands<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
-    static TUNER: LocalTuner<MatmulAutotuneKey, cubecl::CubeTuneId> =
-        local_tuner!("dense-matmul");
+    static TUNER: LocalTuner<MatmulAutotuneKey, cubecl::CubeTuneId> = local_tuner!("dense-matmul");
 
     let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, lhs.dtype);
     let client = lhs.client.clone();

@@ -305,8 +305,7 @@ pub fn attention_forward<F: Float>(
                     let mut weight = p;
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
-                        let keep =
-                            dropout_keep(head_key, row as u32, col, dropout_threshold);
+                        let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
                         weight = select(keep, p * dropout_scale, 0.0f32);
                     }
                     let at = jj * stride + first_quad;
@@ -639,8 +638,7 @@ pub fn attention_backward_dq<F: Float>(
                     let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
-                        let keep =
-                            dropout_keep(head_key, row as u32, col, dropout_threshold);
+                        let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
                         dp = select(keep, dp * dropout_scale, 0.0f32);
                     }
                     let ds = p * (dp - row_delta);

@@ -247,8 +247,7 @@ pub fn attention_forward_tc<F: Float>(
                         let mut weight = p;
                         if use_dropout {
                             let col = (t * tile_keys + key) as u32;
-                            let keep =
-                                dropout_keep(head_key, row as u32, col, dropout_threshold);
+                            let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
                             weight = select(keep, p * dropout_scale, 0.0f32);
                         }
                         p_block[my_weights + j * units_per_row] = F::cast_from(weight);
@@ -774,8 +773,7 @@ pub fn attention_backward_dq_tc<F: Float>(
                         let mut dp_ij = scratch[my_scores + j * units_per_row];
                         if use_dropout {
                             let col = (t * tile_keys + first_key + j * units_per_row) as u32;
-                            let keep =
-                                dropout_keep(head_key, row as u32, col, dropout_threshold);
+                            let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
                             dp_ij = select(keep, dp_ij * dropout_scale, 0.0f32);
                         }
                         ds_block[my_weights + j * units_per_row] =
@@ -986,8 +984,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         let mut kept = p;
                         if use_dropout {
                             let i = (start + first_q + j * units_per_row) as u32;
-                            let keep =
-                                dropout_keep(head_key, i, key as u32, dropout_threshold);
+                            let keep = dropout_keep(head_key, i, key as u32, dropout_threshold);
                             kept = select(keep, p * dropout_scale, 0.0f32);
                         }
                         w_block[my_weights + j * units_per_row] = F::cast_from(kept);
@@ -1010,8 +1007,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         let mut dp = scratch[my_scores + j * units_per_row];
                         if use_dropout {
                             let i = (start + first_q + j * units_per_row) as u32;
-                            let keep =
-                                dropout_keep(head_key, i, key as u32, dropout_threshold);
+                            let keep = dropout_keep(head_key, i, key as u32, dropout_threshold);
                             dp = select(keep, dp * dropout_scale, 0.0f32);
                         }
                         w_block[my_weights + j * units_per_row] =

@@ -90,7 +90,10 @@ fn dropout_mask_drops_about_p_without_structure() {
         sum / count
     };
     let overall = fraction(&mut dropped.iter().copied());
-    assert!((overall - prob).abs() < 0.005, "dropped {overall}, want {prob}");
+    assert!(
+        (overall - prob).abs() < 0.005,
+        "dropped {overall}, want {prob}"
+    );
     for head in 0..heads {
         let f = fraction(&mut (0..t * t).map(|c| at(head, c / t, c % t)));
         assert!((f - prob).abs() < 0.06, "head {head}: dropped {f}");
@@ -116,9 +119,18 @@ fn dropout_mask_drops_about_p_without_structure() {
     };
     for (what, r) in [
         ("next row", correlation(&|hd, i, j| at(hd, i + 1, j), heads)),
-        ("next column", correlation(&|hd, i, j| at(hd, i, j + 1), heads)),
-        ("next head", correlation(&|hd, i, j| at(hd + 1, i, j), heads - 1)),
-        ("next row and column", correlation(&|hd, i, j| at(hd, i + 1, j + 1), heads)),
+        (
+            "next column",
+            correlation(&|hd, i, j| at(hd, i, j + 1), heads),
+        ),
+        (
+            "next head",
+            correlation(&|hd, i, j| at(hd + 1, i, j), heads - 1),
+        ),
+        (
+            "next row and column",
+            correlation(&|hd, i, j| at(hd, i + 1, j + 1), heads),
+        ),
     ] {
         assert!(r.abs() < 0.015, "{what}: correlation {r}");
     }

@@ -71,7 +71,8 @@ fn gelu_dropout_is_the_dropout_of_gelu_both_ways() {
         let device = Default::default();
         let x = Tensor::<GpuAd, 2>::from_data(TensorData::new(x.clone(), [n / 100, 100]), &device)
             .require_grad();
-        let dy = Tensor::<GpuAd, 2>::from_data(TensorData::new(dy.clone(), [n / 100, 100]), &device);
+        let dy =
+            Tensor::<GpuAd, 2>::from_data(TensorData::new(dy.clone(), [n / 100, 100]), &device);
         let y = if fused {
             aam_kernels::gelu_dropout(x.clone(), drop)
         } else {
@@ -98,10 +99,7 @@ fn gelu_dropout_is_the_dropout_of_gelu_both_ways() {
 /// and `b`, with and without a bias.
 #[test]
 fn gelu_dropout_dense_is_the_dense_of_gelu_dropout_both_ways() {
-    let drop = AttentionDropout {
-        prob: 0.2,
-        seed: 5,
-    };
+    let drop = AttentionDropout { prob: 0.2, seed: 5 };
     let (m, f, n) = (300, 64, 24);
     let mut rng = Rng::new(15);
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal()).collect() };

@@ -203,7 +203,9 @@ fn listed_kernels_over_inner_sizes_modulo_64() {
                 if let Some(got) = launched(&strategy, a, b) {
                     let err = rel(&got, &want);
                     if err > RTOL {
-                        failures.push(format!("{strategy} k {k} lhsT {lhs_t} rhsT {rhs_t}: {err:.1e}"));
+                        failures.push(format!(
+                            "{strategy} k {k} lhsT {lhs_t} rhsT {rhs_t}: {err:.1e}"
+                        ));
                     }
                 }
             }

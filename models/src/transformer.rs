@@ -11,9 +11,7 @@ use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 
 use crate::attention::{AttnImplementation, MultiheadAttention, MultiheadAttentionConfig};
-use crate::nn::{
-    dropout_add, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig,
-};
+use crate::nn::{dropout_add, Activation, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use crate::precision::{cast_to, compute_dtype};
 
 /// Configuration of one [`TransformerEncoderLayer`].
@@ -100,9 +98,7 @@ impl<B: AttentionBackend> TransformerEncoderLayer<B> {
         // and scales the f32 values of the low-precision output.
         let x = dropout_add(&self.dropout1, x, back(attn));
         // 4-6. x = x + dropout(linear2(dropout(act(linear1(LN2(x))))))
-        let h = self
-            .linear1
-            .forward(low(self.norm2.forward(x.clone())));
+        let h = self.linear1.forward(low(self.norm2.forward(x.clone())));
         let ff = self
             .linear2
             .forward_activated(h, self.activation, &self.dropout);
