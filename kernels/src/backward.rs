@@ -211,23 +211,40 @@ impl<B: AttentionBackend> Backward<B, 2> for UnpackRowsBackward {
 
 /// The dense layer's backward (`dense.rs`): `dx = dy·w`, and `dw`, `db`
 /// summed over the rows in parts. `N` is 3 with a bias, 2 without.
+///
+/// The state's dropout is `Some` for [`AttentionBackend::gelu_dropout_dense`]:
+/// then the node kept `h`, not the layer's input, and the backward
+/// recomputes the input `gelu_exact_dropout(h)` for the weight gradient and
+/// takes `dh` through the fused GELU and dropout's backward.
 #[derive(Debug)]
 struct DenseBackward;
 
+/// What [`DenseBackward`] keeps: the input (or `h`), the weight, and the
+/// dropout of a fused GELU before the layer.
+type DenseSaved = (NodeId, NodeId, Option<AttentionDropout>);
+
 impl DenseBackward {
     fn run<B: AttentionBackend, const N: usize>(
-        ops: Ops<(NodeId, NodeId), N>,
+        ops: Ops<DenseSaved, N>,
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
         let dy = grads.consume::<B>(&ops.node);
-        let (x_state, w_state) = ops.state;
-        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
+        let (x_state, w_state, activation) = ops.state;
+        let kept: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
         let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
         let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
+        let x = match activation {
+            Some(dropout) => B::gelu_exact_dropout(kept.clone(), dropout),
+            None => kept.clone(),
+        };
         let (dx, dw, db) = B::dense_backward(x, w, dy, want);
         let parents = &ops.parents;
         if let (Some(node), Some(dx)) = (&parents[0], dx) {
+            let dx = match activation {
+                Some(dropout) => B::gelu_exact_dropout_backward(kept, dx, dropout),
+                None => dx,
+            };
             grads.register::<B>(node.id, dx);
         }
         if let (Some(node), Some(dw)) = (&parents[1], dw) {
@@ -237,10 +254,56 @@ impl DenseBackward {
             grads.register::<B>(node.id, db);
         }
     }
+
+    /// The node for `forward(x, weight, bias)`, keeping `x` and `weight`
+    /// (`activation`: see [`DenseBackward`]).
+    fn track<B, C>(
+        x: FloatTensor<Autodiff<B, C>>,
+        weight: FloatTensor<Autodiff<B, C>>,
+        bias: Option<FloatTensor<Autodiff<B, C>>>,
+        activation: Option<AttentionDropout>,
+        forward: impl FnOnce(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) -> FloatTensor<B>,
+    ) -> FloatTensor<Autodiff<B, C>>
+    where
+        B: AttentionBackend,
+        C: CheckpointStrategy,
+    {
+        match bias {
+            Some(bias) => match DenseBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight), activation);
+                    prep.finish(
+                        state,
+                        forward(x.primitive, weight.primitive, Some(bias.primitive)),
+                    )
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(forward(x.primitive, weight.primitive, Some(bias.primitive)))
+                }
+            },
+            None => match DenseBackward
+                .prepare::<C>([x.node.clone(), weight.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight), activation);
+                    prep.finish(state, forward(x.primitive, weight.primitive, None))
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(forward(x.primitive, weight.primitive, None))
+                }
+            },
+        }
+    }
 }
 
 impl<B: AttentionBackend> Backward<B, 3> for DenseBackward {
-    type State = (NodeId, NodeId);
+    type State = DenseSaved;
 
     fn backward(
         self,
@@ -253,66 +316,7 @@ impl<B: AttentionBackend> Backward<B, 3> for DenseBackward {
 }
 
 impl<B: AttentionBackend> Backward<B, 2> for DenseBackward {
-    type State = (NodeId, NodeId);
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 2>(ops, grads, checkpointer);
-    }
-}
-
-/// The backward of [`AttentionBackend::gelu_dropout_dense`]: recomputes the
-/// activation from `h` (the only activation the node keeps), then the dense
-/// layer's backward on it, then the fused GELU and dropout's. `N` is 3 with
-/// a bias, 2 without.
-#[derive(Debug)]
-struct GeluDropoutDenseBackward;
-
-impl GeluDropoutDenseBackward {
-    fn run<B: AttentionBackend, const N: usize>(
-        ops: Ops<(NodeId, NodeId, AttentionDropout), N>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        let dy = grads.consume::<B>(&ops.node);
-        let (h_state, w_state, dropout) = ops.state;
-        let h: FloatTensor<B> = checkpointer.retrieve_node_output(h_state);
-        let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
-        let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
-        let activation = B::gelu_exact_dropout(h.clone(), dropout);
-        let (da, dw, db) = B::dense_backward(activation, w, dy, want);
-        let parents = &ops.parents;
-        if let (Some(node), Some(da)) = (&parents[0], da) {
-            grads.register::<B>(node.id, B::gelu_exact_dropout_backward(h, da, dropout));
-        }
-        if let (Some(node), Some(dw)) = (&parents[1], dw) {
-            grads.register::<B>(node.id, dw);
-        }
-        if let (Some(Some(node)), Some(db)) = (parents.get(2), db) {
-            grads.register::<B>(node.id, db);
-        }
-    }
-}
-
-impl<B: AttentionBackend> Backward<B, 3> for GeluDropoutDenseBackward {
-    type State = (NodeId, NodeId, AttentionDropout);
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 3>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 3>(ops, grads, checkpointer);
-    }
-}
-
-impl<B: AttentionBackend> Backward<B, 2> for GeluDropoutDenseBackward {
-    type State = (NodeId, NodeId, AttentionDropout);
+    type State = DenseSaved;
 
     fn backward(
         self,
@@ -524,39 +528,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        match bias {
-            Some(bias) => match DenseBackward
-                .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
-                    prep.finish(
-                        state,
-                        B::dense(x.primitive, weight.primitive, Some(bias.primitive)),
-                    )
-                }
-                OpsKind::UnTracked(prep) => prep.finish(B::dense(
-                    x.primitive,
-                    weight.primitive,
-                    Some(bias.primitive),
-                )),
-            },
-            None => match DenseBackward
-                .prepare::<C>([x.node.clone(), weight.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
-                    prep.finish(state, B::dense(x.primitive, weight.primitive, None))
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(B::dense(x.primitive, weight.primitive, None))
-                }
-            },
-        }
+        DenseBackward::track::<B, C>(x, weight, bias, None, B::dense)
     }
 
     fn gelu_dropout_dense(
@@ -565,38 +537,9 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        let forward = |h, w, b| B::gelu_dropout_dense(h, w, b, dropout);
-        match bias {
-            Some(bias) => match GeluDropoutDenseBackward
-                .prepare::<C>([h.node.clone(), weight.node.clone(), bias.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&h), prep.checkpoint(&weight), dropout);
-                    prep.finish(
-                        state,
-                        forward(h.primitive, weight.primitive, Some(bias.primitive)),
-                    )
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(forward(h.primitive, weight.primitive, Some(bias.primitive)))
-                }
-            },
-            None => match GeluDropoutDenseBackward
-                .prepare::<C>([h.node.clone(), weight.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&h), prep.checkpoint(&weight), dropout);
-                    prep.finish(state, forward(h.primitive, weight.primitive, None))
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(forward(h.primitive, weight.primitive, None))
-                }
-            },
-        }
+        DenseBackward::track::<B, C>(h, weight, bias, Some(dropout), |h, w, b| {
+            B::gelu_dropout_dense(h, w, b, dropout)
+        })
     }
 
     fn lean_layer_norm(
