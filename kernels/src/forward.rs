@@ -1208,8 +1208,6 @@ fn scalar_backward<R, F, I, BT>(
     }
 }
 
-/// One launch of [`dropout_elements`]: the seeded dropout of contiguous `x`,
-/// plus contiguous `residual` where given.
 /// [`gelu_elements`] on `x` (made contiguous), with the seeded dropout of
 /// its output when `dropout.prob > 0`.
 fn gelu_launch<R: CubeRuntime>(x: CubeTensor<R>, dropout: AttentionDropout) -> CubeTensor<R> {
@@ -1276,6 +1274,8 @@ fn dropout_elements_count(shape: &Shape) -> usize {
     elements
 }
 
+/// One launch of [`dropout_elements`]: the seeded dropout of contiguous `x`,
+/// plus contiguous `residual` where given.
 fn seeded_dropout_launch<R: CubeRuntime>(
     x: CubeTensor<R>,
     residual: Option<CubeTensor<R>>,
@@ -1312,7 +1312,7 @@ enum DenseMatmul {
     /// that runs, no autotune (the twenty-first session's default).
     Validated,
     /// `autotune`: Burn's autotuned matmul over all of CubeCL's kernels,
-    /// two of them wrong on some shapes (to compare; see
+    /// three of them wrong on some shapes (to compare; see
     /// [`dense_matmul_candidates`]).
     Autotune,
 }
@@ -1336,9 +1336,9 @@ fn dense_matmul_choice() -> DenseMatmul {
 ///
 /// Why not all of Burn's autotune candidates: autotune times the candidates
 /// once per *bucket* of problems (sizes rounded to a coarse grid, layouts)
-/// and reuses the winner for every problem in the bucket, and two
+/// and reuses the winner for every problem in the bucket, and three
 /// candidates are wrong on problems their bucket admits (`benches/RESULTS.md`,
-/// twenty-first session):
+/// twenty-first and twenty-second sessions):
 /// - `specialized_cyclic_{cmma,mma}` with a transposed left operand whose
 ///   inner size is 32 more than a multiple of 64 (on an H100: relative error
 ///   8-23 at `[128, 1952]ᵀ·[1952, 512]`). The dense weight gradient's leftover
@@ -1429,7 +1429,8 @@ fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> C
     use cubek::matmul::launch::Strategy;
 
     let mut strategies = dense_matmul_candidates();
-    // Unit kernel last; TMA, then CMMA tensor cores first.
+    // The twenty-first session's order: TMA, CMMA tensor cores, then the
+    // unit kernel (without `specialized_tma_mma`, added for the tuner).
     strategies.retain(|s| {
         matches!(
             s,

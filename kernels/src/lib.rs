@@ -59,8 +59,8 @@
 //!   statistics, so either backward follows either forward.
 //! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches,
 //!   and the dense layers' products tuned over a list of validated matmul
-//!   kernels instead of all of Burn's autotune candidates (two of those are
-//!   wrong at shapes their bucket admits; `dense_matmul_candidates`).
+//!   kernels instead of all of Burn's autotune candidates (three of those
+//!   are wrong at shapes their bucket admits; `dense_matmul_candidates`).
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
 //!   kernels as custom operations of the lazy fusion stream.
@@ -435,7 +435,7 @@ pub trait AttentionBackend: Backend {
     /// batched over the leading axis; no unit inner dimensions: see
     /// [`matmul`]). The default is the backend's matmul. CubeCL backends
     /// autotune over kernels validated at AAM's shapes and layouts only, not
-    /// over all of Burn's candidates, one of which is wrong for some row
+    /// over all of Burn's candidates, some of which are wrong for some row
     /// counts (`forward.rs`, `dense_matmul_candidates`);
     /// `AAM_DENSE_MATMUL=validated` runs the first that runs of a fixed
     /// order (no autotune), `AAM_DENSE_MATMUL=autotune` Burn's autotune.
