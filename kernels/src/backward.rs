@@ -234,15 +234,20 @@ impl DenseBackward {
         let kept: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
         let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
         let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
-        let x = match activation {
-            Some(dropout) => B::gelu_exact_dropout(kept.clone(), dropout),
-            None => kept.clone(),
+        // With a fused GELU before the layer, `kept` is `h` and stays for `dh`;
+        // otherwise it is the input itself, moved into the backward.
+        let (x, h) = match activation {
+            Some(dropout) => (
+                B::gelu_exact_dropout(kept.clone(), dropout),
+                Some((kept, dropout)),
+            ),
+            None => (kept, None),
         };
         let (dx, dw, db) = B::dense_backward(x, w, dy, want);
         let parents = &ops.parents;
         if let (Some(node), Some(dx)) = (&parents[0], dx) {
-            let dx = match activation {
-                Some(dropout) => B::gelu_exact_dropout_backward(kept, dx, dropout),
+            let dx = match h {
+                Some((h, dropout)) => B::gelu_exact_dropout_backward(h, dx, dropout),
                 None => dx,
             };
             grads.register::<B>(node.id, dx);
