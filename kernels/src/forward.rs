@@ -16,7 +16,7 @@ use cubecl::{CubeCount, CubeDim};
 use crate::kernel::{
     adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
     column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
-    layer_norm_backward_rows, layer_norm_rows, sum_partials,
+    layer_norm_backward_rows, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -154,6 +154,36 @@ impl Layout {
         }
     }
 
+    /// The merged backward (`attention_backward_dkdv` with dQ) for `tk`
+    /// keys, where one cube can hold them all: `(units, query tile)`.
+    /// Its shared memory (the query tile's rows, every key and a tile of dS)
+    /// must fit the 48 KiB a CUDA cube may have statically (16 KiB on
+    /// wgpu); the query tile halves until it does. On the H100 the ASV
+    /// level's 151 keys take 320 units (two parts a key) and a tile of 32.
+    fn merged_backward(&self, lanes: usize, parts: usize, tk: usize) -> Option<(u32, usize)> {
+        if !merged_backward_setting() {
+            return None;
+        }
+        let (most_units, bytes) = if self.native {
+            (384, 48 * 1024)
+        } else {
+            (256, 16 * 1024)
+        };
+        let units = (tk * lanes * parts).next_multiple_of(32);
+        if units > most_units {
+            return None;
+        }
+        let quads = self.head_dim.div_ceil(4);
+        let shared = |tile: usize| {
+            2 * tile * self.stride * 16 + 2 * tile * 4 + tk * quads * 16 + tile * (tk + 1) * 4
+        };
+        let mut tile = self.tile;
+        while tile > lanes && shared(tile) > bytes {
+            tile /= 2;
+        }
+        (shared(tile) <= bytes).then_some((units as u32, tile))
+    }
+
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
     /// each row taking `lanes` × `parts` units. Split into lanes: 128 units
     /// (64 for heads wider than 64, whose rows use more registers). One lane
@@ -238,6 +268,18 @@ fn lanes_setting() -> LanesSetting {
 /// `AAM_KERNEL_UNROLL=0` turns it off, which only changes code generation:
 /// CPU Vulkan drivers (Mesa lavapipe, used in CI) take minutes to compile
 /// the unrolled kernels.
+/// `AAM_KERNEL_MERGED_BACKWARD`: unset or `1` runs the attention backward
+/// as one kernel where one cube holds a head's keys
+/// ([`Layout::merged_backward`]); `0` always runs the dQ and dK/dV kernels.
+fn merged_backward_setting() -> bool {
+    static MERGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MERGED.get_or_init(|| match std::env::var("AAM_KERNEL_MERGED_BACKWARD").as_deref() {
+        Ok("1") | Err(_) => true,
+        Ok("0") => false,
+        Ok(other) => panic!("AAM_KERNEL_MERGED_BACKWARD must be 0 or 1, not {other:?}"),
+    })
+}
+
 fn unroll_loops() -> bool {
     static UNROLL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *UNROLL.get_or_init(|| {
@@ -1121,61 +1163,70 @@ fn scalar_backward<R, F, I, BT>(
     let (key_valid, tile_valid) =
         validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
     let client = q.client.clone();
-    // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
-    // the dK/dV kernel launched after it.
-    let delta = empty(q, Shape::new([n, h, tq]), DType::F32);
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
     let lanes_q = layout.lanes(n * h * tq);
     let parts_q = layout.parts(lanes_q);
     let units_q = layout.units(lanes_q, parts_q, tq);
     let lanes_k = layout.key_lanes(n * h * tk, tk);
     let parts_k = layout.parts(lanes_k);
-    let units_k = layout.units(lanes_k, parts_k, tk);
+    let merged = layout.merged_backward(lanes_k, parts_k, tk);
+    let (units_k, tile_k, key_blocks) = match merged {
+        Some((units, tile)) => (units, tile, 1),
+        None => {
+            let units = layout.units(lanes_k, parts_k, tk);
+            let blocks = tk.div_ceil(units as usize / (lanes_k * parts_k));
+            (units, layout.tile, blocks as u32)
+        }
+    };
+    // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
+    // the dK/dV kernel launched after it (the merged kernel computes its own).
+    let delta = match merged {
+        Some(_) => lse.clone(),
+        None => empty(q, Shape::new([n, h, tq]), DType::F32),
+    };
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
     let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
     for (offset, count) in bh_chunks(n * h) {
-        attention_backward_dq::launch::<R>(
-            &client,
-            CubeCount::Static(
-                count,
-                tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
-                1,
-            ),
-            CubeDim::new_1d(units_q),
-            q.clone().into_tensor_arg(),
-            k.clone().into_tensor_arg(),
-            v.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            dout.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            key_valid.clone().into_tensor_arg(),
-            tile_valid.clone().into_tensor_arg(),
-            dq.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            k_offset,
-            v_offset,
-            threshold,
-            drop_scale,
-            seed,
-            dh,
-            layout.tile,
-            lanes_q,
-            parts_q,
-            layout.stride,
-            use_dropout,
-            unroll_loops(),
-            q.dtype.into(),
-        );
+        if merged.is_none() {
+            attention_backward_dq::launch::<R>(
+                &client,
+                CubeCount::Static(
+                    count,
+                    tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
+                    1,
+                ),
+                CubeDim::new_1d(units_q),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                dout.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                tile_valid.clone().into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                k_offset,
+                v_offset,
+                threshold,
+                drop_scale,
+                seed,
+                dh,
+                layout.tile,
+                lanes_q,
+                parts_q,
+                layout.stride,
+                use_dropout,
+                unroll_loops(),
+                q.dtype.into(),
+            );
+        }
         attention_backward_dkdv::launch::<R>(
             &client,
-            CubeCount::Static(
-                count,
-                tk.div_ceil(units_k as usize / (lanes_k * parts_k)) as u32,
-                1,
-            ),
+            CubeCount::Static(count, key_blocks, 1),
             CubeDim::new_1d(units_k),
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
@@ -1186,6 +1237,8 @@ fn scalar_backward<R, F, I, BT>(
             key_valid.clone().into_tensor_arg(),
             tile_valid.clone().into_tensor_arg(),
             dkv.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
             scale as f32,
             h as u32,
             offset,
@@ -1197,11 +1250,13 @@ fn scalar_backward<R, F, I, BT>(
             drop_scale,
             seed,
             dh,
-            layout.tile,
+            tile_k,
             lanes_k,
             parts_k,
             layout.stride,
             use_dropout,
+            merged.is_some(),
+            if merged.is_some() { tk } else { 0 },
             unroll_loops(),
             q.dtype.into(),
         );
@@ -1503,6 +1558,10 @@ fn element_offset(offset: usize) -> u32 {
 /// the ~250 parts per column is cheap.
 const COLUMN_ROWS_PER_PART: usize = 256;
 
+/// Units that share a column's parts in [`sum_partials`] (256 a cube, the
+/// most every runtime allows).
+const SUM_PARTIAL_LANES: usize = 32;
+
 /// `(Σ_m a[m, c], Σ_m a[m, c]·b[m, c])` (the second only with `b`) over the
 /// rows of contiguous `[M, N]` tensors: partial sums over parts of rows,
 /// then their sums, in f32 (two launches for both, one op for the host).
@@ -1532,15 +1591,15 @@ fn column_sums<R: CubeRuntime>(
         b.is_some(),
         a.dtype.into(),
     );
-    let (cubes, cube_dim) = one_unit_each(&client, columns, 256);
     sum_partials::launch::<R>(
         &client,
-        cubes,
-        cube_dim,
+        CubeCount::Static(columns.div_ceil(SUM_PARTIALS_COLUMNS) as u32, 1, 1),
+        CubeDim::new_2d(SUM_PARTIALS_COLUMNS as u32, SUM_PARTIAL_LANES as u32),
         partial.into_tensor_arg(),
         sum.clone().into_tensor_arg(),
         sum_ab.as_ref().unwrap_or(&sum).clone().into_tensor_arg(),
         parts as u32,
+        SUM_PARTIAL_LANES,
         b.is_some(),
         a.dtype.into(),
     );

@@ -664,11 +664,21 @@ pub fn attention_backward_dq<F: Float>(
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
 /// keys get zero gradients, and a cube whose keys are all masked skips the
 /// query loop. `tile` is both the rows of a query tile and the tiling of
-/// `tile_valid`. Head dimensions split over `parts` units as in
-/// [`attention_backward_dq`].
+/// `tile_valid` (except with `with_dq`). Head dimensions split over
+/// `parts` units as in [`attention_backward_dq`].
+///
+/// With `with_dq`, one cube holds every key of its (n, h) (at most
+/// `key_capacity`) and computes dQ too, so that `P` and `dS` are computed
+/// once instead of once in each kernel (the ASV level's 151 keys: the dQ
+/// kernel was 40% of the attention backward). Each query tile's `dS` goes
+/// to shared memory, and the cube then sums `dQ_i = scale · Σ_j dS_ij k_j`
+/// over it with the keys kept in shared memory; `Δ_i` is computed per tile
+/// from `dO` and `out` (`delta` is unread, `out` and `dq` only read and
+/// written here).
 ///
 /// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows ×
-/// `lanes` × `parts`; the lanes of a key split each query tile.
+/// `lanes` × `parts`; the lanes of a key split each query tile. With
+/// `with_dq`, one key block.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv<F: Float>(
@@ -681,6 +691,8 @@ pub fn attention_backward_dkdv<F: Float>(
     key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
+    out: &Tensor<F>,
+    dq: &mut Tensor<F>,
     scale: f32,
     heads: u32,
     bh_offset: u32,
@@ -697,6 +709,8 @@ pub fn attention_backward_dkdv<F: Float>(
     #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
+    #[comptime] with_dq: bool,
+    #[comptime] key_capacity: usize,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -707,6 +721,7 @@ pub fn attention_backward_dkdv<F: Float>(
     let n = bh / heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
+    let key_slot = UNIT_POS_X as usize / (lanes * parts);
     let keys_per_cube = CUBE_DIM_X as usize / (lanes * parts);
     let first_key = CUBE_POS_Y as usize * keys_per_cube;
     let col = first_key + UNIT_POS_X as usize / (lanes * parts);
@@ -716,9 +731,10 @@ pub fn attention_backward_dkdv<F: Float>(
         active = key_valid[n * tk + col] > 0.0;
     }
     // With parts, partners shuffle inside the query loop: every unit runs
-    // it, and a masked key's sums are dropped at the end.
+    // it, and a masked key's sums are dropped at the end. With dQ, every
+    // unit writes its (zero, for a masked key) dS.
     let mut compute = active;
-    if comptime!(parts > 1) {
+    if comptime!(parts > 1 || with_dq) {
         compute = true;
     }
     // Uniform over the cube: does any key tile overlapping the cube's keys
@@ -729,14 +745,18 @@ pub fn attention_backward_dkdv<F: Float>(
         end_key = tk;
     }
     let mut block_valid = 0.0f32;
-    for t in first_key / tile..(end_key - 1) / tile + 1 {
-        block_valid += tile_valid[n * n_key_tiles + t];
+    // With dQ, `tile` need not be `tile_valid`'s tiling: it is not read.
+    if comptime!(!with_dq) {
+        for t in first_key / tile..(end_key - 1) / tile + 1 {
+            block_valid += tile_valid[n * n_key_tiles + t];
+        }
     }
     let h = bh % heads as usize;
     let q_base = head_start(q, 0u32, n, h);
     let do_base = head_start(dout, 0u32, n, h);
     let mut n_tiles = 0usize;
-    if block_valid > 0.0 {
+    // With dQ, rows whose keys are all masked still get their (zero) dQ.
+    if block_valid > 0.0 || with_dq {
         n_tiles = tq.div_ceil(tile);
     }
     let queries_per_lane = comptime!(tile / lanes);
@@ -771,6 +791,33 @@ pub fn attention_backward_dkdv<F: Float>(
     let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
     let mut lse_tile = SharedMemory::<f32>::new(tile);
     let mut delta_tile = SharedMemory::<f32>::new(tile);
+    // With dQ: the keys (quads, as the query tile) and a query tile's dS,
+    // one row per query, padded by one so that rows start in different banks.
+    let all_quads = comptime!(head_dim.div_ceil(4));
+    let ds_stride = comptime!(key_capacity + 1);
+    let mut k_all = SharedMemory::<Quad>::new(comptime!(if with_dq {
+        key_capacity * head_dim.div_ceil(4)
+    } else {
+        1
+    }));
+    let mut ds_tile = SharedMemory::<f32>::new(comptime!(if with_dq {
+        tile * (key_capacity + 1)
+    } else {
+        1
+    }));
+    if with_dq && lane == 0 && key_slot < key_capacity {
+        // Each key's units hold its row (zeros for a masked key, whose dS
+        // is zero): they store their quads of it.
+        #[unroll(unroll)]
+        for d4 in 0..quads {
+            let mut x = Quad::new(0.0f32);
+            #[unroll]
+            for c in 0..4usize {
+                x[c] = k_row[d4 * 4 + c];
+            }
+            k_all[key_slot * all_quads + first_quad + d4] = x;
+        }
+    }
 
     for t in 0..n_tiles {
         let start = t * tile;
@@ -806,7 +853,15 @@ pub fn attention_backward_dkdv<F: Float>(
             let mut delta_i = 0.0f32;
             if i < tq {
                 lse_i = lse[bh * tq + i];
-                delta_i = delta[bh * tq + i];
+                if with_dq {
+                    let o_at = row_start(out, 0u32, n, h, i);
+                    let do_at = do_base + i * dout.stride(2);
+                    for d in 0..head_dim {
+                        delta_i += f32::cast_from(dout[do_at + d]) * f32::cast_from(out[o_at + d]);
+                    }
+                } else {
+                    delta_i = delta[bh * tq + i];
+                }
             }
             lse_tile[ii] = lse_i;
             delta_tile[ii] = delta_i;
@@ -832,9 +887,36 @@ pub fn attention_backward_dkdv<F: Float>(
                 let ds = p * (dp - delta_tile[ii]);
                 add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
                 add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
+                if with_dq && part == 0 && key_slot < key_capacity {
+                    ds_tile[ii * ds_stride + key_slot] = ds;
+                }
             }
         }
         sync_cube();
+        if with_dq {
+            // dQ of the tile's rows, a quad of one row per unit at a time.
+            let mut e = UNIT_POS_X as usize;
+            while e < tile * all_quads {
+                let ii = e / all_quads;
+                let d4 = e % all_quads;
+                let i = start + ii;
+                if i < tq {
+                    let mut acc = Quad::new(0.0f32);
+                    for j in 0..tk {
+                        acc = acc + Quad::new(ds_tile[ii * ds_stride + j]) * k_all[j * all_quads + d4];
+                    }
+                    let at = row_start(dq, 0u32, n, h, i) + d4 * 4;
+                    #[unroll]
+                    for c in 0..4usize {
+                        if d4 * 4 + c < head_dim {
+                            dq[at + c] = F::cast_from(acc[c] * scale);
+                        }
+                    }
+                }
+                e += CUBE_DIM_X as usize;
+            }
+            // The next tile's dS is written after its loads' sync.
+        }
     }
 
     if comptime!(lanes > 1) {
@@ -1159,29 +1241,61 @@ pub fn column_partial_sums<F: Float>(
     }
 }
 
+/// Columns per cube of [`sum_partials`]: eight, one 32-byte sector of a
+/// part's row, so that a plane reads four parts of them at once.
+pub const SUM_PARTIALS_COLUMNS: usize = 8;
+
 /// The sums over parts of [`column_partial_sums`]: `sum[c] = Σ_p
 /// partial[0, p, c]` and, with `b`, `sum_ab[c] = Σ_p partial[1, p, c]`.
 ///
-/// Launch: one unit per column.
+/// The parts of a column are split over `lanes` units, whose sums meet in
+/// shared memory: a real batch has ~1,200 parts a column and only 128-512
+/// columns, and one unit a column walking all its parts took 52 µs a
+/// launch on the H100 (4 ms a training step), latency-bound.
+///
+/// Launch: cube dim ([`SUM_PARTIALS_COLUMNS`], `lanes`), one cube per
+/// [`SUM_PARTIALS_COLUMNS`] columns; unit x is the column, unit y the lane.
 #[cube(launch)]
 pub fn sum_partials<F: Float>(
     partial: &Tensor<f32>,
     sum: &mut Tensor<F>,
     sum_ab: &mut Tensor<F>,
     parts: u32,
+    #[comptime] lanes: usize,
     #[comptime] with_b: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let column = ABSOLUTE_POS;
+    let width = comptime!(SUM_PARTIALS_COLUMNS);
+    let x = UNIT_POS_X as usize;
+    let lane = UNIT_POS_Y as usize;
+    let column = CUBE_POS as usize * width + x;
     let n = sum.len();
+    let parts = parts as usize;
+    let mut total = 0.0f32;
+    let mut total_ab = 0.0f32;
     if column < n {
-        let parts = parts as usize;
-        let mut total = 0.0f32;
-        let mut total_ab = 0.0f32;
-        for p in 0..parts {
+        let mut p = lane;
+        while p < parts {
             total += partial[p * n + column];
             if with_b {
                 total_ab += partial[(parts + p) * n + column];
+            }
+            p += lanes;
+        }
+    }
+    let mut lane_sums = SharedMemory::<f32>::new(comptime!(2 * SUM_PARTIALS_COLUMNS * lanes));
+    lane_sums[lane * width + x] = total;
+    if with_b {
+        lane_sums[(lanes + lane) * width + x] = total_ab;
+    }
+    sync_cube();
+    if lane == 0 && column < n {
+        let mut total = 0.0f32;
+        let mut total_ab = 0.0f32;
+        for l in 0..lanes {
+            total += lane_sums[l * width + x];
+            if with_b {
+                total_ab += lane_sums[(lanes + l) * width + x];
             }
         }
         sum[column] = F::cast_from(total);
