@@ -5,14 +5,16 @@
 #   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-benches --features cuda \
 #     --bin attention-bench
 #   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-kernels --features cuda,ndarray \
-#     --test fused_parity --test fused_native_layout --test half_precision --no-run   # prints the
-#     test binaries' paths
-#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_native_layout,half_precision}.xz
+#     --test fused_parity --test fused_native_layout --test fused_separate_backward \
+#     --test half_precision --no-run   # prints the test binaries' paths
+#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_native_layout,
+#     fused_separate_backward,half_precision}.xz
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_LANES ("default 1": the default layout, which splits the tests' small
 # calls over lanes, and AAM_KERNEL_LANES=1, the ASV level's layout), PARITY_TIMEOUT (s per
 # run, default 280: NVRTC compiles a kernel per shape, dtype and dropout setting), BENCH (1:
-# run the timings), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1), PARITY_THREADS
+# run the timings), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1), MERGED_COMPARE (1: also
+# time with AAM_KERNEL_MERGED_BACKWARD=0, the backward as two kernels), PARITY_THREADS
 # (tests at once, default 8: their kernels compile in parallel), PARITY_FILTER (test name
 # filter), WGPU_PARITY (1: also run fused_parity, fused_lanes and fused_native_layout built with --features
 # wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the H100 through
@@ -23,11 +25,12 @@
 # CUDA cores), TC_PLANES (e.g. "4 8": also bf16 with each
 # AAM_KERNEL_TC_PLANES cap).
 # Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_native_layout{,_wgpu}.log, fused_lanes_wgpu.log,
+# fused_separate_backward.log, rs_attention_separate.jsonl,
 # half_precision.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_<dtype>_<mode>.jsonl,
 # rs_attention_tc_planes<N>.jsonl, pt_attention.jsonl, registers.jsonl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
-for b in attention-bench fused_parity fused_native_layout half_precision fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
+for b in attention-bench fused_parity fused_native_layout fused_separate_backward half_precision fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
   [ -f ".carry/gpu/$b.xz" ] && xz -dc ".carry/gpu/$b.xz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -47,6 +50,13 @@ if [ "${PARITY:-1}" = 1 ]; then
     timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_native_layout --nocapture > "$OUT/fused_native_layout.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
     grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_native_layout.log" | cut -c1-200
+    echo "rc=$rc"
+  fi
+  if [ -x /tmp/gpu/fused_separate_backward ]; then
+    echo "== fused_separate_backward (cuda, dQ and dK/dV kernels at every shape)"
+    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_separate_backward --nocapture > "$OUT/fused_separate_backward.log" 2>&1
+    rc=$?; [ $rc -eq 0 ] || status=1
+    grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_separate_backward.log" | cut -c1-200
     echo "rc=$rc"
   fi
   if [ -x /tmp/gpu/half_precision ]; then
@@ -78,6 +88,11 @@ if [ "${LANES_COMPARE:-1}" = 1 ]; then
   echo "== attention-bench, AAM_KERNEL_LANES=1"
   AAM_KERNEL_LANES=1 /tmp/gpu/attention-bench > "$OUT/rs_attention_lanes1.jsonl" 2>&1 || status=1
   grep '"fused"' "$OUT/rs_attention_lanes1.jsonl"
+fi
+if [ "${MERGED_COMPARE:-0}" = 1 ]; then
+  echo "== attention-bench, AAM_KERNEL_MERGED_BACKWARD=0"
+  AAM_KERNEL_MERGED_BACKWARD=0 /tmp/gpu/attention-bench > "$OUT/rs_attention_separate.jsonl" 2>&1 || status=1
+  grep '"fused"' "$OUT/rs_attention_separate.jsonl"
 fi
 if [ "${TC_COMPARE:-0}" = 1 ]; then
   for dt in ${TC_DTYPES:-bf16}; do

@@ -19,6 +19,8 @@
 #      autotune = AAM_DENSE_MATMUL=autotune: the dense layers' products on Burn's autotuned
 #      matmul (all of CubeCL's kernels) instead of autotune over the validated ones,
 #      validated = AAM_DENSE_MATMUL=validated: the first validated kernel that runs, no autotune,
+#      separate = AAM_KERNEL_MERGED_BACKWARD=0: the f32 attention backward as two kernels (dQ,
+#      then dK/dV) where one merged kernel would run,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
@@ -63,6 +65,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       tc0) vars="$vars AAM_KERNEL_TC=0" ;;
       autotune) vars="$vars AAM_DENSE_MATMUL=autotune" ;;
       validated) vars="$vars AAM_DENSE_MATMUL=validated" ;;
+      separate) vars="$vars AAM_KERNEL_MERGED_BACKWARD=0" ;;
       allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac

@@ -110,6 +110,20 @@ fn the_seed_alone_draws_the_mask() {
 }
 
 #[test]
+fn the_mask_is_the_same_whether_units_take_one_element_or_four() {
+    // 399 elements run one a unit, 400 four a unit: element i's mask is the
+    // hash of (seed, i) either way.
+    let drop = AttentionDropout {
+        prob: 0.3,
+        seed: 4242,
+    };
+    let (x1, y1) = run([3, 133], drop, 6);
+    let (x4, y4) = run([4, 100], drop, 7);
+    let (m1, m4) = (kept(&x1, &y1, drop.prob), kept(&x4, &y4, drop.prob));
+    assert_eq!(m1[..], m4[..399], "element masks differ between widths");
+}
+
+#[test]
 fn large_tensors_use_every_element_index() {
     // More elements than one grid dimension of 256-unit cubes holds
     // (65,535 · 256), as the feed-forward activation of a real batch.
