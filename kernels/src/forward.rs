@@ -16,7 +16,8 @@ use cubecl::{CubeCount, CubeDim};
 use crate::kernel::{
     adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
     column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
-    layer_norm_backward_rows, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
+    layer_norm_backward_rows, layer_norm_rows, sum_partials, COLUMN_SUM_COLUMNS,
+    SUM_PARTIALS_COLUMNS,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -155,13 +156,21 @@ impl Layout {
     }
 
     /// The merged backward (`attention_backward_dkdv` with dQ) for `tk`
-    /// keys, where one cube can hold them all: `(units, query tile)`.
-    /// Its shared memory (the query tile's rows, every key and a tile of dS)
-    /// must fit the 48 KiB a CUDA cube may have statically (16 KiB on
-    /// wgpu); the query tile halves until it does. On the H100 the ASV
-    /// level's 151 keys take 320 units (two parts a key) and a tile of 32.
-    fn merged_backward(&self, lanes: usize, parts: usize, tk: usize) -> Option<(u32, usize)> {
-        if !merged_backward_setting() {
+    /// keys, where one cube can hold them all, a lane each: `(units, query
+    /// tile, key splits)`. Its shared memory (the query tile's rows, every
+    /// key and a tile of dS) must fit the 48 KiB a CUDA cube may have
+    /// statically (16 KiB on wgpu); the query tile halves until it does.
+    /// The tile's dQ sums split the keys in up to 4 shares where the units
+    /// and the dS tile's memory (which then holds the shares' sums) allow
+    /// (`dq_from_ds_tile`). On the H100 the ASV level's 151 keys take 320
+    /// units (two parts a key), a tile of 32 and 4 shares.
+    fn merged_backward(
+        &self,
+        lanes: usize,
+        parts: usize,
+        tk: usize,
+    ) -> Option<(u32, usize, usize)> {
+        if !merged_backward_setting() || lanes != 1 {
             return None;
         }
         let (most_units, bytes) = if self.native {
@@ -175,13 +184,21 @@ impl Layout {
         }
         let quads = self.head_dim.div_ceil(4);
         let shared = |tile: usize| {
-            2 * tile * self.stride * 16 + 2 * tile * 4 + tk * quads * 16 + tile * (tk + 1) * 4
+            2 * tile * self.stride * 16 + 2 * tile * 4 + tk * quads * 16 + tk * tile * 4
         };
         let mut tile = self.tile;
-        while tile > lanes && shared(tile) > bytes {
+        while tile > 4 && shared(tile) > bytes {
             tile /= 2;
         }
-        (shared(tile) <= bytes).then_some((units as u32, tile))
+        if tile < 4 || shared(tile) > bytes {
+            return None;
+        }
+        let items = tile / 4 * quads;
+        let splits = [4, 2]
+            .into_iter()
+            .find(|&s| s * items <= units && s * quads * 4 <= tk)
+            .unwrap_or(1);
+        Some((units as u32, tile, splits))
     }
 
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
@@ -1170,12 +1187,12 @@ fn scalar_backward<R, F, I, BT>(
     let lanes_k = layout.key_lanes(n * h * tk, tk);
     let parts_k = layout.parts(lanes_k);
     let merged = layout.merged_backward(lanes_k, parts_k, tk);
-    let (units_k, tile_k, key_blocks) = match merged {
-        Some((units, tile)) => (units, tile, 1),
+    let (units_k, tile_k, key_blocks, key_splits) = match merged {
+        Some((units, tile, splits)) => (units, tile, 1, splits),
         None => {
             let units = layout.units(lanes_k, parts_k, tk);
             let blocks = tk.div_ceil(units as usize / (lanes_k * parts_k));
-            (units, layout.tile, blocks as u32)
+            (units, layout.tile, blocks as u32, 1)
         }
     };
     // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
@@ -1257,6 +1274,7 @@ fn scalar_backward<R, F, I, BT>(
             use_dropout,
             merged.is_some(),
             if merged.is_some() { tk } else { 0 },
+            key_splits,
             unroll_loops(),
             q.dtype.into(),
         );
@@ -1573,10 +1591,16 @@ fn element_offset(offset: usize) -> u32 {
     u32::try_from(offset).expect("fused attention: an operand offset past 2^32 elements")
 }
 
-/// Rows per part of [`column_sums`]: short parts make many units (a real-sized
-/// batch's 62,967 ASV-level rows × 128 columns give ~31,000), and the sum of
-/// the ~250 parts per column is cheap.
-const COLUMN_ROWS_PER_PART: usize = 256;
+/// Rows per part of [`column_sums`], each part one cube of 8 row lanes: a
+/// real batch's 302,000 ASV-level rows × 128 columns give 148 × 4 cubes of
+/// 256 units, and [`sum_partials`] then adds 148 parts a column. Parts of
+/// 256 rows, a unit per (part, column), left ~1,200 parts a column: their
+/// sum took 52 µs a launch on the H100 with a unit per column, 21 µs with
+/// 32 lanes a column (4 and 1.6 ms a training step).
+const COLUMN_ROWS_PER_PART: usize = 2048;
+
+/// Row lanes of a [`column_partial_sums`] cube.
+const COLUMN_SUM_LANES: usize = 8;
 
 /// Units that share a column's parts in [`sum_partials`] (256 a cube, the
 /// most every runtime allows).
@@ -1598,16 +1622,20 @@ fn column_sums<R: CubeRuntime>(
     let column = || empty(a, Shape::new([columns]), a.dtype);
     let sum = column();
     let sum_ab = b.map(|_| column());
-    let (cubes, cube_dim) = one_unit_each(&client, (parts * columns).max(1), 256);
     column_partial_sums::launch::<R>(
         &client,
-        cubes,
-        cube_dim,
+        CubeCount::Static(
+            columns.div_ceil(COLUMN_SUM_COLUMNS) as u32,
+            parts.max(1) as u32,
+            1,
+        ),
+        CubeDim::new_2d(COLUMN_SUM_COLUMNS as u32, COLUMN_SUM_LANES as u32),
         a.clone().into_tensor_arg(),
         b.unwrap_or(a).clone().into_tensor_arg(),
         partial.clone().into_tensor_arg(),
         columns as u32,
         COLUMN_ROWS_PER_PART as u32,
+        COLUMN_SUM_LANES,
         b.is_some(),
         a.dtype.into(),
     );

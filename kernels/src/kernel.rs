@@ -660,6 +660,129 @@ pub fn attention_backward_dq<F: Float>(
     }
 }
 
+/// The merged backward's dQ for one query tile ([`attention_backward_dkdv`]
+/// with `with_dq`): `dq[row] = scale · Σ_j dS[row, j] k_j` for the tile's
+/// `rows` (≤ `tile`) rows, from `ds_quads` (key `j`'s dS of queries 4q..4q+3
+/// at quad `j·tile/4 + q`) and `k_all` (key `j`'s quad `d4` at
+/// `j·⌈head_dim/4⌉ + d4`).
+///
+/// A unit sums four rows × one quad of dimensions over a `1/key_splits`
+/// share of the keys: two shared loads feed 16 multiply-adds (one row a
+/// unit over all keys did 4 for two loads, and the ASV level's dQ cost 60%
+/// of the separate dQ kernel). With `key_splits > 1` the partial sums meet
+/// in `ds_quads`, which must hold `key_splits · tile · ⌈head_dim/4⌉` quads,
+/// and the cube must have a unit per item (`key_splits · tile/4 ·
+/// ⌈head_dim/4⌉`). Every unit of the cube must call it (it syncs).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_from_ds_tile<F: Float>(
+    ds_quads: &mut SharedMemory<Quad>,
+    k_all: &SharedMemory<Quad>,
+    dq: &mut Tensor<F>,
+    dq_base: usize,
+    row_stride: usize,
+    rows: usize,
+    tk: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] key_splits: usize,
+) {
+    let all_quads = comptime!(head_dim.div_ceil(4));
+    let query_quads = comptime!(tile / 4);
+    let items = comptime!(tile / 4 * head_dim.div_ceil(4));
+    let chunk = tk.div_ceil(key_splits);
+    let mut sums = Array::<Quad>::new(4usize);
+    let unit = UNIT_POS_X as usize;
+    let mut e = unit;
+    // Items (key share, row quad, dimension quad); with splits, at most one
+    // a unit (the caller's launch has units for all), whose sums stay.
+    while e < items * key_splits {
+        let split = e / items;
+        let qq = (e % items) / all_quads;
+        let d4 = e % all_quads;
+        #[unroll]
+        for r in 0..4usize {
+            sums[r] = Quad::new(0.0f32);
+        }
+        let first = split * chunk;
+        let mut last = first + chunk;
+        if last > tk {
+            last = tk;
+        }
+        for j in first..last {
+            let ds = ds_quads[j * query_quads + qq];
+            let kq = k_all[j * all_quads + d4];
+            #[unroll]
+            for r in 0..4usize {
+                sums[r] = sums[r] + Quad::new(ds[r]) * kq;
+            }
+        }
+        if comptime!(key_splits == 1) {
+            write_dq_rows::<F>(&sums, dq, dq_base, row_stride, rows, qq * 4, d4, scale, head_dim);
+        }
+        e += CUBE_DIM_X as usize;
+    }
+    if comptime!(key_splits > 1) {
+        // Every dS is read: the partial sums replace it, then one unit per
+        // (row quad, dimension quad) adds the shares.
+        sync_cube();
+        if unit < items * key_splits {
+            let split = unit / items;
+            let qq = (unit % items) / all_quads;
+            let d4 = unit % all_quads;
+            #[unroll]
+            for r in 0..4usize {
+                ds_quads[(split * tile + qq * 4 + r) * all_quads + d4] = sums[r];
+            }
+        }
+        sync_cube();
+        if unit < items {
+            let qq = unit / all_quads;
+            let d4 = unit % all_quads;
+            #[unroll]
+            for r in 0..4usize {
+                let mut total = Quad::new(0.0f32);
+                for split in 0..key_splits {
+                    total = total + ds_quads[(split * tile + qq * 4 + r) * all_quads + d4];
+                }
+                sums[r] = total;
+            }
+            write_dq_rows::<F>(&sums, dq, dq_base, row_stride, rows, qq * 4, d4, scale, head_dim);
+        }
+    }
+}
+
+/// Writes `scale · sums[r]` to dimensions `4·d4..` of rows `first + r` of a
+/// dQ tile (rows at `dq_base + row·row_stride`), for rows below `rows`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_dq_rows<F: Float>(
+    sums: &Array<Quad>,
+    dq: &mut Tensor<F>,
+    dq_base: usize,
+    row_stride: usize,
+    rows: usize,
+    first: usize,
+    d4: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for r in 0..4usize {
+        if first + r < rows {
+            let at = dq_base + (first + r) * row_stride + d4 * 4;
+            let x = sums[r];
+            #[unroll]
+            for c in 0..4usize {
+                if d4 * 4 + c < head_dim {
+                    dq[at + c] = F::cast_from(x[c] * scale);
+                }
+            }
+        }
+    }
+}
+
 /// Backward, key side: `dV_j = Σ_i P̃_ij dO_i` and
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
 /// keys get zero gradients, and a cube whose keys are all masked skips the
@@ -711,6 +834,7 @@ pub fn attention_backward_dkdv<F: Float>(
     #[comptime] use_dropout: bool,
     #[comptime] with_dq: bool,
     #[comptime] key_capacity: usize,
+    #[comptime] key_splits: usize,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -792,16 +916,18 @@ pub fn attention_backward_dkdv<F: Float>(
     let mut lse_tile = SharedMemory::<f32>::new(tile);
     let mut delta_tile = SharedMemory::<f32>::new(tile);
     // With dQ: the keys (quads, as the query tile) and a query tile's dS,
-    // one row per query, padded by one so that rows start in different banks.
+    // stored by key, four queries a quad, so that one load gives the dS of
+    // four query rows; after the tile's dQ sums the same memory holds their
+    // partial sums.
     let all_quads = comptime!(head_dim.div_ceil(4));
-    let ds_stride = comptime!(key_capacity + 1);
+    let query_quads = comptime!(tile / 4);
     let mut k_all = SharedMemory::<Quad>::new(comptime!(if with_dq {
         key_capacity * head_dim.div_ceil(4)
     } else {
         1
     }));
-    let mut ds_tile = SharedMemory::<f32>::new(comptime!(if with_dq {
-        tile * (key_capacity + 1)
+    let mut ds_quads = SharedMemory::<Quad>::new(comptime!(if with_dq {
+        key_capacity * (tile / 4)
     } else {
         1
     }));
@@ -869,6 +995,8 @@ pub fn attention_backward_dkdv<F: Float>(
         }
         sync_cube();
         if compute {
+            // With dQ (one lane a key): the dS of four consecutive queries.
+            let mut ds_four = Quad::new(0.0f32);
             #[unroll(unroll)]
             for r in 0usize..queries_per_lane {
                 let ii = r * lanes + lane;
@@ -887,34 +1015,29 @@ pub fn attention_backward_dkdv<F: Float>(
                 let ds = p * (dp - delta_tile[ii]);
                 add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
                 add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
-                if with_dq && part == 0 && key_slot < key_capacity {
-                    ds_tile[ii * ds_stride + key_slot] = ds;
+                if with_dq {
+                    ds_four[r % 4] = ds;
+                    if r % 4 == 3 && part == 0 && key_slot < key_capacity {
+                        ds_quads[key_slot * query_quads + r / 4] = ds_four;
+                    }
                 }
             }
         }
         sync_cube();
         if with_dq {
-            // dQ of the tile's rows, a quad of one row per unit at a time.
-            let mut e = UNIT_POS_X as usize;
-            while e < tile * all_quads {
-                let ii = e / all_quads;
-                let d4 = e % all_quads;
-                let i = start + ii;
-                if i < tq {
-                    let mut acc = Quad::new(0.0f32);
-                    for j in 0..tk {
-                        acc = acc + Quad::new(ds_tile[ii * ds_stride + j]) * k_all[j * all_quads + d4];
-                    }
-                    let at = row_start(dq, 0u32, n, h, i) + d4 * 4;
-                    #[unroll]
-                    for c in 0..4usize {
-                        if d4 * 4 + c < head_dim {
-                            dq[at + c] = F::cast_from(acc[c] * scale);
-                        }
-                    }
-                }
-                e += CUBE_DIM_X as usize;
-            }
+            dq_from_ds_tile::<F>(
+                &mut ds_quads,
+                &k_all,
+                dq,
+                row_start(dq, 0u32, n, h, start),
+                dq.stride(2),
+                tq - start,
+                tk,
+                scale,
+                head_dim,
+                tile,
+                key_splits,
+            );
             // The next tile's dS is written after its loads' sync.
         }
     }
@@ -1212,44 +1335,75 @@ pub fn layer_norm_backward_rows<F: Float>(
 /// Many parts keep the GPU busy where one sum per column would give each
 /// column to one unit (`dense.rs`).
 ///
-/// Launch: one unit per `(part, column)`, index `p·N + c`; `partial`
-/// `[1 or 2, P, N]` f32.
+/// A cube sums one part of [`COLUMN_SUM_COLUMNS`] columns: its `lanes` row
+/// lanes take every `lanes`-th row of the part, and their sums meet in
+/// shared memory, so that a part can be long (few parts for
+/// [`sum_partials`]) while many units still stream the rows.
+///
+/// Launch: cubes (x: column block, y: part), cube dim
+/// ([`COLUMN_SUM_COLUMNS`], `lanes`); `partial` `[1 or 2, P, N]` f32.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn column_partial_sums<F: Float>(
     a: &Tensor<F>,
     b: &Tensor<F>,
     partial: &mut Tensor<f32>,
     columns: u32,
     rows_per_part: u32,
+    #[comptime] lanes: usize,
     #[comptime] with_b: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let unit = ABSOLUTE_POS;
+    let width = comptime!(COLUMN_SUM_COLUMNS);
+    let x = UNIT_POS_X as usize;
+    let lane = UNIT_POS_Y as usize;
     let n = columns as usize;
+    let column = CUBE_POS_X as usize * width + x;
+    let part = CUBE_POS_Y as usize;
     let rows = a.len() / n;
     let parts = rows.div_ceil(rows_per_part as usize);
-    if unit < parts * n {
-        let part = unit / n;
-        let column = unit % n;
-        let start = part * (rows_per_part as usize);
-        let stop = start + (rows_per_part as usize);
-        let end = select(stop < rows, stop, rows);
-        let mut sum = 0.0f32;
-        let mut sum_ab = 0.0f32;
-        for m in start..end {
+    let start = part * (rows_per_part as usize);
+    let stop = start + (rows_per_part as usize);
+    let end = select(stop < rows, stop, rows);
+    let mut sum = 0.0f32;
+    let mut sum_ab = 0.0f32;
+    if column < n {
+        let mut m = start + lane;
+        while m < end {
             let at = m * n + column;
-            let x = f32::cast_from(a[at]);
-            sum += x;
+            let value = f32::cast_from(a[at]);
+            sum += value;
             if with_b {
-                sum_ab += x * f32::cast_from(b[at]);
+                sum_ab += value * f32::cast_from(b[at]);
+            }
+            m += lanes;
+        }
+    }
+    let mut lane_sums = SharedMemory::<f32>::new(comptime!(2 * COLUMN_SUM_COLUMNS * lanes));
+    lane_sums[lane * width + x] = sum;
+    if with_b {
+        lane_sums[(lanes + lane) * width + x] = sum_ab;
+    }
+    sync_cube();
+    if lane == 0 && column < n {
+        let mut total = 0.0f32;
+        let mut total_ab = 0.0f32;
+        for l in 0..lanes {
+            total += lane_sums[l * width + x];
+            if with_b {
+                total_ab += lane_sums[(lanes + l) * width + x];
             }
         }
-        partial[unit] = sum;
+        partial[part * n + column] = total;
         if with_b {
-            partial[parts * n + unit] = sum_ab;
+            partial[(parts + part) * n + column] = total_ab;
         }
     }
 }
+
+/// Columns per cube of [`column_partial_sums`]: one plane's 128-byte row
+/// segment.
+pub const COLUMN_SUM_COLUMNS: usize = 32;
 
 /// Columns per cube of [`sum_partials`]: eight, one 32-byte sector of a
 /// part's row, so that a plane reads four parts of them at once.
@@ -1259,9 +1413,9 @@ pub const SUM_PARTIALS_COLUMNS: usize = 8;
 /// partial[0, p, c]` and, with `b`, `sum_ab[c] = Σ_p partial[1, p, c]`.
 ///
 /// The parts of a column are split over `lanes` units, whose sums meet in
-/// shared memory: a real batch has ~1,200 parts a column and only 128-512
-/// columns, and one unit a column walking all its parts took 52 µs a
-/// launch on the H100 (4 ms a training step), latency-bound.
+/// shared memory: a column has only its parts' worth of work (~150 at a
+/// real batch), and one unit walking them one after another waits on each
+/// load in turn.
 ///
 /// Launch: cube dim ([`SUM_PARTIALS_COLUMNS`], `lanes`), one cube per
 /// [`SUM_PARTIALS_COLUMNS`] columns; unit x is the column, unit y the lane.
