@@ -16,8 +16,7 @@ use cubecl::{CubeCount, CubeDim};
 use crate::kernel::{
     adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
     column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
-    layer_norm_backward_rows, layer_norm_rows, sum_partials, COLUMN_SUM_COLUMNS,
-    SUM_PARTIALS_COLUMNS,
+    layer_norm_backward_rows, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -290,11 +289,13 @@ fn lanes_setting() -> LanesSetting {
 /// ([`Layout::merged_backward`]); `0` always runs the dQ and dK/dV kernels.
 fn merged_backward_setting() -> bool {
     static MERGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MERGED.get_or_init(|| match std::env::var("AAM_KERNEL_MERGED_BACKWARD").as_deref() {
-        Ok("1") | Err(_) => true,
-        Ok("0") => false,
-        Ok(other) => panic!("AAM_KERNEL_MERGED_BACKWARD must be 0 or 1, not {other:?}"),
-    })
+    *MERGED.get_or_init(
+        || match std::env::var("AAM_KERNEL_MERGED_BACKWARD").as_deref() {
+            Ok("1") | Err(_) => true,
+            Ok("0") => false,
+            Ok(other) => panic!("AAM_KERNEL_MERGED_BACKWARD must be 0 or 1, not {other:?}"),
+        },
+    )
 }
 
 fn unroll_loops() -> bool {
@@ -1591,16 +1592,10 @@ fn element_offset(offset: usize) -> u32 {
     u32::try_from(offset).expect("fused attention: an operand offset past 2^32 elements")
 }
 
-/// Rows per part of [`column_sums`], each part one cube of 8 row lanes: a
-/// real batch's 302,000 ASV-level rows × 128 columns give 148 × 4 cubes of
-/// 256 units, and [`sum_partials`] then adds 148 parts a column. Parts of
-/// 256 rows, a unit per (part, column), left ~1,200 parts a column: their
-/// sum took 52 µs a launch on the H100 with a unit per column, 21 µs with
-/// 32 lanes a column (4 and 1.6 ms a training step).
-const COLUMN_ROWS_PER_PART: usize = 2048;
-
-/// Row lanes of a [`column_partial_sums`] cube.
-const COLUMN_SUM_LANES: usize = 8;
+/// Rows per part of [`column_sums`]: short parts make many units (a real-sized
+/// batch's 62,967 ASV-level rows × 128 columns give ~31,000), and the sum of
+/// the ~250 parts per column is cheap.
+const COLUMN_ROWS_PER_PART: usize = 256;
 
 /// Units that share a column's parts in [`sum_partials`] (256 a cube, the
 /// most every runtime allows).
@@ -1622,20 +1617,16 @@ fn column_sums<R: CubeRuntime>(
     let column = || empty(a, Shape::new([columns]), a.dtype);
     let sum = column();
     let sum_ab = b.map(|_| column());
+    let (cubes, cube_dim) = one_unit_each(&client, (parts * columns).max(1), 256);
     column_partial_sums::launch::<R>(
         &client,
-        CubeCount::Static(
-            columns.div_ceil(COLUMN_SUM_COLUMNS) as u32,
-            parts.max(1) as u32,
-            1,
-        ),
-        CubeDim::new_2d(COLUMN_SUM_COLUMNS as u32, COLUMN_SUM_LANES as u32),
+        cubes,
+        cube_dim,
         a.clone().into_tensor_arg(),
         b.unwrap_or(a).clone().into_tensor_arg(),
         partial.clone().into_tensor_arg(),
         columns as u32,
         COLUMN_ROWS_PER_PART as u32,
-        COLUMN_SUM_LANES,
         b.is_some(),
         a.dtype.into(),
     );

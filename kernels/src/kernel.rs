@@ -674,7 +674,7 @@ pub fn attention_backward_dq<F: Float>(
 /// and the cube must have a unit per item (`key_splits · tile/4 ·
 /// ⌈head_dim/4⌉`). Every unit of the cube must call it (it syncs).
 #[cube]
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, clippy::assign_op_pattern)]
 fn dq_from_ds_tile<F: Float>(
     ds_quads: &mut SharedMemory<Quad>,
     k_all: &SharedMemory<Quad>,
@@ -719,7 +719,17 @@ fn dq_from_ds_tile<F: Float>(
             }
         }
         if comptime!(key_splits == 1) {
-            write_dq_rows::<F>(&sums, dq, dq_base, row_stride, rows, qq * 4, d4, scale, head_dim);
+            write_dq_rows::<F>(
+                &sums,
+                dq,
+                dq_base,
+                row_stride,
+                rows,
+                qq * 4,
+                d4,
+                scale,
+                head_dim,
+            );
         }
         e += CUBE_DIM_X as usize;
     }
@@ -748,7 +758,17 @@ fn dq_from_ds_tile<F: Float>(
                 }
                 sums[r] = total;
             }
-            write_dq_rows::<F>(&sums, dq, dq_base, row_stride, rows, qq * 4, d4, scale, head_dim);
+            write_dq_rows::<F>(
+                &sums,
+                dq,
+                dq_base,
+                row_stride,
+                rows,
+                qq * 4,
+                d4,
+                scale,
+                head_dim,
+            );
         }
     }
 }
@@ -982,6 +1002,10 @@ pub fn attention_backward_dkdv<F: Float>(
                 if with_dq {
                     let o_at = row_start(out, 0u32, n, h, i);
                     let do_at = do_base + i * dout.stride(2);
+                    // Unrolled, so that the row's loads are all in flight at
+                    // once: a loop waited on each in turn, ~10 µs a tile
+                    // while the rest of the cube waited at the sync.
+                    #[unroll]
                     for d in 0..head_dim {
                         delta_i += f32::cast_from(dout[do_at + d]) * f32::cast_from(out[o_at + d]);
                     }
@@ -1335,75 +1359,44 @@ pub fn layer_norm_backward_rows<F: Float>(
 /// Many parts keep the GPU busy where one sum per column would give each
 /// column to one unit (`dense.rs`).
 ///
-/// A cube sums one part of [`COLUMN_SUM_COLUMNS`] columns: its `lanes` row
-/// lanes take every `lanes`-th row of the part, and their sums meet in
-/// shared memory, so that a part can be long (few parts for
-/// [`sum_partials`]) while many units still stream the rows.
-///
-/// Launch: cubes (x: column block, y: part), cube dim
-/// ([`COLUMN_SUM_COLUMNS`], `lanes`); `partial` `[1 or 2, P, N]` f32.
+/// Launch: one unit per `(part, column)`, index `p·N + c`; `partial`
+/// `[1 or 2, P, N]` f32.
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 pub fn column_partial_sums<F: Float>(
     a: &Tensor<F>,
     b: &Tensor<F>,
     partial: &mut Tensor<f32>,
     columns: u32,
     rows_per_part: u32,
-    #[comptime] lanes: usize,
     #[comptime] with_b: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let width = comptime!(COLUMN_SUM_COLUMNS);
-    let x = UNIT_POS_X as usize;
-    let lane = UNIT_POS_Y as usize;
+    let unit = ABSOLUTE_POS;
     let n = columns as usize;
-    let column = CUBE_POS_X as usize * width + x;
-    let part = CUBE_POS_Y as usize;
     let rows = a.len() / n;
     let parts = rows.div_ceil(rows_per_part as usize);
-    let start = part * (rows_per_part as usize);
-    let stop = start + (rows_per_part as usize);
-    let end = select(stop < rows, stop, rows);
-    let mut sum = 0.0f32;
-    let mut sum_ab = 0.0f32;
-    if column < n {
-        let mut m = start + lane;
-        while m < end {
+    if unit < parts * n {
+        let part = unit / n;
+        let column = unit % n;
+        let start = part * (rows_per_part as usize);
+        let stop = start + (rows_per_part as usize);
+        let end = select(stop < rows, stop, rows);
+        let mut sum = 0.0f32;
+        let mut sum_ab = 0.0f32;
+        for m in start..end {
             let at = m * n + column;
-            let value = f32::cast_from(a[at]);
-            sum += value;
+            let x = f32::cast_from(a[at]);
+            sum += x;
             if with_b {
-                sum_ab += value * f32::cast_from(b[at]);
-            }
-            m += lanes;
-        }
-    }
-    let mut lane_sums = SharedMemory::<f32>::new(comptime!(2 * COLUMN_SUM_COLUMNS * lanes));
-    lane_sums[lane * width + x] = sum;
-    if with_b {
-        lane_sums[(lanes + lane) * width + x] = sum_ab;
-    }
-    sync_cube();
-    if lane == 0 && column < n {
-        let mut total = 0.0f32;
-        let mut total_ab = 0.0f32;
-        for l in 0..lanes {
-            total += lane_sums[l * width + x];
-            if with_b {
-                total_ab += lane_sums[(lanes + l) * width + x];
+                sum_ab += x * f32::cast_from(b[at]);
             }
         }
-        partial[part * n + column] = total;
+        partial[unit] = sum;
         if with_b {
-            partial[(parts + part) * n + column] = total_ab;
+            partial[parts * n + unit] = sum_ab;
         }
     }
 }
-
-/// Columns per cube of [`column_partial_sums`]: one plane's 128-byte row
-/// segment.
-pub const COLUMN_SUM_COLUMNS: usize = 32;
 
 /// Columns per cube of [`sum_partials`]: eight, one 32-byte sector of a
 /// part's row, so that a plane reads four parts of them at once.
@@ -1413,9 +1406,12 @@ pub const SUM_PARTIALS_COLUMNS: usize = 8;
 /// partial[0, p, c]` and, with `b`, `sum_ab[c] = Σ_p partial[1, p, c]`.
 ///
 /// The parts of a column are split over `lanes` units, whose sums meet in
-/// shared memory: a column has only its parts' worth of work (~150 at a
-/// real batch), and one unit walking them one after another waits on each
-/// load in turn.
+/// shared memory: a real batch has ~1,200 parts a column and only 128-512
+/// columns, and one unit a column walking all its parts, waiting on each
+/// load in turn, took 52 µs a launch on the H100 (4 ms a training step);
+/// with 32 lanes, 19-21 µs in CubeCL's profiler, the most of it the
+/// profiler's own cost per launch (longer parts with fewer of them gave
+/// nothing back: twenty-third session).
 ///
 /// Launch: cube dim ([`SUM_PARTIALS_COLUMNS`], `lanes`), one cube per
 /// [`SUM_PARTIALS_COLUMNS`] columns; unit x is the column, unit y the lane.

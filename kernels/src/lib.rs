@@ -53,6 +53,9 @@
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
 //!   element-wise seeded dropout behind [`dropout`] and [`dropout_add`], and
 //!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels).
+//!   Where one cube holds all of a head's keys (the ASV level's 151), dK/dV
+//!   and dQ are one kernel, so `P` and `dS` are computed once
+//!   (`AAM_KERNEL_MERGED_BACKWARD=0` runs the two kernels).
 //! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
