@@ -1002,9 +1002,8 @@ pub fn attention_backward_dkdv<F: Float>(
                 if with_dq {
                     let o_at = row_start(out, 0u32, n, h, i);
                     let do_at = do_base + i * dout.stride(2);
-                    // Unrolled, so that the row's loads are all in flight at
-                    // once: a loop waited on each in turn, ~10 µs a tile
-                    // while the rest of the cube waited at the sync.
+                    // Unrolled, so that the row's loads issue together (the
+                    // rest of the cube waits at the sync meanwhile).
                     #[unroll]
                     for d in 0..head_dim {
                         delta_i += f32::cast_from(dout[do_at + d]) * f32::cast_from(out[o_at + d]);
@@ -1095,7 +1094,7 @@ fn element_keep(seed: u32, index: u32, threshold: u32) -> bool {
 ///
 /// Launch: one unit per vector of `N` elements (4 where the element count
 /// allows: one 16-byte load per tensor and unit, where one float a unit
-/// left these passes at ~60% of the H100's memory bandwidth), cubes from
+/// left these passes at about half of the H100's memory bandwidth), cubes from
 /// `calculate_cube_count_elemwise`. Element `i·N + c`'s mask is the same
 /// whatever `N`.
 #[cube(launch)]
