@@ -177,7 +177,7 @@ impl Layout {
         } else {
             (256, 16 * 1024)
         };
-        let units = (tk * lanes * parts).next_multiple_of(32);
+        let units = (tk * parts).next_multiple_of(32);
         if units > most_units {
             return None;
         }
@@ -279,11 +279,6 @@ fn lanes_setting() -> LanesSetting {
     })
 }
 
-/// Whether the kernels unroll their loops over the head dimension and a
-/// tile's keys. On by default (the rows and scores then live in registers);
-/// `AAM_KERNEL_UNROLL=0` turns it off, which only changes code generation:
-/// CPU Vulkan drivers (Mesa lavapipe, used in CI) take minutes to compile
-/// the unrolled kernels.
 /// `AAM_KERNEL_MERGED_BACKWARD`: unset or `1` runs the attention backward
 /// as one kernel where one cube holds a head's keys
 /// ([`Layout::merged_backward`]); `0` always runs the dQ and dK/dV kernels.
@@ -298,6 +293,11 @@ fn merged_backward_setting() -> bool {
     )
 }
 
+/// Whether the kernels unroll their loops over the head dimension and a
+/// tile's keys. On by default (the rows and scores then live in registers);
+/// `AAM_KERNEL_UNROLL=0` turns it off, which only changes code generation:
+/// CPU Vulkan drivers (Mesa lavapipe, used in CI) take minutes to compile
+/// the unrolled kernels.
 fn unroll_loops() -> bool {
     static UNROLL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *UNROLL.get_or_init(|| {
