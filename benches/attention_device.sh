@@ -45,27 +45,18 @@ if [ "${PARITY:-1}" = 1 ]; then
     grep -E "^test .*(ok|FAILED)$|panicked|test result" "$log" | cut -c1-200 | tail -30
     echo "rc=$rc"
   done
-  if [ -x /tmp/gpu/fused_native_layout ]; then
-    echo "== fused_native_layout (cuda, head dims split over two units)"
-    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_native_layout --nocapture > "$OUT/fused_native_layout.log" 2>&1
+  # One carried CUDA test binary: its title, and a pattern of extra lines to show.
+  cuda_test() {
+    [ -x "/tmp/gpu/$1" ] || return 0
+    echo "== $1 ($2)"
+    timeout "${PARITY_TIMEOUT:-280}" "/tmp/gpu/$1" --nocapture > "$OUT/$1.log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1
-    grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_native_layout.log" | cut -c1-200
+    grep -E "^test .*(ok|FAILED)$|panicked|test result${3:+|$3}" "$OUT/$1.log" | cut -c1-200
     echo "rc=$rc"
-  fi
-  if [ -x /tmp/gpu/fused_separate_backward ]; then
-    echo "== fused_separate_backward (cuda, dQ and dK/dV kernels at every shape)"
-    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_separate_backward --nocapture > "$OUT/fused_separate_backward.log" 2>&1
-    rc=$?; [ $rc -eq 0 ] || status=1
-    grep -E "^test .*(ok|FAILED)$|panicked|test result" "$OUT/fused_separate_backward.log" | cut -c1-200
-    echo "rc=$rc"
-  fi
-  if [ -x /tmp/gpu/half_precision ]; then
-    echo "== half_precision (cuda: tensor-core forward and gradients against the f32 kernel)"
-    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/half_precision --nocapture > "$OUT/half_precision.log" 2>&1
-    rc=$?; [ $rc -eq 0 ] || status=1
-    grep -E "^test .*(ok|FAILED)$|panicked|test result|BF16 \(151" "$OUT/half_precision.log" | cut -c1-200
-    echo "rc=$rc"
-  fi
+  }
+  cuda_test fused_native_layout "cuda, head dims split over two units"
+  cuda_test fused_separate_backward "cuda, dQ and dK/dV kernels at every shape"
+  cuda_test half_precision "cuda: tensor-core forward and gradients against the f32 kernel" 'BF16 \(151'
 fi
 if [ "${WGPU_PARITY:-0}" = 1 ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
