@@ -14,7 +14,8 @@
 # calls over lanes, and AAM_KERNEL_LANES=1, the ASV level's layout), PARITY_TIMEOUT (s per
 # run, default 280: NVRTC compiles a kernel per shape, dtype and dropout setting), BENCH (1:
 # run the timings), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1), MERGED_COMPARE (1: also
-# time with AAM_KERNEL_MERGED_BACKWARD=0, the backward as two kernels), PARITY_THREADS
+# time with AAM_KERNEL_MERGED_BACKWARD=0, the backward as two kernels), COMPARE_ENVS (e.g.
+# "AAM_KERNEL_MERGED_PARTS=2": also time with each of these settings, one run each), PARITY_THREADS
 # (tests at once, default 8: their kernels compile in parallel), PARITY_FILTER (test name
 # filter), WGPU_PARITY (1: also run fused_parity, fused_lanes and fused_native_layout built with --features
 # wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the H100 through
@@ -25,7 +26,7 @@
 # CUDA cores), TC_PLANES (e.g. "4 8": also bf16 with each
 # AAM_KERNEL_TC_PLANES cap).
 # Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_native_layout{,_wgpu}.log, fused_lanes_wgpu.log,
-# fused_separate_backward.log, rs_attention_separate.jsonl,
+# fused_separate_backward.log, rs_attention_separate.jsonl, rs_attention_<VAR>_<value>.jsonl,
 # half_precision.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_<dtype>_<mode>.jsonl,
 # rs_attention_tc_planes<N>.jsonl, pt_attention.jsonl, registers.jsonl.
 set -uo pipefail
@@ -85,6 +86,11 @@ if [ "${MERGED_COMPARE:-0}" = 1 ]; then
   AAM_KERNEL_MERGED_BACKWARD=0 /tmp/gpu/attention-bench > "$OUT/rs_attention_separate.jsonl" 2>&1 || status=1
   grep '"fused"' "$OUT/rs_attention_separate.jsonl"
 fi
+for setting in ${COMPARE_ENVS:-}; do
+  echo "== attention-bench, $setting"
+  env "$setting" /tmp/gpu/attention-bench > "$OUT/rs_attention_${setting//=/_}.jsonl" 2>&1 || status=1
+  grep '"fused"' "$OUT/rs_attention_${setting//=/_}.jsonl"
+done
 if [ "${TC_COMPARE:-0}" = 1 ]; then
   for dt in ${TC_DTYPES:-bf16}; do
     for tc in ${TC_MODES:-auto forward 0}; do

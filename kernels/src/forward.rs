@@ -14,7 +14,8 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
-    adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_forward,
+    adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_backward_merged,
+    attention_forward,
     column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
     layer_norm_backward_rows, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
 };
@@ -154,21 +155,16 @@ impl Layout {
         }
     }
 
-    /// The merged backward (`attention_backward_dkdv` with dQ) for `tk`
-    /// keys, where one cube can hold them all, a lane each: `(units, query
-    /// tile, key splits)`. Its shared memory (the query tile's rows, every
-    /// key and a tile of dS) must fit the 48 KiB a CUDA cube may have
-    /// statically (16 KiB on wgpu); the query tile halves until it does.
-    /// The tile's dQ sums split the keys in up to 4 shares where the units
-    /// and the dS tile's memory (which then holds the shares' sums) allow
-    /// (`dq_from_ds_tile`). On the H100 the ASV level's 151 keys take 320
-    /// units (two parts a key), a tile of 32 and 4 shares.
-    fn merged_backward(
-        &self,
-        lanes: usize,
-        parts: usize,
-        tk: usize,
-    ) -> Option<(u32, usize, usize)> {
+    /// The merged backward ([`attention_backward_merged`]) for `tk` keys,
+    /// where one cube can hold them all, a lane each (`lanes` and `parts`
+    /// are the key side's layout). Its shared memory (the query tile's rows
+    /// and their shares of Δ, every key and a tile of dS) must fit the 48
+    /// KiB a CUDA cube may have statically (16 KiB on wgpu); the query tile
+    /// halves until it does. The tile's dQ sums split the keys in up to 4
+    /// shares where the units and the dS tile's memory (which then holds the
+    /// shares' sums) allow (`dq_from_ds_tile`). On the H100 the ASV level's
+    /// 151 keys take 320 units (two parts a key), a tile of 32 and 4 shares.
+    fn merged_backward(&self, lanes: usize, parts: usize, tk: usize) -> Option<MergedBackward> {
         if !merged_backward_setting() || lanes != 1 {
             return None;
         }
@@ -183,9 +179,13 @@ impl Layout {
         }
         let quads = self.head_dim.div_ceil(4);
         let shared = |tile: usize| {
-            2 * tile * self.stride * 16 + 2 * tile * 4 + tk * quads * 16 + tk * tile * 4
+            2 * tile * self.stride * 16
+                + 2 * tile * 4
+                + tile * quads * 4
+                + tk * quads * 16
+                + tk * tile * 4
         };
-        let mut tile = self.tile;
+        let mut tile = self.tile.min(units);
         while tile > 4 && shared(tile) > bytes {
             tile /= 2;
         }
@@ -193,11 +193,16 @@ impl Layout {
             return None;
         }
         let items = tile / 4 * quads;
-        let splits = [4, 2]
+        let key_splits = [4, 2]
             .into_iter()
             .find(|&s| s * items <= units && s * quads * 4 <= tk)
             .unwrap_or(1);
-        Some((units as u32, tile, splits))
+        Some(MergedBackward {
+            units: units as u32,
+            tile,
+            key_splits,
+            loads: (tile * quads).div_ceil(units),
+        })
     }
 
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
@@ -218,6 +223,19 @@ impl Layout {
         let cubes = len.div_ceil(most).max(1);
         (len.div_ceil(cubes).next_multiple_of(32).min(most)) as u32
     }
+}
+
+/// How [`attention_backward_merged`] runs ([`Layout::merged_backward`]).
+#[derive(Clone, Copy, Debug)]
+struct MergedBackward {
+    /// Units in the one cube of an (n, h): its keys × parts, in whole planes.
+    units: u32,
+    /// Query rows a tile.
+    tile: usize,
+    /// Shares of the keys that a tile's dQ sums split into.
+    key_splits: usize,
+    /// Quads of a query tile's rows each unit loads.
+    loads: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1187,61 +1205,88 @@ fn scalar_backward<R, F, I, BT>(
     let units_q = layout.units(lanes_q, parts_q, tq);
     let lanes_k = layout.key_lanes(n * h * tk, tk);
     let parts_k = layout.parts(lanes_k);
-    let merged = layout.merged_backward(lanes_k, parts_k, tk);
-    let (units_k, tile_k, key_blocks, key_splits) = match merged {
-        Some((units, tile, splits)) => (units, tile, 1, splits),
-        None => {
-            let units = layout.units(lanes_k, parts_k, tk);
-            let blocks = tk.div_ceil(units as usize / (lanes_k * parts_k));
-            (units, layout.tile, blocks as u32, 1)
-        }
-    };
-    // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
-    // the dK/dV kernel launched after it (the merged kernel computes its own).
-    let delta = match merged {
-        Some(_) => lse.clone(),
-        None => empty(q, Shape::new([n, h, tq]), DType::F32),
-    };
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
     let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
-    for (offset, count) in bh_chunks(n * h) {
-        if merged.is_none() {
-            attention_backward_dq::launch::<R>(
+    if let Some(merged) = layout.merged_backward(lanes_k, parts_k, tk) {
+        for (offset, count) in bh_chunks(n * h) {
+            attention_backward_merged::launch::<R>(
                 &client,
-                CubeCount::Static(
-                    count,
-                    tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
-                    1,
-                ),
-                CubeDim::new_1d(units_q),
+                CubeCount::Static(count, 1, 1),
+                CubeDim::new_1d(merged.units),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
                 dout.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
                 key_valid.clone().into_tensor_arg(),
-                tile_valid.clone().into_tensor_arg(),
+                dkv.clone().into_tensor_arg(),
                 dq.clone().into_tensor_arg(),
-                delta.clone().into_tensor_arg(),
                 scale as f32,
                 h as u32,
                 offset,
                 k_offset,
                 v_offset,
+                dk_offset,
+                dv_offset,
                 threshold,
                 drop_scale,
                 seed,
                 dh,
-                layout.tile,
-                lanes_q,
-                parts_q,
+                merged.tile,
+                parts_k,
                 layout.stride,
                 use_dropout,
+                tk,
+                merged.key_splits,
+                merged.loads,
                 unroll_loops(),
                 q.dtype.into(),
             );
         }
+        return;
+    }
+    let units_k = layout.units(lanes_k, parts_k, tk);
+    let key_blocks = tk.div_ceil(units_k as usize / (lanes_k * parts_k)) as u32;
+    // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by
+    // the dK/dV kernel launched after it.
+    let delta = empty(q, Shape::new([n, h, tq]), DType::F32);
+    for (offset, count) in bh_chunks(n * h) {
+        attention_backward_dq::launch::<R>(
+            &client,
+            CubeCount::Static(
+                count,
+                tq.div_ceil(units_q as usize / (lanes_q * parts_q)) as u32,
+                1,
+            ),
+            CubeDim::new_1d(units_q),
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dout.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            key_valid.clone().into_tensor_arg(),
+            tile_valid.clone().into_tensor_arg(),
+            dq.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            scale as f32,
+            h as u32,
+            offset,
+            k_offset,
+            v_offset,
+            threshold,
+            drop_scale,
+            seed,
+            dh,
+            layout.tile,
+            lanes_q,
+            parts_q,
+            layout.stride,
+            use_dropout,
+            unroll_loops(),
+            q.dtype.into(),
+        );
         attention_backward_dkdv::launch::<R>(
             &client,
             CubeCount::Static(count, key_blocks, 1),
@@ -1255,8 +1300,6 @@ fn scalar_backward<R, F, I, BT>(
             key_valid.clone().into_tensor_arg(),
             tile_valid.clone().into_tensor_arg(),
             dkv.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            dq.clone().into_tensor_arg(),
             scale as f32,
             h as u32,
             offset,
@@ -1268,14 +1311,11 @@ fn scalar_backward<R, F, I, BT>(
             drop_scale,
             seed,
             dh,
-            tile_k,
+            layout.tile,
             lanes_k,
             parts_k,
             layout.stride,
             use_dropout,
-            merged.is_some(),
-            if merged.is_some() { tk } else { 0 },
-            key_splits,
             unroll_loops(),
             q.dtype.into(),
         );

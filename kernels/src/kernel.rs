@@ -660,8 +660,8 @@ pub fn attention_backward_dq<F: Float>(
     }
 }
 
-/// The merged backward's dQ for one query tile ([`attention_backward_dkdv`]
-/// with `with_dq`): `dq[row] = scale · Σ_j dS[row, j] k_j` for the tile's
+/// The merged backward's dQ for one query tile
+/// ([`attention_backward_merged`]): `dq[row] = scale · Σ_j dS[row, j] k_j` for the tile's
 /// `rows` (≤ `tile`) rows, from `ds_quads` (key `j`'s dS of queries 4q..4q+3
 /// at quad `j·tile/4 + q`) and `k_all` (key `j`'s quad `d4` at
 /// `j·⌈head_dim/4⌉ + d4`).
@@ -807,21 +807,13 @@ fn write_dq_rows<F: Float>(
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
 /// keys get zero gradients, and a cube whose keys are all masked skips the
 /// query loop. `tile` is both the rows of a query tile and the tiling of
-/// `tile_valid` (except with `with_dq`). Head dimensions split over
-/// `parts` units as in [`attention_backward_dq`].
-///
-/// With `with_dq` (one lane a key), one cube holds every key of its (n, h)
-/// (at most `key_capacity`) and computes dQ too, so that `P` and `dS` are
-/// computed once instead of once in each kernel (the ASV level's 151 keys: the dQ
-/// kernel was 40% of the attention backward). Each query tile's `dS` goes
-/// to shared memory, and the cube then sums `dQ_i = scale · Σ_j dS_ij k_j`
-/// over it with the keys kept in shared memory; `Δ_i` is computed per tile
-/// from `dO` and `out` (`delta` is unread, `out` and `dq` only read and
-/// written here).
+/// `tile_valid`. Head dimensions split over `parts` units as in
+/// [`attention_backward_dq`]. Where one cube can hold all of a head's keys,
+/// [`attention_backward_merged`] does this kernel's work and the dQ
+/// kernel's in one.
 ///
 /// Launch: cube (x: n·H + h − bh_offset, y: key block), units = key rows ×
-/// `lanes` × `parts`; the lanes of a key split each query tile. With
-/// `with_dq`, one key block.
+/// `lanes` × `parts`; the lanes of a key split each query tile.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv<F: Float>(
@@ -834,8 +826,6 @@ pub fn attention_backward_dkdv<F: Float>(
     key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
-    out: &Tensor<F>,
-    dq: &mut Tensor<F>,
     scale: f32,
     heads: u32,
     bh_offset: u32,
@@ -852,9 +842,6 @@ pub fn attention_backward_dkdv<F: Float>(
     #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
-    #[comptime] with_dq: bool,
-    #[comptime] key_capacity: usize,
-    #[comptime] key_splits: usize,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -875,10 +862,9 @@ pub fn attention_backward_dkdv<F: Float>(
         active = key_valid[n * tk + col] > 0.0;
     }
     // With parts, partners shuffle inside the query loop: every unit runs
-    // it, and a masked key's sums are dropped at the end. With dQ, every
-    // unit writes its (zero, for a masked key) dS.
+    // it, and a masked key's sums are dropped at the end.
     let mut compute = active;
-    if comptime!(parts > 1 || with_dq) {
+    if comptime!(parts > 1) {
         compute = true;
     }
     // Uniform over the cube: does any key tile overlapping the cube's keys
@@ -889,18 +875,14 @@ pub fn attention_backward_dkdv<F: Float>(
         end_key = tk;
     }
     let mut block_valid = 0.0f32;
-    // With dQ, `tile` need not be `tile_valid`'s tiling: it is not read.
-    if comptime!(!with_dq) {
-        for t in first_key / tile..(end_key - 1) / tile + 1 {
-            block_valid += tile_valid[n * n_key_tiles + t];
-        }
+    for t in first_key / tile..(end_key - 1) / tile + 1 {
+        block_valid += tile_valid[n * n_key_tiles + t];
     }
     let h = bh % heads as usize;
     let q_base = head_start(q, 0u32, n, h);
     let do_base = head_start(dout, 0u32, n, h);
     let mut n_tiles = 0usize;
-    // With dQ, rows whose keys are all masked still get their (zero) dQ.
-    if block_valid > 0.0 || with_dq {
+    if block_valid > 0.0 {
         n_tiles = tq.div_ceil(tile);
     }
     let queries_per_lane = comptime!(tile / lanes);
@@ -935,36 +917,6 @@ pub fn attention_backward_dkdv<F: Float>(
     let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
     let mut lse_tile = SharedMemory::<f32>::new(tile);
     let mut delta_tile = SharedMemory::<f32>::new(tile);
-    // With dQ: the keys (quads, as the query tile) and a query tile's dS,
-    // stored by key, four queries a quad, so that one load gives the dS of
-    // four query rows; after the tile's dQ sums the same memory holds their
-    // partial sums.
-    let all_quads = comptime!(head_dim.div_ceil(4));
-    let query_quads = comptime!(tile / 4);
-    let mut k_all = SharedMemory::<Quad>::new(comptime!(if with_dq {
-        key_capacity * head_dim.div_ceil(4)
-    } else {
-        1
-    }));
-    let mut ds_quads = SharedMemory::<Quad>::new(comptime!(if with_dq {
-        key_capacity * (tile / 4)
-    } else {
-        1
-    }));
-    if with_dq && lane == 0 && key_slot < key_capacity {
-        // Each key's units hold its row (zeros for a masked key, whose dS
-        // is zero): they store their quads of it.
-        #[unroll(unroll)]
-        for d4 in 0..quads {
-            let mut x = Quad::new(0.0f32);
-            #[unroll]
-            for c in 0..4usize {
-                x[c] = k_row[d4 * 4 + c];
-            }
-            k_all[key_slot * all_quads + first_quad + d4] = x;
-        }
-    }
-
     for t in 0..n_tiles {
         let start = t * tile;
         load_rows::<F>(
@@ -999,18 +951,7 @@ pub fn attention_backward_dkdv<F: Float>(
             let mut delta_i = 0.0f32;
             if i < tq {
                 lse_i = lse[bh * tq + i];
-                if with_dq {
-                    let o_at = row_start(out, 0u32, n, h, i);
-                    let do_at = do_base + i * dout.stride(2);
-                    // Unrolled, so that the row's loads issue together (the
-                    // rest of the cube waits at the sync meanwhile).
-                    #[unroll]
-                    for d in 0..head_dim {
-                        delta_i += f32::cast_from(dout[do_at + d]) * f32::cast_from(out[o_at + d]);
-                    }
-                } else {
-                    delta_i = delta[bh * tq + i];
-                }
+                delta_i = delta[bh * tq + i];
             }
             lse_tile[ii] = lse_i;
             delta_tile[ii] = delta_i;
@@ -1018,8 +959,6 @@ pub fn attention_backward_dkdv<F: Float>(
         }
         sync_cube();
         if compute {
-            // With dQ (one lane a key): the dS of four consecutive queries.
-            let mut ds_four = Quad::new(0.0f32);
             #[unroll(unroll)]
             for r in 0usize..queries_per_lane {
                 let ii = r * lanes + lane;
@@ -1038,31 +977,9 @@ pub fn attention_backward_dkdv<F: Float>(
                 let ds = p * (dp - delta_tile[ii]);
                 add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
                 add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
-                if with_dq {
-                    ds_four[r % 4] = ds;
-                    if r % 4 == 3 && part == 0 && key_slot < key_capacity {
-                        ds_quads[key_slot * query_quads + r / 4] = ds_four;
-                    }
-                }
             }
         }
         sync_cube();
-        if with_dq {
-            dq_from_ds_tile::<F>(
-                &mut ds_quads,
-                &k_all,
-                dq,
-                row_start(dq, 0u32, n, h, start),
-                dq.stride(2),
-                tq - start,
-                tk,
-                scale,
-                head_dim,
-                tile,
-                key_splits,
-            );
-            // The next tile's dS is written after its loads' sync.
-        }
     }
 
     if comptime!(lanes > 1) {
@@ -1076,6 +993,390 @@ pub fn attention_backward_dkdv<F: Float>(
             dkv[dk_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
             dkv[dv_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
         }
+    }
+}
+
+/// The attention backward in one kernel where one cube holds all of an
+/// (n, h)'s keys (the ASV level's 151), a key a unit with its head dims
+/// split over `parts` units: dK and dV as [`attention_backward_dkdv`], and
+/// `dQ_i = scale · Σ_j dS_ij k_j` from each query tile's `dS`, kept in
+/// shared memory with the keys (`dq_from_ds_tile`). So `P`, `dP` and the
+/// dropout hash are computed once for the three gradients, not once in each
+/// of two kernels (at the ASV level the dQ kernel was 40% of the backward).
+///
+/// The query tiles are pipelined: each unit issues its loads of the next
+/// tile's rows (q, dO and O, a quad each, and for the first `tile` units a
+/// row's log-sum-exp) before the current tile's products, and stores them
+/// to shared memory while the cube sums the current tile's dQ. `Δ_i =
+/// rowsum(dO_i ⊙ O_i)` is summed a quad at a time by the units that store
+/// them, and over the quads by one unit a row. (With loads after each
+/// tile's products and `Δ` summed by one unit a row over its whole row,
+/// Nsight Compute showed the warps waiting at the cube's barriers and on
+/// global loads for 43% of their stall cycles.)
+///
+/// `key_capacity` is the keys' count (the shared memory for the keys and a
+/// tile's `dS`), `key_splits` the shares of the keys a tile's dQ sums
+/// split into, `loads` the quads of a query tile each unit loads
+/// (`⌈tile · ⌈head_dim/4⌉ / units⌉`).
+///
+/// Launch: cube x: n·H + h − bh_offset; units = `key_capacity · parts`
+/// rounded up to whole planes, at least `tile`, and at least
+/// `key_splits · tile/4 · ⌈head_dim/4⌉`.
+#[cube(launch, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_merged<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    dout: &Tensor<F>,
+    out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    key_valid: &Tensor<f32>,
+    dkv: &mut Tensor<F>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    heads: u32,
+    bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    dk_offset: u32,
+    dv_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    seed: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] parts: usize,
+    #[comptime] stride: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] key_capacity: usize,
+    #[comptime] key_splits: usize,
+    #[comptime] loads: usize,
+    #[comptime] unroll: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tq = q.shape(2);
+    let tk = k.shape(2);
+    let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head_key = dropout_head_key(seed, bh as u32);
+    let n = bh / heads as usize;
+    let h = bh % heads as usize;
+    let unit = UNIT_POS_X as usize;
+    let part = unit % parts;
+    let col = unit / parts;
+    let mut active = false;
+    if col < tk {
+        active = key_valid[n * tk + col] > 0.0;
+    }
+    let quads = comptime!(head_dim.div_ceil(4) / parts);
+    let dims = comptime!(head_dim / parts);
+    let all_quads = comptime!(head_dim.div_ceil(4));
+    let query_quads = comptime!(tile / 4);
+    let first_quad = part * quads;
+    let rows = RowStarts {
+        q: head_start(q, 0u32, n, h),
+        dout: head_start(dout, 0u32, n, h),
+        out: head_start(out, 0u32, n, h),
+        lse: bh * tq,
+    };
+    let k_base = row_start(k, k_offset, n, h, col) + part * dims;
+    let v_base = row_start(v, v_offset, n, h, col) + part * dims;
+
+    let mut k_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut v_row = Array::<f32>::new(comptime!(quads * 4));
+    let mut dk_acc = Array::<f32>::new(comptime!(quads * 4));
+    let mut dv_acc = Array::<f32>::new(comptime!(quads * 4));
+    #[unroll(unroll)]
+    for d in 0..comptime!(quads * 4) {
+        k_row[d] = 0.0;
+        v_row[d] = 0.0;
+        dk_acc[d] = 0.0;
+        dv_acc[d] = 0.0;
+    }
+    if active {
+        #[unroll(unroll)]
+        for d in 0..dims {
+            k_row[d] = f32::cast_from(k[k_base + d]);
+            v_row[d] = f32::cast_from(v[v_base + d]);
+        }
+    }
+
+    let mut q_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
+    let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
+    let mut lse_tile = SharedMemory::<f32>::new(tile);
+    let mut delta_tile = SharedMemory::<f32>::new(tile);
+    // Each quad's share of Δ: `dO·O` over its four dimensions.
+    let mut delta_quads = SharedMemory::<f32>::new(comptime!(tile * head_dim.div_ceil(4)));
+    // Every key (quads, as the query tile: zeros for a masked key, whose dS
+    // is zero) and a query tile's dS, stored by key, four queries a quad, so
+    // that one load gives the dS of four query rows; after the tile's dQ
+    // sums the same memory holds their partial sums.
+    let mut k_all = SharedMemory::<Quad>::new(comptime!(key_capacity * head_dim.div_ceil(4)));
+    let mut ds_quads = SharedMemory::<Quad>::new(comptime!(key_capacity * (tile / 4)));
+    if col < key_capacity {
+        #[unroll(unroll)]
+        for d4 in 0..quads {
+            let mut x = Quad::new(0.0f32);
+            #[unroll]
+            for c in 0..4usize {
+                x[c] = k_row[d4 * 4 + c];
+            }
+            k_all[col * all_quads + first_quad + d4] = x;
+        }
+    }
+
+    // The next tile's rows, in flight in registers.
+    let mut next = QueryRows {
+        q: Array::<Quad>::new(loads),
+        dout: Array::<Quad>::new(loads),
+        out: Array::<Quad>::new(loads),
+        lse: Array::<f32>::new(1usize),
+    };
+    let n_tiles = tq.div_ceil(tile);
+    fetch_query_rows::<F>(q, dout, out, lse, &rows, &mut next, 0, tq, scale, head_dim, tile, loads);
+    stage_query_rows(
+        &next,
+        &mut q_tile,
+        &mut do_tile,
+        &mut lse_tile,
+        &mut delta_quads,
+        head_dim,
+        tile,
+        stride,
+        loads,
+    );
+    sync_cube();
+    sum_delta_quads(&delta_quads, &mut delta_tile, head_dim, tile);
+    sync_cube();
+
+    for t in 0..n_tiles {
+        let start = t * tile;
+        let more = t + 1 < n_tiles;
+        if more {
+            fetch_query_rows::<F>(
+                q,
+                dout,
+                out,
+                lse,
+                &rows,
+                &mut next,
+                start + tile,
+                tq,
+                scale,
+                head_dim,
+                tile,
+                loads,
+            );
+        }
+        // Every unit (a masked key's too: its partners shuffle with it, and
+        // its dS, zero, is read) runs the tile. Rows past the end have
+        // lse = +big, so p = 0, and their q and dO are 0.
+        let mut ds_four = Quad::new(0.0f32);
+        #[unroll(unroll)]
+        for ii in 0usize..tile {
+            let at = ii * stride + first_quad;
+            let s = sum_parts(dot_quads(&k_row, &q_tile, at, quads, unroll), parts);
+            let mut dp = sum_parts(dot_quads(&v_row, &do_tile, at, quads, unroll), parts);
+            // 0 for a masked key: its exp(0 − lse) could overflow.
+            let p = select(active, (s - lse_tile[ii]).exp(), 0.0f32);
+            let mut p_kept = p;
+            if use_dropout {
+                let i = (start + ii) as u32;
+                let keep = dropout_keep(head_key, i, col as u32, dropout_threshold);
+                p_kept = select(keep, p * dropout_scale, 0.0f32);
+                dp = select(keep, dp * dropout_scale, 0.0f32);
+            }
+            let ds = p * (dp - delta_tile[ii]);
+            add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
+            add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
+            ds_four[ii % 4] = ds;
+            if ii % 4 == 3 && part == 0 && col < key_capacity {
+                ds_quads[col * query_quads + ii / 4] = ds_four;
+            }
+        }
+        sync_cube();
+        // The tile's rows are read: the next tile's replace them while the
+        // cube sums this tile's dQ (which reads only `ds_quads` and `k_all`).
+        if more {
+            stage_query_rows(
+                &next,
+                &mut q_tile,
+                &mut do_tile,
+                &mut lse_tile,
+                &mut delta_quads,
+                head_dim,
+                tile,
+                stride,
+                loads,
+            );
+        }
+        dq_from_ds_tile::<F>(
+            &mut ds_quads,
+            &k_all,
+            dq,
+            row_start(dq, 0u32, n, h, start),
+            dq.stride(2),
+            tq - start,
+            tk,
+            scale,
+            head_dim,
+            tile,
+            key_splits,
+        );
+        // With key shares, `dq_from_ds_tile` synced after the staging.
+        if comptime!(key_splits == 1) {
+            sync_cube();
+        }
+        if more {
+            sum_delta_quads(&delta_quads, &mut delta_tile, head_dim, tile);
+        }
+        // The next tile's dS overwrites `ds_quads`, read until here.
+        sync_cube();
+    }
+
+    if col < tk {
+        let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
+        let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
+        // A masked key's sums (run only for its partners' shuffles) are 0.
+        #[unroll(unroll)]
+        for d in 0..dims {
+            dkv[dk_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
+            dkv[dv_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
+        }
+    }
+}
+
+/// Where rows of one (n, h) start in [`attention_backward_merged`]'s
+/// inputs: element (row 0, dimension 0) of q, dO and O, and row 0's
+/// log-sum-exp.
+#[derive(CubeType)]
+struct RowStarts {
+    q: usize,
+    dout: usize,
+    out: usize,
+    lse: usize,
+}
+
+/// A unit's share of a query tile's rows on their way to shared memory
+/// ([`fetch_query_rows`], [`stage_query_rows`]): `loads` quads each of q
+/// (scaled), dO and O, and one row's log-sum-exp.
+#[derive(CubeType)]
+struct QueryRows {
+    q: Array<Quad>,
+    dout: Array<Quad>,
+    out: Array<Quad>,
+    lse: Array<f32>,
+}
+
+/// Loads this unit's share of the query tile at row `start` into `next`:
+/// quad `UNIT_POS_X + l·CUBE_DIM_X` of the tile (row-major, `⌈head_dim/4⌉`
+/// quads a row) for `l < loads`, zeros past `tq` and past `head_dim`; and
+/// for units below `tile`, that row's log-sum-exp (`+1e30` past `tq`, so that
+/// its probabilities are 0).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_query_rows<F: Float>(
+    q: &Tensor<F>,
+    dout: &Tensor<F>,
+    out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    rows: &RowStarts,
+    next: &mut QueryRows,
+    start: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] loads: usize,
+) {
+    let all_quads = comptime!(head_dim.div_ceil(4));
+    #[unroll]
+    for l in 0..loads {
+        let idx = UNIT_POS_X as usize + l * CUBE_DIM_X as usize;
+        let i = start + idx / all_quads;
+        let d = (idx % all_quads) * 4;
+        let mut xq = Quad::new(0.0f32);
+        let mut xdo = Quad::new(0.0f32);
+        let mut xo = Quad::new(0.0f32);
+        if idx < tile * all_quads && i < tq {
+            let q_at = rows.q + i * q.stride(2) + d;
+            let do_at = rows.dout + i * dout.stride(2) + d;
+            let o_at = rows.out + i * out.stride(2) + d;
+            #[unroll]
+            #[allow(clippy::if_same_then_else)]
+            for c in 0..4usize {
+                if comptime!(head_dim.is_multiple_of(4)) || d + c < head_dim {
+                    xq[c] = f32::cast_from(q[q_at + c]) * scale;
+                    xdo[c] = f32::cast_from(dout[do_at + c]);
+                    xo[c] = f32::cast_from(out[o_at + c]);
+                }
+            }
+        }
+        next.q[l] = xq;
+        next.dout[l] = xdo;
+        next.out[l] = xo;
+    }
+    let i = start + UNIT_POS_X as usize;
+    let mut lse_i = 1.0e30f32;
+    if (UNIT_POS_X as usize) < tile && i < tq {
+        lse_i = lse[rows.lse + i];
+    }
+    next.lse[0] = lse_i;
+}
+
+/// Stores the rows [`fetch_query_rows`] loaded: q and dO into their tiles,
+/// the log-sum-exp, and each quad's `dO·O` into `delta_quads` (summed over a
+/// row by [`sum_delta_quads`] after a sync).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_rows(
+    next: &QueryRows,
+    q_tile: &mut SharedMemory<Quad>,
+    do_tile: &mut SharedMemory<Quad>,
+    lse_tile: &mut SharedMemory<f32>,
+    delta_quads: &mut SharedMemory<f32>,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] stride: usize,
+    #[comptime] loads: usize,
+) {
+    let all_quads = comptime!(head_dim.div_ceil(4));
+    #[unroll]
+    for l in 0..loads {
+        let idx = UNIT_POS_X as usize + l * CUBE_DIM_X as usize;
+        if idx < tile * all_quads {
+            let at = (idx / all_quads) * stride + idx % all_quads;
+            q_tile[at] = next.q[l];
+            do_tile[at] = next.dout[l];
+            let products = next.dout[l] * next.out[l];
+            delta_quads[idx] = (products[0] + products[1]) + (products[2] + products[3]);
+        }
+    }
+    if (UNIT_POS_X as usize) < tile {
+        lse_tile[UNIT_POS_X as usize] = next.lse[0];
+    }
+}
+
+/// `Δ` of each row of the staged tile, from its quads' shares: by the last
+/// `tile` units of the cube (the first ones write dQ in `dq_from_ds_tile`'s
+/// last phase).
+#[cube]
+fn sum_delta_quads(
+    delta_quads: &SharedMemory<f32>,
+    delta_tile: &mut SharedMemory<f32>,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+) {
+    let all_quads = comptime!(head_dim.div_ceil(4));
+    let shifted = UNIT_POS_X as usize + tile;
+    if shifted >= CUBE_DIM_X as usize {
+        let row = shifted - CUBE_DIM_X as usize;
+        let mut sum = 0.0f32;
+        #[unroll]
+        for d4 in 0..all_quads {
+            sum += delta_quads[row * all_quads + d4];
+        }
+        delta_tile[row] = sum;
     }
 }
 

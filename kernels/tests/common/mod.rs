@@ -127,17 +127,31 @@ pub fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 }
 
 /// Max |Δ| relative to the largest reference magnitude, floored at 0.01: a
-/// gradient that is exactly zero in the reference (a query with one valid key
-/// has constant softmax weights) is matched by rounding noise of ~1e-7.
+/// forward output that is exactly zero in the reference (a row with no
+/// valid key) must come out as zero or rounding noise of ~1e-7.
 pub fn rel(actual: &[f32], expected: &[f32]) -> f32 {
+    rel_above(actual, expected, 1e-2)
+}
+
+/// Max |Δ| relative to the largest reference magnitude, floored at `floor`.
+pub fn rel_above(actual: &[f32], expected: &[f32], floor: f32) -> f32 {
     assert!(actual.iter().all(|x| x.is_finite()), "non-finite output");
-    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-2);
+    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs())).max(floor);
     actual
         .iter()
         .zip(expected)
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
         / scale
 }
+
+/// The floor of the gradients' relative error ([`rel_above`]). Where every
+/// query has one valid key (a batch of one such sample), dQ and dK are zero
+/// in exact arithmetic: `dS = P·(dP − Δ)` with `P = 1` and `Δ = dO·O =
+/// dO·v = dP`. In f32 they come out as the difference of `dP`'s and `Δ`'s
+/// rounding, ~1e-6 at these sizes, which depends on the order of the two
+/// sums (the merged backward sums Δ a quad at a time); against 0.1 that is
+/// 1e-5, inside [`GRAD_RTOL_F32`].
+pub const GRAD_FLOOR: f32 = 0.1;
 
 /// Shader compilation of the unrolled kernels takes minutes on CPU Vulkan
 /// (lavapipe); unrolling only changes code generation, not the arithmetic.
@@ -216,14 +230,14 @@ pub fn check(case: &Case) {
     let errors: Vec<f32> = fused_grads
         .iter()
         .zip(&ref_grads)
-        .map(|(a, b)| rel(a, b))
+        .map(|(a, b)| rel_above(a, b, GRAD_FLOOR))
         .collect();
     eprintln!("{label}: gradient rel errors dq/dk/dv = {errors:?}");
     for (name, (a, b)) in ["dq", "dk", "dv"]
         .iter()
         .zip(fused_grads.iter().zip(&ref_grads))
     {
-        let e = rel(a, b);
+        let e = rel_above(a, b, GRAD_FLOOR);
         assert!(e <= GRAD_RTOL_F32, "{label}: {name} rel err {e:e}");
     }
     eprintln!("{label}: ok in {:.1?}", started.elapsed());
