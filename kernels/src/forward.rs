@@ -15,9 +15,9 @@ use cubecl::{CubeCount, CubeDim};
 
 use crate::kernel::{
     adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_backward_merged,
-    attention_forward,
-    column_partial_sums, dropout_elements, gelu_backward_elements, gelu_elements, key_validity,
-    layer_norm_backward_rows, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
+    attention_forward, column_partial_sums, dropout_elements, gelu_backward_elements,
+    gelu_elements, key_validity, layer_norm_backward_rows, layer_norm_rows, sum_partials,
+    SUM_PARTIALS_COLUMNS,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,

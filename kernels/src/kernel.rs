@@ -1133,7 +1133,9 @@ pub fn attention_backward_merged<F: Float>(
         lse: Array::<f32>::new(1usize),
     };
     let n_tiles = tq.div_ceil(tile);
-    fetch_query_rows::<F>(q, dout, out, lse, &rows, &mut next, 0, tq, scale, head_dim, tile, loads);
+    fetch_query_rows::<F>(
+        q, dout, out, lse, &rows, &mut next, 0, tq, scale, head_dim, tile, loads,
+    );
     stage_query_rows(
         &next,
         &mut q_tile,
