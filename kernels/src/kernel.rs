@@ -803,6 +803,114 @@ fn write_dq_rows<F: Float>(
     }
 }
 
+/// A key unit's registers in [`attention_backward_dkdv`] and
+/// [`attention_backward_merged`]: its share of the key's row (`dims` of k
+/// and v, zero past them and for a masked key) and its sums of dK and dV.
+#[derive(CubeType)]
+struct KeyRow {
+    k: Array<f32>,
+    v: Array<f32>,
+    dk: Array<f32>,
+    dv: Array<f32>,
+}
+
+/// A [`KeyRow`] with the key's `dims` elements at `k_base` and `v_base`
+/// (zeros unless `active`) and zero sums.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_key_row<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    k_base: usize,
+    v_base: usize,
+    active: bool,
+    #[comptime] quads: usize,
+    #[comptime] dims: usize,
+    #[comptime] unroll: bool,
+) -> KeyRow {
+    let mut key = KeyRow {
+        k: Array::<f32>::new(comptime!(quads * 4)),
+        v: Array::<f32>::new(comptime!(quads * 4)),
+        dk: Array::<f32>::new(comptime!(quads * 4)),
+        dv: Array::<f32>::new(comptime!(quads * 4)),
+    };
+    #[unroll(unroll)]
+    for d in 0..comptime!(quads * 4) {
+        key.k[d] = 0.0;
+        key.v[d] = 0.0;
+        key.dk[d] = 0.0;
+        key.dv[d] = 0.0;
+    }
+    if active {
+        #[unroll(unroll)]
+        for d in 0..dims {
+            key.k[d] = f32::cast_from(k[k_base + d]);
+            key.v[d] = f32::cast_from(v[v_base + d]);
+        }
+    }
+    key
+}
+
+/// Adds query row `i` (its scaled q and dO in the tiles at quad `at`, its
+/// log-sum-exp and Δ) to the key's sums `dV += P̃·dO` and `dK += dS·q`,
+/// and returns `dS = P·(dP − Δ)` (P̃, dP: after dropout). Every unit of
+/// the key's `parts` must call it (they shuffle).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_query_to_key(
+    key: &mut KeyRow,
+    q_tile: &SharedMemory<Quad>,
+    do_tile: &SharedMemory<Quad>,
+    at: usize,
+    lse_i: f32,
+    delta_i: f32,
+    active: bool,
+    head_key: u32,
+    i: u32,
+    col: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    #[comptime] parts: usize,
+    #[comptime] quads: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] unroll: bool,
+) -> f32 {
+    let s = sum_parts(dot_quads(&key.k, q_tile, at, quads, unroll), parts);
+    let mut dp = sum_parts(dot_quads(&key.v, do_tile, at, quads, unroll), parts);
+    // 0 for a masked key: its exp(0 − lse) could overflow.
+    let p = select(active, (s - lse_i).exp(), 0.0f32);
+    let mut p_kept = p;
+    if use_dropout {
+        let keep = dropout_keep(head_key, i, col, dropout_threshold);
+        p_kept = select(keep, p * dropout_scale, 0.0f32);
+        dp = select(keep, dp * dropout_scale, 0.0f32);
+    }
+    let ds = p * (dp - delta_i);
+    add_scaled_quads(&mut key.dv, p_kept, do_tile, at, quads, unroll);
+    add_scaled_quads(&mut key.dk, ds, q_tile, at, quads, unroll);
+    ds
+}
+
+/// Writes the key's dK and dV sums (`dims` elements) at `dk_base` and
+/// `dv_base`; a masked key's (run only for its partners' shuffles) as 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_key_gradients<F: Float>(
+    key: &KeyRow,
+    dkv: &mut Tensor<F>,
+    dk_base: usize,
+    dv_base: usize,
+    active: bool,
+    #[comptime] dims: usize,
+    #[comptime] unroll: bool,
+) {
+    #[unroll(unroll)]
+    for d in 0..dims {
+        dkv[dk_base + d] = F::cast_from(select(active, key.dk[d], 0.0f32));
+        dkv[dv_base + d] = F::cast_from(select(active, key.dv[d], 0.0f32));
+    }
+}
+
 /// Backward, key side: `dV_j = Σ_i P̃_ij dO_i` and
 /// `dK_j = scale · Σ_i P_ij (dP_ij − Δ_i) q_i` (P̃: after dropout). Masked
 /// keys get zero gradients, and a cube whose keys are all masked skips the
@@ -894,24 +1002,7 @@ pub fn attention_backward_dkdv<F: Float>(
     let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
     let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
 
-    let mut k_row = Array::<f32>::new(comptime!(quads * 4));
-    let mut v_row = Array::<f32>::new(comptime!(quads * 4));
-    let mut dk_acc = Array::<f32>::new(comptime!(quads * 4));
-    let mut dv_acc = Array::<f32>::new(comptime!(quads * 4));
-    #[unroll(unroll)]
-    for d in 0..comptime!(quads * 4) {
-        k_row[d] = 0.0;
-        v_row[d] = 0.0;
-        dk_acc[d] = 0.0;
-        dv_acc[d] = 0.0;
-    }
-    if active {
-        #[unroll(unroll)]
-        for d in 0..dims {
-            k_row[d] = f32::cast_from(k[k_base + d]);
-            v_row[d] = f32::cast_from(v[v_base + d]);
-        }
-    }
+    let mut key = load_key_row::<F>(k, v, k_base, v_base, active, quads, dims, unroll);
 
     let mut q_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
     let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
@@ -962,37 +1053,35 @@ pub fn attention_backward_dkdv<F: Float>(
             #[unroll(unroll)]
             for r in 0usize..queries_per_lane {
                 let ii = r * lanes + lane;
-                let at = ii * stride + first_quad;
-                let s = sum_parts(dot_quads(&k_row, &q_tile, at, quads, unroll), parts);
-                let mut dp = sum_parts(dot_quads(&v_row, &do_tile, at, quads, unroll), parts);
-                // 0 for a masked key: its exp(0 − lse) could overflow.
-                let p = select(active, (s - lse_tile[ii]).exp(), 0.0f32);
-                let mut p_kept = p;
-                if use_dropout {
-                    let i = (start + ii) as u32;
-                    let keep = dropout_keep(head_key, i, col as u32, dropout_threshold);
-                    p_kept = select(keep, p * dropout_scale, 0.0f32);
-                    dp = select(keep, dp * dropout_scale, 0.0f32);
-                }
-                let ds = p * (dp - delta_tile[ii]);
-                add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
-                add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
+                add_query_to_key(
+                    &mut key,
+                    &q_tile,
+                    &do_tile,
+                    ii * stride + first_quad,
+                    lse_tile[ii],
+                    delta_tile[ii],
+                    active,
+                    head_key,
+                    (start + ii) as u32,
+                    col as u32,
+                    dropout_threshold,
+                    dropout_scale,
+                    parts,
+                    quads,
+                    use_dropout,
+                    unroll,
+                );
             }
         }
         sync_cube();
     }
 
     if comptime!(lanes > 1) {
-        sum_lanes(&mut dk_acc, lanes, head_dim, unroll);
-        sum_lanes(&mut dv_acc, lanes, head_dim, unroll);
+        sum_lanes(&mut key.dk, lanes, head_dim, unroll);
+        sum_lanes(&mut key.dv, lanes, head_dim, unroll);
     }
     if in_range && lane == 0 {
-        // A masked key's sums (run only for its partners' shuffles) are 0.
-        #[unroll(unroll)]
-        for d in 0..dims {
-            dkv[dk_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
-            dkv[dv_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
-        }
+        write_key_gradients::<F>(&key, dkv, dk_base, dv_base, active, dims, unroll);
     }
 }
 
@@ -1082,24 +1171,7 @@ pub fn attention_backward_merged<F: Float>(
     let k_base = row_start(k, k_offset, n, h, col) + part * dims;
     let v_base = row_start(v, v_offset, n, h, col) + part * dims;
 
-    let mut k_row = Array::<f32>::new(comptime!(quads * 4));
-    let mut v_row = Array::<f32>::new(comptime!(quads * 4));
-    let mut dk_acc = Array::<f32>::new(comptime!(quads * 4));
-    let mut dv_acc = Array::<f32>::new(comptime!(quads * 4));
-    #[unroll(unroll)]
-    for d in 0..comptime!(quads * 4) {
-        k_row[d] = 0.0;
-        v_row[d] = 0.0;
-        dk_acc[d] = 0.0;
-        dv_acc[d] = 0.0;
-    }
-    if active {
-        #[unroll(unroll)]
-        for d in 0..dims {
-            k_row[d] = f32::cast_from(k[k_base + d]);
-            v_row[d] = f32::cast_from(v[v_base + d]);
-        }
-    }
+    let mut key = load_key_row::<F>(k, v, k_base, v_base, active, quads, dims, unroll);
 
     let mut q_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
     let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
@@ -1119,7 +1191,7 @@ pub fn attention_backward_merged<F: Float>(
             let mut x = Quad::new(0.0f32);
             #[unroll]
             for c in 0..4usize {
-                x[c] = k_row[d4 * 4 + c];
+                x[c] = key.k[d4 * 4 + c];
             }
             k_all[col * all_quads + first_quad + d4] = x;
         }
@@ -1176,21 +1248,24 @@ pub fn attention_backward_merged<F: Float>(
         let mut ds_four = Quad::new(0.0f32);
         #[unroll(unroll)]
         for ii in 0usize..tile {
-            let at = ii * stride + first_quad;
-            let s = sum_parts(dot_quads(&k_row, &q_tile, at, quads, unroll), parts);
-            let mut dp = sum_parts(dot_quads(&v_row, &do_tile, at, quads, unroll), parts);
-            // 0 for a masked key: its exp(0 − lse) could overflow.
-            let p = select(active, (s - lse_tile[ii]).exp(), 0.0f32);
-            let mut p_kept = p;
-            if use_dropout {
-                let i = (start + ii) as u32;
-                let keep = dropout_keep(head_key, i, col as u32, dropout_threshold);
-                p_kept = select(keep, p * dropout_scale, 0.0f32);
-                dp = select(keep, dp * dropout_scale, 0.0f32);
-            }
-            let ds = p * (dp - delta_tile[ii]);
-            add_scaled_quads(&mut dv_acc, p_kept, &do_tile, at, quads, unroll);
-            add_scaled_quads(&mut dk_acc, ds, &q_tile, at, quads, unroll);
+            let ds = add_query_to_key(
+                &mut key,
+                &q_tile,
+                &do_tile,
+                ii * stride + first_quad,
+                lse_tile[ii],
+                delta_tile[ii],
+                active,
+                head_key,
+                (start + ii) as u32,
+                col as u32,
+                dropout_threshold,
+                dropout_scale,
+                parts,
+                quads,
+                use_dropout,
+                unroll,
+            );
             ds_four[ii % 4] = ds;
             if ii % 4 == 3 && part == 0 && col < key_capacity {
                 ds_quads[col * query_quads + ii / 4] = ds_four;
@@ -1239,12 +1314,7 @@ pub fn attention_backward_merged<F: Float>(
     if col < tk {
         let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
         let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
-        // A masked key's sums (run only for its partners' shuffles) are 0.
-        #[unroll(unroll)]
-        for d in 0..dims {
-            dkv[dk_base + d] = F::cast_from(select(active, dk_acc[d], 0.0f32));
-            dkv[dv_base + d] = F::cast_from(select(active, dv_acc[d], 0.0f32));
-        }
+        write_key_gradients::<F>(&key, dkv, dk_base, dv_base, active, dims, unroll);
     }
 }
 
