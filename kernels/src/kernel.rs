@@ -1,4 +1,6 @@
-//! The CubeCL kernels: forward, dQ, and dK/dV. No Burn imports here.
+//! The CubeCL kernels: forward, dQ, dK/dV, and both backward sides in one
+//! ([`attention_backward_merged`]) where a cube holds a head's keys. No Burn
+//! imports here.
 //!
 //! Tensors are contiguous `[N, H, T, Dh]` (index `((n·H + h)·T + t)·Dh + d`).
 //! A row (a query row in forward and dQ, a key row in dK/dV) belongs to a
