@@ -1200,9 +1200,6 @@ fn scalar_backward<R, F, I, BT>(
         validity::<R, F, I, BT>(key_padding_mask, n, tk, layout.tile, &q.device);
     let client = q.client.clone();
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-    let lanes_q = layout.lanes(n * h * tq);
-    let parts_q = layout.parts(lanes_q);
-    let units_q = layout.units(lanes_q, parts_q, tq);
     let lanes_k = layout.key_lanes(n * h * tk, tk);
     let parts_k = layout.parts(lanes_k);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
@@ -1246,6 +1243,9 @@ fn scalar_backward<R, F, I, BT>(
         }
         return;
     }
+    let lanes_q = layout.lanes(n * h * tq);
+    let parts_q = layout.parts(lanes_q);
+    let units_q = layout.units(lanes_q, parts_q, tq);
     let units_k = layout.units(lanes_k, parts_k, tk);
     let key_blocks = tk.div_ceil(units_k as usize / (lanes_k * parts_k)) as u32;
     // Δ_i = rowsum(dO_i ⊙ O_i) in f32: written by the dQ kernel, read by

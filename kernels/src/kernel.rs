@@ -1100,10 +1100,10 @@ pub fn attention_backward_dkdv<F: Float>(
 /// row's log-sum-exp) before the current tile's products, and stores them
 /// to shared memory while the cube sums the current tile's dQ. `Δ_i =
 /// rowsum(dO_i ⊙ O_i)` is summed a quad at a time by the units that store
-/// them, and over the quads by one unit a row. (With loads after each
-/// tile's products and `Δ` summed by one unit a row over its whole row,
-/// Nsight Compute showed the warps waiting at the cube's barriers and on
-/// global loads for 43% of their stall cycles.)
+/// them, and over the quads by one unit a row. (When each tile's loads
+/// came first, behind a barrier, and `Δ` was summed by one unit a row over
+/// its whole row, Nsight Compute showed the warps waiting at the cube's
+/// barriers and on global loads for 43% of their stall cycles.)
 ///
 /// `key_capacity` is the keys' count (the shared memory for the keys and a
 /// tile's `dS`), `key_splits` the shares of the keys a tile's dQ sums
