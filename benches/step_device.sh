@@ -21,6 +21,8 @@
 #      validated = AAM_DENSE_MATMUL=validated: the first validated kernel that runs, no autotune,
 #      separate = AAM_KERNEL_MERGED_BACKWARD=0: the f32 attention backward as two kernels (dQ,
 #      then dK/dV) where one merged kernel would run,
+#      linearfwd = AAM_DENSE_FORWARD=linear: the dense layers' forward product on Burn's
+#      `linear` (a copy of each transposed weight) instead of the validated kernels,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
@@ -66,6 +68,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       autotune) vars="$vars AAM_DENSE_MATMUL=autotune" ;;
       validated) vars="$vars AAM_DENSE_MATMUL=validated" ;;
       separate) vars="$vars AAM_KERNEL_MERGED_BACKWARD=0" ;;
+      linearfwd) vars="$vars AAM_DENSE_FORWARD=linear" ;;
       allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac

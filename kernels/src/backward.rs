@@ -114,13 +114,40 @@ impl<B: AttentionBackend> Backward<B, 1> for GeluExactBackward {
     }
 }
 
-/// The fused GELU and dropout's backward: keeps `x` (as [`GeluExactBackward`])
-/// and the dropout's seed, and draws the mask again.
+/// The fused GELU and dropout's backward: keeps `x` (as [`GeluExactBackward`]),
+/// the bias where there is one, and the dropout's seed, and draws the mask
+/// again. `N` is 2 with a bias (whose gradient is `dx` summed over the
+/// rows), 1 without.
 #[derive(Debug)]
 struct GeluExactDropoutBackward;
 
+impl GeluExactDropoutBackward {
+    fn run<B: AttentionBackend, const N: usize>(
+        ops: Ops<(NodeId, Option<NodeId>, AttentionDropout), N>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let (x, bias, dropout) = ops.state;
+        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
+        let bias: Option<FloatTensor<B>> = bias.map(|b| checkpointer.retrieve_node_output(b));
+        let dy = grads.consume::<B>(&ops.node);
+        let bias_node = ops.parents.get(1).and_then(|p| p.as_ref());
+        let dx = match bias_node {
+            Some(node) => {
+                let (dx, db) = B::gelu_exact_dropout_backward_column_sum(x, bias, dy, dropout);
+                grads.register::<B>(node.id, db);
+                dx
+            }
+            None => B::gelu_exact_dropout_backward(x, bias, dy, dropout),
+        };
+        if let Some(node) = &ops.parents[0] {
+            grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
 impl<B: AttentionBackend> Backward<B, 1> for GeluExactDropoutBackward {
-    type State = (NodeId, AttentionDropout);
+    type State = (NodeId, Option<NodeId>, AttentionDropout);
 
     fn backward(
         self,
@@ -128,11 +155,20 @@ impl<B: AttentionBackend> Backward<B, 1> for GeluExactDropoutBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let (x, dropout) = ops.state;
-        let x: FloatTensor<B> = checkpointer.retrieve_node_output(x);
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            B::gelu_exact_dropout_backward(x, grad, dropout)
-        });
+        Self::run::<B, 1>(ops, grads, checkpointer);
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 2> for GeluExactDropoutBackward {
+    type State = (NodeId, Option<NodeId>, AttentionDropout);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 2>(ops, grads, checkpointer);
     }
 }
 
@@ -157,10 +193,40 @@ impl<B: AttentionBackend> Backward<B, 1> for SeededDropoutBackward {
     }
 }
 
-/// `residual + seeded_dropout(x)`'s backward: the output gradient for the
-/// residual, and its seeded dropout (the same mask, drawn again) for `x`.
+/// `residual + seeded_dropout(x + bias)`'s backward: the output gradient
+/// for the residual, its seeded dropout (the same mask, drawn again) for
+/// `x`, and that summed over the rows for the bias. `N` is 3 with a bias,
+/// 2 without.
 #[derive(Debug)]
 struct SeededDropoutAddBackward;
+
+impl SeededDropoutAddBackward {
+    fn run<B: AttentionBackend, const N: usize>(
+        ops: Ops<AttentionDropout, N>,
+        grads: &mut Gradients,
+    ) {
+        let dropout = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let parents = &ops.parents;
+        let bias = parents.get(2).and_then(|p| p.as_ref());
+        let dx = match bias {
+            Some(node) => {
+                let (dx, db) = B::seeded_dropout_column_sum(grad.clone(), dropout);
+                grads.register::<B>(node.id, db);
+                Some(dx)
+            }
+            None => parents[1]
+                .is_some()
+                .then(|| B::seeded_dropout(grad.clone(), dropout)),
+        };
+        if let (Some(node), Some(dx)) = (&parents[1], dx) {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(residual) = &parents[0] {
+            grads.register::<B>(residual.id, grad);
+        }
+    }
+}
 
 impl<B: AttentionBackend> Backward<B, 2> for SeededDropoutAddBackward {
     type State = AttentionDropout;
@@ -171,15 +237,20 @@ impl<B: AttentionBackend> Backward<B, 2> for SeededDropoutAddBackward {
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let dropout = ops.state;
-        let grad = grads.consume::<B>(&ops.node);
-        let [residual, x] = ops.parents;
-        if let Some(x) = x {
-            grads.register::<B>(x.id, B::seeded_dropout(grad.clone(), dropout));
-        }
-        if let Some(residual) = residual {
-            grads.register::<B>(residual.id, grad);
-        }
+        Self::run::<B, 2>(ops, grads);
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 3> for SeededDropoutAddBackward {
+    type State = AttentionDropout;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 3>(ops, grads);
     }
 }
 
@@ -210,18 +281,36 @@ impl<B: AttentionBackend> Backward<B, 2> for UnpackRowsBackward {
 }
 
 /// The dense layer's backward (`dense.rs`): `dx = dy·w`, and `dw`, `db`
-/// summed over the rows in parts. `N` is 3 with a bias, 2 without.
+/// summed over the rows in parts. The parents are `[x, weight]`, then the
+/// bias where there is one, then `h_bias` where there is one (`N` from 2
+/// to 4).
 ///
-/// The state's dropout is `Some` for [`AttentionBackend::gelu_dropout_dense`]:
-/// then the node kept `h`, not the layer's input, and the backward
-/// recomputes the input `gelu_exact_dropout(h)` for the weight gradient and
-/// takes `dh` through the fused GELU and dropout's backward.
+/// The state's `activation` is `Some` for
+/// [`AttentionBackend::gelu_dropout_dense`]: then the node kept `h`, not the
+/// layer's input, and the backward recomputes the input
+/// `gelu_exact_dropout(h, h_bias)` for the weight gradient, takes `dh`
+/// through the fused GELU and dropout's backward, and sums it over the rows
+/// for `h_bias`'s gradient.
 #[derive(Debug)]
 struct DenseBackward;
 
-/// What [`DenseBackward`] keeps: the input (or `h`), the weight, and the
-/// dropout of a fused GELU before the layer.
-type DenseSaved = (NodeId, NodeId, Option<AttentionDropout>);
+/// What [`DenseBackward`] keeps: the input (or `h`), the weight, whether a
+/// bias is a parent, and a fused GELU before the layer.
+#[derive(Clone, Debug)]
+struct DenseSaved {
+    x: NodeId,
+    weight: NodeId,
+    bias: bool,
+    activation: Option<FusedGelu>,
+}
+
+/// The GELU and dropout fused before a dense layer, and the bias added to
+/// its input `h` first (a parent of the node, last).
+#[derive(Clone, Copy, Debug)]
+struct FusedGelu {
+    dropout: AttentionDropout,
+    h_bias: Option<NodeId>,
+}
 
 impl DenseBackward {
     fn run<B: AttentionBackend, const N: usize>(
@@ -230,106 +319,100 @@ impl DenseBackward {
         checkpointer: &mut Checkpointer,
     ) {
         let dy = grads.consume::<B>(&ops.node);
-        let (x_state, w_state, activation) = ops.state;
-        let kept: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
-        let w: FloatTensor<B> = checkpointer.retrieve_node_output(w_state);
-        let want = core::array::from_fn(|i| ops.parents.get(i).is_some_and(|p| p.is_some()));
+        let saved = ops.state;
+        let kept: FloatTensor<B> = checkpointer.retrieve_node_output(saved.x);
+        let w: FloatTensor<B> = checkpointer.retrieve_node_output(saved.weight);
+        let parents = &ops.parents;
+        let bias_node = saved.bias.then(|| parents[2].as_ref()).flatten();
+        let h_bias_node = saved
+            .activation
+            .and_then(|a| a.h_bias)
+            .and_then(|_| parents[2 + saved.bias as usize].as_ref());
+        let want = [
+            parents[0].is_some() || h_bias_node.is_some(),
+            parents[1].is_some(),
+            bias_node.is_some(),
+        ];
         // With a fused GELU before the layer, `kept` is `h` and stays for `dh`;
         // otherwise it is the input itself, moved into the backward.
-        let (x, h) = match activation {
-            Some(dropout) => (
-                B::gelu_exact_dropout(kept.clone(), dropout),
-                Some((kept, dropout)),
-            ),
+        let (x, fused) = match saved.activation {
+            Some(gelu) => {
+                let h_bias: Option<FloatTensor<B>> =
+                    gelu.h_bias.map(|b| checkpointer.retrieve_node_output(b));
+                let x = B::gelu_exact_dropout(kept.clone(), h_bias.clone(), gelu.dropout);
+                (x, Some((kept, h_bias, gelu.dropout)))
+            }
             None => (kept, None),
         };
         let (dx, dw, db) = B::dense_backward(x, w, dy, want);
-        let parents = &ops.parents;
-        if let (Some(node), Some(dx)) = (&parents[0], dx) {
-            let dx = match h {
-                Some((h, dropout)) => B::gelu_exact_dropout_backward(h, dx, dropout),
-                None => dx,
+        if let Some(dx) = dx {
+            let dx = match (fused, h_bias_node) {
+                (Some((h, h_bias, dropout)), Some(node)) => {
+                    let (dh, dh_bias) =
+                        B::gelu_exact_dropout_backward_column_sum(h, h_bias, dx, dropout);
+                    grads.register::<B>(node.id, dh_bias);
+                    dh
+                }
+                (Some((h, h_bias, dropout)), None) => {
+                    B::gelu_exact_dropout_backward(h, h_bias, dx, dropout)
+                }
+                (None, _) => dx,
             };
-            grads.register::<B>(node.id, dx);
+            if let Some(node) = &parents[0] {
+                grads.register::<B>(node.id, dx);
+            }
         }
         if let (Some(node), Some(dw)) = (&parents[1], dw) {
             grads.register::<B>(node.id, dw);
         }
-        if let (Some(Some(node)), Some(db)) = (parents.get(2), db) {
+        if let (Some(node), Some(db)) = (bias_node, db) {
             grads.register::<B>(node.id, db);
         }
     }
 
-    /// The node for `forward(x, weight, bias)`, keeping `x` and `weight`
-    /// (`activation`: see [`DenseBackward`]).
-    fn track<B, C>(
-        x: FloatTensor<Autodiff<B, C>>,
-        weight: FloatTensor<Autodiff<B, C>>,
-        bias: Option<FloatTensor<Autodiff<B, C>>>,
+    /// The node for `forward([x, weight, bias?, h_bias?])` (the tensors in
+    /// that order, `N` of them), keeping `x` and `weight` (and `h_bias`).
+    fn track<B, C, const N: usize>(
+        tensors: [FloatTensor<Autodiff<B, C>>; N],
+        bias: bool,
         activation: Option<AttentionDropout>,
-        forward: impl FnOnce(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) -> FloatTensor<B>,
+        forward: impl FnOnce(Vec<FloatTensor<B>>) -> FloatTensor<B>,
     ) -> FloatTensor<Autodiff<B, C>>
     where
         B: AttentionBackend,
         C: CheckpointStrategy,
+        DenseBackward: Backward<B, N, State = DenseSaved>,
     {
-        match bias {
-            Some(bias) => match DenseBackward
-                .prepare::<C>([x.node.clone(), weight.node.clone(), bias.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight), activation);
-                    prep.finish(
-                        state,
-                        forward(x.primitive, weight.primitive, Some(bias.primitive)),
-                    )
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(forward(x.primitive, weight.primitive, Some(bias.primitive)))
-                }
-            },
-            None => match DenseBackward
-                .prepare::<C>([x.node.clone(), weight.node.clone()])
-                .compute_bound()
-                .stateful()
-            {
-                OpsKind::Tracked(mut prep) => {
-                    let state = (prep.checkpoint(&x), prep.checkpoint(&weight), activation);
-                    prep.finish(state, forward(x.primitive, weight.primitive, None))
-                }
-                OpsKind::UnTracked(prep) => {
-                    prep.finish(forward(x.primitive, weight.primitive, None))
-                }
-            },
+        let h_bias = activation.is_some() && N == 3 + bias as usize;
+        let nodes = core::array::from_fn(|i| tensors[i].node.clone());
+        match DenseBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(mut prep) => {
+                let state = DenseSaved {
+                    x: prep.checkpoint(&tensors[0]),
+                    weight: prep.checkpoint(&tensors[1]),
+                    bias,
+                    activation: activation.map(|dropout| FusedGelu {
+                        dropout,
+                        h_bias: h_bias.then(|| prep.checkpoint(&tensors[N - 1])),
+                    }),
+                };
+                prep.finish(state, forward(tensors.map(|t| t.primitive).into()))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward(tensors.map(|t| t.primitive).into())),
         }
     }
 }
 
-impl<B: AttentionBackend> Backward<B, 3> for DenseBackward {
+impl<B: AttentionBackend, const N: usize> Backward<B, N> for DenseBackward {
     type State = DenseSaved;
 
     fn backward(
         self,
-        ops: Ops<Self::State, 3>,
+        ops: Ops<Self::State, N>,
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        Self::run::<B, 3>(ops, grads, checkpointer);
-    }
-}
-
-impl<B: AttentionBackend> Backward<B, 2> for DenseBackward {
-    type State = DenseSaved;
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 2>(ops, grads, checkpointer);
+        Self::run::<B, N>(ops, grads, checkpointer);
     }
 }
 
@@ -451,20 +534,43 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         }
     }
 
-    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
-        match GeluExactDropoutBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = prep.checkpoint(&x);
-                prep.finish(
-                    (state, dropout),
-                    B::gelu_exact_dropout(x.primitive, dropout),
-                )
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::gelu_exact_dropout(x.primitive, dropout)),
+    fn gelu_exact_dropout(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        match bias {
+            None => match GeluExactDropoutBackward
+                .prepare::<C>([x.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), None, dropout);
+                    prep.finish(state, B::gelu_exact_dropout(x.primitive, None, dropout))
+                }
+                OpsKind::UnTracked(prep) => {
+                    prep.finish(B::gelu_exact_dropout(x.primitive, None, dropout))
+                }
+            },
+            Some(bias) => match GeluExactDropoutBackward
+                .prepare::<C>([x.node.clone(), bias.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(mut prep) => {
+                    let state = (prep.checkpoint(&x), Some(prep.checkpoint(&bias)), dropout);
+                    prep.finish(
+                        state,
+                        B::gelu_exact_dropout(x.primitive, Some(bias.primitive), dropout),
+                    )
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::gelu_exact_dropout(
+                    x.primitive,
+                    Some(bias.primitive),
+                    dropout,
+                )),
+            },
         }
     }
 
@@ -514,17 +620,38 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
     fn seeded_dropout_add(
         residual: FloatTensor<Self>,
         x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
         // Nothing is kept: the backward draws the mask again.
-        let prepared = SeededDropoutAddBackward
-            .prepare::<C>([residual.node.clone(), x.node.clone()])
-            .compute_bound()
-            .stateful();
-        let out = B::seeded_dropout_add(residual.primitive, x.primitive, dropout);
-        match prepared {
-            OpsKind::Tracked(prep) => prep.finish(dropout, out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
+        match bias {
+            None => {
+                let prepared = SeededDropoutAddBackward
+                    .prepare::<C>([residual.node.clone(), x.node.clone()])
+                    .compute_bound()
+                    .stateful();
+                let out = B::seeded_dropout_add(residual.primitive, x.primitive, None, dropout);
+                match prepared {
+                    OpsKind::Tracked(prep) => prep.finish(dropout, out),
+                    OpsKind::UnTracked(prep) => prep.finish(out),
+                }
+            }
+            Some(bias) => {
+                let prepared = SeededDropoutAddBackward
+                    .prepare::<C>([residual.node.clone(), x.node.clone(), bias.node.clone()])
+                    .compute_bound()
+                    .stateful();
+                let out = B::seeded_dropout_add(
+                    residual.primitive,
+                    x.primitive,
+                    Some(bias.primitive),
+                    dropout,
+                );
+                match prepared {
+                    OpsKind::Tracked(prep) => prep.finish(dropout, out),
+                    OpsKind::UnTracked(prep) => prep.finish(out),
+                }
+            }
         }
     }
 
@@ -533,18 +660,45 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        DenseBackward::track::<B, C>(x, weight, bias, None, B::dense)
+        let forward = |t: Vec<FloatTensor<B>>| {
+            let mut t = t.into_iter();
+            let (x, w) = (t.next().expect("x"), t.next().expect("weight"));
+            B::dense(x, w, t.next())
+        };
+        match bias {
+            Some(b) => DenseBackward::track::<B, C, 3>([x, weight, b], true, None, forward),
+            None => DenseBackward::track::<B, C, 2>([x, weight], false, None, forward),
+        }
     }
 
     fn gelu_dropout_dense(
         h: FloatTensor<Self>,
+        h_bias: Option<FloatTensor<Self>>,
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        DenseBackward::track::<B, C>(h, weight, bias, Some(dropout), |h, w, b| {
-            B::gelu_dropout_dense(h, w, b, dropout)
-        })
+        let (has_bias, has_h_bias) = (bias.is_some(), h_bias.is_some());
+        let forward = move |t: Vec<FloatTensor<B>>| {
+            let mut t = t.into_iter();
+            let (h, w) = (t.next().expect("h"), t.next().expect("weight"));
+            let b = has_bias.then(|| t.next().expect("bias"));
+            let hb = has_h_bias.then(|| t.next().expect("h_bias"));
+            B::gelu_dropout_dense(h, hb, w, b, dropout)
+        };
+        let fused = Some(dropout);
+        match (bias, h_bias) {
+            (None, None) => DenseBackward::track::<B, C, 2>([h, weight], false, fused, forward),
+            (Some(b), None) => {
+                DenseBackward::track::<B, C, 3>([h, weight, b], true, fused, forward)
+            }
+            (None, Some(hb)) => {
+                DenseBackward::track::<B, C, 3>([h, weight, hb], false, fused, forward)
+            }
+            (Some(b), Some(hb)) => {
+                DenseBackward::track::<B, C, 4>([h, weight, b, hb], true, fused, forward)
+            }
+        }
     }
 
     fn lean_layer_norm(

@@ -123,34 +123,49 @@ fn split_rows<B: Backend>(t: Tensor<B, 2>, split: usize) -> (Tensor<B, 2>, Optio
     )
 }
 
-/// The forward pass every backend runs: Burn's `linear` with the weight
-/// transposed from torch layout, or, for a product with a unit dimension
-/// (one row, input or output feature), [`matmul`] and a broadcast add.
+/// The forward pass every backend runs: `x·wᵀ` on
+/// [`crate::AttentionBackend::dense_matmul`] (on the CubeCL backends the
+/// validated kernels, which take the transposed weight as a view) and a
+/// broadcast add of the bias; for a product with a unit dimension (one row,
+/// input or output feature), [`matmul`] and the add.
+///
+/// `AAM_DENSE_FORWARD=linear` runs Burn's `linear` instead, on a contiguous
+/// copy of the transposed weight (the twenty-fourth session's forward):
+/// Burn's autotuned matmul may pick CubeCL's `double_unit` kernel, which is
+/// wrong with a transposed view as its right operand (`[1000, 24]·[24, 16]`,
+/// 0.6 relative; `forward.rs`, `dense_matmul_candidates`;
+/// `kernels/tests/dense_validated_matmul.rs`).
 ///
 /// # Shapes
 /// - x: `[M, K]`, weight: `[N, K]`, bias: `[N]`
 /// - output: `[M, N]`
-pub(crate) fn dense_forward<B: Backend>(
+pub(crate) fn dense_forward<B: crate::AttentionBackend>(
     x: Tensor<B, 2>,
     weight: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 2> {
     let [m, k] = x.dims();
     let n = weight.dims()[0];
-    if m > 1 && k > 1 && n > 1 {
-        // The transposed weight copied to its own contiguous tensor (a small
-        // copy): Burn's autotuned matmul may pick CubeCL's `double_unit`
-        // kernel, which is wrong with a transposed view as its right operand
-        // (`[1000, 24]·[24, 16]`, 0.6 relative; `forward.rs`,
-        // `dense_matmul_candidates`; `kernels/tests/dense_validated_matmul.rs`).
+    if forward_through_linear() && m > 1 && k > 1 && n > 1 {
         let wt = weight.transpose().reshape([k * n]).reshape([k, n]);
         return burn::tensor::module::linear(x, wt, bias);
     }
-    let y = matmul(x, weight.transpose());
+    let y = product(x, weight.transpose());
     match bias {
         Some(bias) => y + bias.unsqueeze(),
         None => y,
     }
+}
+
+/// `AAM_DENSE_FORWARD=linear`: [`dense_forward`] through Burn's `linear`
+/// (to compare); unset or `validated`, through the validated kernels.
+pub(crate) fn forward_through_linear() -> bool {
+    static LINEAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LINEAR.get_or_init(|| match std::env::var("AAM_DENSE_FORWARD").as_deref() {
+        Err(_) | Ok("validated") => false,
+        Ok("linear") => true,
+        Ok(other) => panic!("AAM_DENSE_FORWARD must be validated or linear, not {other:?}"),
+    })
 }
 
 /// `(dx, dw, db)` of [`dense_forward`] from its inputs and the output

@@ -16,8 +16,8 @@ use cubecl::{CubeCount, CubeDim};
 use crate::kernel::{
     adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_backward_merged,
     attention_forward, column_partial_sums, dropout_elements, gelu_backward_elements,
-    gelu_elements, key_validity, layer_norm_backward_rows, layer_norm_rows, sum_partials,
-    SUM_PARTIALS_COLUMNS,
+    gelu_elements, gradient_column_partials, key_validity, layer_norm_backward_rows,
+    layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -738,18 +738,15 @@ where
         if !use_dropout {
             return x;
         }
-        seeded_dropout_launch(into_contiguous(x), None, dropout)
+        seeded_dropout_launch(into_contiguous(x), None, None, dropout)
     }
 
     fn seeded_dropout_add(
         residual: FloatTensor<Self>,
         x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        let (use_dropout, ..) = dropout_args(dropout);
-        if !use_dropout {
-            return <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_add(residual, x);
-        }
         let [residual, x] = [residual, x].map(into_contiguous);
         assert_eq!(
             residual.meta.shape(),
@@ -757,7 +754,10 @@ where
             "seeded_dropout_add: shapes differ"
         );
         assert_eq!(residual.dtype, x.dtype, "seeded_dropout_add: types differ");
-        seeded_dropout_launch(x, Some(residual), dropout)
+        // p = 0 runs the same kernel: its mask then keeps every element at
+        // scale 1 (`dropout_args`), and the bias and residual still join in
+        // one pass.
+        seeded_dropout_launch(x, Some(residual), bias, dropout)
     }
 
     fn adam_steps(items: Vec<AdamItem<Self>>) -> Vec<[FloatTensor<Self>; 3]> {
@@ -798,23 +798,28 @@ where
     }
 
     fn gelu_exact(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu_launch(x, AttentionDropout::NONE)
+        gelu_launch(x, None, AttentionDropout::NONE)
     }
 
     fn gelu_exact_backward(x: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
-        gelu_backward_launch(x, dy, AttentionDropout::NONE)
+        gelu_backward_launch(x, None, dy, AttentionDropout::NONE)
     }
 
-    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
-        gelu_launch(x, dropout)
+    fn gelu_exact_dropout(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        gelu_launch(x, bias, dropout)
     }
 
     fn gelu_exact_dropout_backward(
         x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         dy: FloatTensor<Self>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        gelu_backward_launch(x, dy, dropout)
+        gelu_backward_launch(x, bias, dy, dropout)
     }
 
     fn layer_norm_with_stats(
@@ -889,6 +894,22 @@ where
 
     fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {
         column_sums::<R>(&into_contiguous(t), None).0
+    }
+
+    fn seeded_dropout_column_sum(
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        gradient_column_sums(None, dy, dropout)
+    }
+
+    fn gelu_exact_dropout_backward_column_sum(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        gradient_column_sums(Some((x, bias)), dy, dropout)
     }
 
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
@@ -1322,71 +1343,108 @@ fn scalar_backward<R, F, I, BT>(
     }
 }
 
-/// [`gelu_elements`] on `x` (made contiguous), with the seeded dropout of
-/// its output when `dropout.prob > 0`.
-fn gelu_launch<R: CubeRuntime>(x: CubeTensor<R>, dropout: AttentionDropout) -> CubeTensor<R> {
+/// [`gelu_elements`] on `x` (made contiguous), shifted by a per-column
+/// `bias` where given, with the seeded dropout of its output when
+/// `dropout.prob > 0`.
+fn gelu_launch<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    bias: Option<CubeTensor<R>>,
+    dropout: AttentionDropout,
+) -> CubeTensor<R> {
     let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
     let x = into_contiguous(x);
+    let bias = bias.map(|b| row_bias(&x, b, "gelu"));
     let shape = x.meta.shape().clone();
     let elements = dropout_elements_count(&shape);
     let client = x.client.clone();
     let y = empty(&x, shape, x.dtype);
-    let (cubes, cube_dim, width) = elementwise_launch(&client, elements);
+    let (cubes, cube_dim, width) = elementwise_launch(&client, elements, bias.as_ref());
     gelu_elements::launch::<R>(
         &client,
         cubes,
         cube_dim,
         width,
         x.clone().into_tensor_arg(),
+        bias.as_ref().unwrap_or(&x).clone().into_tensor_arg(),
         y.clone().into_tensor_arg(),
         threshold,
         scale,
         seed,
         use_dropout,
+        bias.is_some(),
         x.dtype.into(),
     );
     y
 }
 
-/// [`gelu_backward_elements`]: `x`'s gradient from `dy`, through
-/// [`gelu_launch`]'s dropout mask when `dropout.prob > 0`.
+/// [`gelu_backward_elements`]: `x`'s gradient from `dy`, at `x` shifted by
+/// `bias` where given, through [`gelu_launch`]'s dropout mask when
+/// `dropout.prob > 0`.
 fn gelu_backward_launch<R: CubeRuntime>(
     x: CubeTensor<R>,
+    bias: Option<CubeTensor<R>>,
     dy: CubeTensor<R>,
     dropout: AttentionDropout,
 ) -> CubeTensor<R> {
     let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
     let [x, dy] = [x, dy].map(into_contiguous);
+    let bias = bias.map(|b| row_bias(&x, b, "gelu backward"));
     let shape = dy.meta.shape().clone();
     let elements = dropout_elements_count(&shape);
     let client = dy.client.clone();
     let dx = empty(&dy, shape, dy.dtype);
-    let (cubes, cube_dim, width) = elementwise_launch(&client, elements);
+    let (cubes, cube_dim, width) = elementwise_launch(&client, elements, bias.as_ref());
     gelu_backward_elements::launch::<R>(
         &client,
         cubes,
         cube_dim,
         width,
-        x.into_tensor_arg(),
+        x.clone().into_tensor_arg(),
+        bias.as_ref().unwrap_or(&x).clone().into_tensor_arg(),
         dy.clone().into_tensor_arg(),
         dx.clone().into_tensor_arg(),
         threshold,
         scale,
         seed,
         use_dropout,
+        bias.is_some(),
         dy.dtype.into(),
     );
     dx
 }
 
+/// `bias` (made contiguous) checked against `x`: one value per column of
+/// `x`'s last axis, of `x`'s type.
+fn row_bias<R: CubeRuntime>(x: &CubeTensor<R>, bias: CubeTensor<R>, op: &str) -> CubeTensor<R> {
+    let columns = x.meta.shape()[x.meta.shape().num_dims() - 1];
+    assert_eq!(
+        bias.meta.shape().as_slice(),
+        &[columns],
+        "{op}: the bias must have one value per column ({columns})"
+    );
+    assert_eq!(
+        bias.dtype, x.dtype,
+        "{op}: the bias's type differs from x's"
+    );
+    into_contiguous(bias)
+}
+
 /// The launch of an element-wise kernel ([`dropout_elements`],
 /// [`gelu_elements`]) over `elements` contiguous ones: `(cubes, cube_dim,
-/// width)`, each unit taking `width` elements, 4 where they divide.
+/// width)`, each unit taking `width` elements, 4 where they divide (and,
+/// with a per-column `bias`, where they divide a row, so that a unit's
+/// elements share a row).
 fn elementwise_launch<R: CubeRuntime>(
     client: &cubecl::client::ComputeClient<R>,
     elements: usize,
+    bias: Option<&CubeTensor<R>>,
 ) -> (CubeCount, CubeDim, usize) {
-    let width = if elements.is_multiple_of(4) { 4 } else { 1 };
+    let divides = |n: usize| n.is_multiple_of(4);
+    let width = if divides(elements) && bias.is_none_or(|b| divides(b.meta.shape()[0])) {
+        4
+    } else {
+        1
+    };
     let (cubes, cube_dim) = one_unit_each(client, elements / width, 256);
     (cubes, cube_dim, width)
 }
@@ -1402,19 +1460,22 @@ fn dropout_elements_count(shape: &Shape) -> usize {
     elements
 }
 
-/// One launch of [`dropout_elements`]: the seeded dropout of contiguous `x`,
-/// plus contiguous `residual` where given.
+/// One launch of [`dropout_elements`]: the seeded dropout of contiguous `x`
+/// (shifted by a per-column `bias` where given), plus contiguous `residual`
+/// where given.
 fn seeded_dropout_launch<R: CubeRuntime>(
     x: CubeTensor<R>,
     residual: Option<CubeTensor<R>>,
+    bias: Option<CubeTensor<R>>,
     dropout: AttentionDropout,
 ) -> CubeTensor<R> {
     let (_, threshold, scale, seed) = dropout_args(dropout);
+    let bias = bias.map(|b| row_bias(&x, b, "seeded dropout"));
     let shape = x.meta.shape().clone();
     let elements = dropout_elements_count(&shape);
     let client = x.client.clone();
     let out = empty(&x, shape, x.dtype);
-    let (cubes, cube_dim, width) = elementwise_launch(&client, elements);
+    let (cubes, cube_dim, width) = elementwise_launch(&client, elements, bias.as_ref());
     dropout_elements::launch::<R>(
         &client,
         cubes,
@@ -1422,11 +1483,13 @@ fn seeded_dropout_launch<R: CubeRuntime>(
         width,
         x.clone().into_tensor_arg(),
         residual.as_ref().unwrap_or(&x).clone().into_tensor_arg(),
+        bias.as_ref().unwrap_or(&x).clone().into_tensor_arg(),
         out.clone().into_tensor_arg(),
         threshold,
         scale,
         seed,
         residual.is_some(),
+        bias.is_some(),
         x.dtype.into(),
     );
     out
@@ -1683,6 +1746,74 @@ fn column_sums<R: CubeRuntime>(
         a.dtype.into(),
     );
     (sum, sum_ab)
+}
+
+/// [`gradient_column_partials`] and [`sum_partials`]: `(dx, Σ_rows dx)`
+/// for `dx = dy` through `dropout`'s mask and, with `gelu = Some((x,
+/// bias))`, exact GELU's derivative at `x + bias`. `dy` (and `x`) `[..., N]`,
+/// viewed as rows of `N`.
+fn gradient_column_sums<R: CubeRuntime>(
+    gelu: Option<(CubeTensor<R>, Option<CubeTensor<R>>)>,
+    dy: CubeTensor<R>,
+    dropout: AttentionDropout,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (use_dropout, threshold, scale, seed) = dropout_args(dropout);
+    let dy = into_contiguous(dy);
+    let shape = dy.meta.shape().clone();
+    let columns = shape[shape.num_dims() - 1];
+    let rows = dropout_elements_count(&shape) / columns.max(1);
+    let (x, bias) = match gelu {
+        Some((x, bias)) => {
+            let x = into_contiguous(x);
+            assert_eq!(
+                x.meta.shape(),
+                &shape,
+                "GELU gradient: x and dy differ in shape"
+            );
+            let bias = bias.map(|b| row_bias(&x, b, "GELU gradient"));
+            (Some(x), bias)
+        }
+        None => (None, None),
+    };
+    let client = dy.client.clone();
+    let dx = empty(&dy, shape, dy.dtype);
+    let parts = rows.div_ceil(COLUMN_ROWS_PER_PART).max(1);
+    let partial = empty(&dy, Shape::new([1, parts, columns]), DType::F32);
+    let sum = empty(&dy, Shape::new([columns]), dy.dtype);
+    let (cubes, cube_dim) = one_unit_each(&client, (parts * columns).max(1), 256);
+    let x_arg = x.as_ref().unwrap_or(&dy);
+    gradient_column_partials::launch::<R>(
+        &client,
+        cubes,
+        cube_dim,
+        x_arg.clone().into_tensor_arg(),
+        bias.as_ref().unwrap_or(x_arg).clone().into_tensor_arg(),
+        dy.clone().into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        partial.clone().into_tensor_arg(),
+        columns as u32,
+        COLUMN_ROWS_PER_PART as u32,
+        threshold,
+        scale,
+        seed,
+        x.is_some(),
+        use_dropout,
+        bias.is_some(),
+        dy.dtype.into(),
+    );
+    sum_partials::launch::<R>(
+        &client,
+        CubeCount::Static(columns.div_ceil(SUM_PARTIALS_COLUMNS) as u32, 1, 1),
+        CubeDim::new_2d(SUM_PARTIALS_COLUMNS as u32, SUM_PARTIAL_LANES as u32),
+        partial.into_tensor_arg(),
+        sum.clone().into_tensor_arg(),
+        sum.clone().into_tensor_arg(),
+        parts as u32,
+        SUM_PARTIAL_LANES,
+        false,
+        dy.dtype.into(),
+    );
+    (dx, sum)
 }
 
 /// One launch of [`adam_steps_elements`] over `items` (see

@@ -16,7 +16,7 @@
 //! slots (which uploads its indices when it runs).
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
-use burn::tensor::{DType, Shape};
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
@@ -169,16 +169,20 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
     fn seeded_dropout_add(
         residual: FloatTensor<Self>,
         x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
         let like = (x.shape.clone(), x.dtype);
+        let mut inputs = vec![residual, x];
+        inputs.extend(bias);
         float_op::<B>(
             "aam_seeded_dropout_add",
-            vec![residual, x],
+            inputs,
             vec![like],
             move |inputs| {
-                let [residual, x] = <[_; 2]>::try_from(inputs).expect("residual and x");
-                vec![B::seeded_dropout_add(residual, x, dropout)]
+                let mut inputs = inputs.into_iter();
+                let (residual, x) = (inputs.next().expect("residual"), inputs.next().expect("x"));
+                vec![B::seeded_dropout_add(residual, x, inputs.next(), dropout)]
             },
         )
         .pop()
@@ -295,13 +299,18 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         .expect("gelu gradient")
     }
 
-    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
+    fn gelu_exact_dropout(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
         let like = (x.shape.clone(), x.dtype);
-        float_op::<B>("aam_gelu_dropout", vec![x], vec![like], move |inputs| {
-            vec![B::gelu_exact_dropout(
-                inputs.into_iter().next().expect("x"),
-                dropout,
-            )]
+        let mut inputs = vec![x];
+        inputs.extend(bias);
+        float_op::<B>("aam_gelu_dropout", inputs, vec![like], move |inputs| {
+            let mut inputs = inputs.into_iter();
+            let x = inputs.next().expect("x");
+            vec![B::gelu_exact_dropout(x, inputs.next(), dropout)]
         })
         .pop()
         .expect("gelu dropout output")
@@ -309,17 +318,26 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
 
     fn gelu_exact_dropout_backward(
         x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         dy: FloatTensor<Self>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
         let like = (dy.shape.clone(), dy.dtype);
+        let mut inputs = vec![x, dy];
+        inputs.extend(bias);
         float_op::<B>(
             "aam_gelu_dropout_backward",
-            vec![x, dy],
+            inputs,
             vec![like],
             move |inputs| {
-                let [x, dy] = <[_; 2]>::try_from(inputs).expect("two inputs");
-                vec![B::gelu_exact_dropout_backward(x, dy, dropout)]
+                let mut inputs = inputs.into_iter();
+                let (x, dy) = (inputs.next().expect("x"), inputs.next().expect("dy"));
+                vec![B::gelu_exact_dropout_backward(
+                    x,
+                    inputs.next(),
+                    dy,
+                    dropout,
+                )]
             },
         )
         .pop()
@@ -413,6 +431,80 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             },
         );
         two(outputs, "unpack rows backward")
+    }
+
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        if crate::dense::forward_through_linear() {
+            return crate::dense::dense_forward::<Self>(
+                Tensor::from_primitive(TensorPrimitive::Float(x)),
+                Tensor::from_primitive(TensorPrimitive::Float(weight)),
+                bias.map(|b| Tensor::from_primitive(TensorPrimitive::Float(b))),
+            )
+            .into_primitive()
+            .tensor();
+        }
+        // One custom op on the inner backend, whose product runs on the
+        // validated kernels with the weight as a transposed view (Burn's
+        // fused matmul autotunes over every kernel, three of them wrong on
+        // some layouts; `dense.rs`).
+        let out = (Shape::new([x.shape[0], weight.shape[0]]), x.dtype);
+        let mut inputs = vec![x, weight];
+        inputs.extend(bias);
+        float_op::<B>("aam_dense", inputs, vec![out], |inputs| {
+            let mut inputs = inputs.into_iter();
+            let (x, w) = (inputs.next().expect("x"), inputs.next().expect("weight"));
+            vec![B::dense(x, w, inputs.next())]
+        })
+        .pop()
+        .expect("dense output")
+    }
+
+    fn seeded_dropout_column_sum(
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let like = (dy.shape.clone(), dy.dtype);
+        let column = (Shape::new([dy.shape[dy.shape.num_dims() - 1]]), dy.dtype);
+        let out = float_op::<B>(
+            "aam_seeded_dropout_column_sum",
+            vec![dy],
+            vec![like, column],
+            move |inputs| {
+                let dy = inputs.into_iter().next().expect("dy");
+                let (dx, sum) = B::seeded_dropout_column_sum(dy, dropout);
+                vec![dx, sum]
+            },
+        );
+        two(out, "dropout gradient and its column sum")
+    }
+
+    fn gelu_exact_dropout_backward_column_sum(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let like = (dy.shape.clone(), dy.dtype);
+        let column = (Shape::new([dy.shape[dy.shape.num_dims() - 1]]), dy.dtype);
+        let mut inputs = vec![x, dy];
+        inputs.extend(bias);
+        let out = float_op::<B>(
+            "aam_gelu_dropout_backward_column_sum",
+            inputs,
+            vec![like, column],
+            move |inputs| {
+                let mut inputs = inputs.into_iter();
+                let (x, dy) = (inputs.next().expect("x"), inputs.next().expect("dy"));
+                let (dx, sum) =
+                    B::gelu_exact_dropout_backward_column_sum(x, inputs.next(), dy, dropout);
+                vec![dx, sum]
+            },
+        );
+        two(out, "GELU gradient and its column sum")
     }
 
     fn column_sum(t: FloatTensor<Self>) -> FloatTensor<Self> {

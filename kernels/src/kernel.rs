@@ -1464,8 +1464,10 @@ fn element_keep(seed: u32, index: u32, threshold: u32) -> bool {
 
 /// Dropout of a contiguous tensor, or the gradient of one (the same mask):
 /// `output[i] = input[i]·scale` where element `i` is kept, else 0; with
-/// `with_residual`, plus `residual[i]` (a residual branch in one pass;
-/// otherwise `residual` is any tensor, unread).
+/// `with_bias`, `input[i]` plus its column's `bias` first (a dense layer's
+/// bias added here instead of in a pass of its own); with `with_residual`,
+/// plus `residual[i]` (a residual branch in one pass). An operand left out
+/// is any tensor, unread.
 ///
 /// Launch: one unit per vector of `N` elements (4 where the element count
 /// allows: one 16-byte load per tensor and unit, where one float a unit
@@ -1477,17 +1479,23 @@ fn element_keep(seed: u32, index: u32, threshold: u32) -> bool {
 pub fn dropout_elements<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     residual: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
     threshold: u32,
     scale: f32,
     seed: u32,
     #[comptime] with_residual: bool,
+    #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i < output.len() {
         let width = input.vector_size();
-        let xs = input[i];
+        let mut xs = input[i];
+        if with_bias {
+            // A row is a whole number of vectors (the launch's choice of N).
+            xs += bias[i % bias.len()];
+        }
         let mut y = xs;
         #[unroll]
         for c in 0..width {
@@ -1772,6 +1780,71 @@ pub fn column_partial_sums<F: Float>(
     }
 }
 
+/// An element-wise gradient and its column sums in one pass: `dx = dy`
+/// through the seeded dropout mask (`use_dropout`) and, with `gelu`, times
+/// exact GELU's derivative at `x` (shifted by its column's `bias` with
+/// `with_bias`), written to `dx`, and `partial[p, c] = Σ dx[m, c]` over rows
+/// `m` of part `p`, as [`column_partial_sums`] (then [`sum_partials`]).
+/// The bias gradient of a dense layer whose bias was added by the
+/// element-wise pass after it (dropout plus residual, GELU): the sum no
+/// longer reads `dx` back in a pass of its own.
+///
+/// Launch: one unit per `(part, column)`, index `p·N + c`, as
+/// [`column_partial_sums`]; `x`, `dy`, `dx` `[M, N]` contiguous (`x` and
+/// `bias` any tensors, unread, where not used), `partial` `[P, N]` f32.
+/// Element `m·N + c`'s mask is [`dropout_elements`]' for the same seed.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn gradient_column_partials<F: Float>(
+    x: &Tensor<F>,
+    bias: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    partial: &mut Tensor<f32>,
+    columns: u32,
+    rows_per_part: u32,
+    threshold: u32,
+    scale: f32,
+    seed: u32,
+    #[comptime] gelu: bool,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let unit = ABSOLUTE_POS;
+    let n = columns as usize;
+    let rows = dy.len() / n;
+    let parts = rows.div_ceil(rows_per_part as usize);
+    if unit < parts * n {
+        let part = unit / n;
+        let column = unit % n;
+        let start = part * (rows_per_part as usize);
+        let stop = start + (rows_per_part as usize);
+        let end = select(stop < rows, stop, rows);
+        let mut shift = 0.0f32;
+        if with_bias {
+            shift = f32::cast_from(bias[column]);
+        }
+        let mut sum = 0.0f32;
+        for m in start..end {
+            let at = m * n + column;
+            let mut g = f32::cast_from(dy[at]);
+            if use_dropout {
+                g = select(element_keep(seed, at as u32, threshold), g * scale, 0.0f32);
+            }
+            if gelu {
+                let v = f32::cast_from(x[at]) + shift;
+                let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
+                let pdf = f32::exp(-0.5f32 * v * v) * 0.398_942_3f32;
+                g *= cdf + v * pdf;
+            }
+            dx[at] = F::cast_from(g);
+            sum += g;
+        }
+        partial[unit] = sum;
+    }
+}
+
 /// Columns per cube of [`sum_partials`]: eight, one 32-byte sector of a
 /// part's row, so that a plane reads four parts of them at once.
 pub const SUM_PARTIALS_COLUMNS: usize = 8;
@@ -1842,27 +1915,37 @@ pub fn sum_partials<F: Float>(
 /// Exact GELU per element, `y = x·Φ(x)`, `Φ(x) = ½·(1 + erf(x/√2))`, in f32;
 /// with `use_dropout`, then the seeded dropout of `y` ([`dropout_elements`]'
 /// mask for the same seed): the feed-forward's activation and its dropout
-/// in one pass over the layer's widest activation instead of two.
+/// in one pass over the layer's widest activation instead of two. With
+/// `with_bias`, `x` is first shifted by its column's `bias` (in f32): the
+/// preceding dense layer's bias, which then needs no pass of its own
+/// (otherwise `bias` is any tensor, unread).
 ///
 /// Launch: one unit per vector of `N` elements (see [`dropout_elements`]).
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn gelu_elements<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
     y: &mut Tensor<Vector<F, N>>,
     threshold: u32,
     scale: f32,
     seed: u32,
     #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i < y.len() {
         let width = x.vector_size();
         let xs = x[i];
+        let bs = if with_bias { bias[i % bias.len()] } else { xs };
         let mut out = xs;
         #[unroll]
         for c in 0..width {
-            let v = f32::cast_from(xs[c]);
+            let mut v = f32::cast_from(xs[c]);
+            if with_bias {
+                v += f32::cast_from(bs[c]);
+            }
             let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
             let mut value = v * cdf;
             if use_dropout {
@@ -1877,30 +1960,38 @@ pub fn gelu_elements<F: Float, N: Size>(
 
 /// Exact GELU's input gradient per element, `dx = dy·(Φ(x) + x·φ(x))`,
 /// `φ(x) = exp(−x²/2)/√(2π)`, in f32; with `use_dropout`, `dy` first goes
-/// through the forward's dropout mask (drawn again from `seed`).
+/// through the forward's dropout mask (drawn again from `seed`); with
+/// `with_bias`, at `x` shifted by its column's `bias`, as
+/// [`gelu_elements`].
 ///
 /// Launch: one unit per vector of `N` elements.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn gelu_backward_elements<F: Float, N: Size>(
     x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
     dx: &mut Tensor<Vector<F, N>>,
     threshold: u32,
     scale: f32,
     seed: u32,
     #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let i = ABSOLUTE_POS;
     if i < dx.len() {
         let width = x.vector_size();
         let xs = x[i];
+        let bs = if with_bias { bias[i % bias.len()] } else { xs };
         let dys = dy[i];
         let mut out = xs;
         #[unroll]
         for c in 0..width {
-            let v = f32::cast_from(xs[c]);
+            let mut v = f32::cast_from(xs[c]);
+            if with_bias {
+                v += f32::cast_from(bs[c]);
+            }
             let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
             let pdf = f32::exp(-0.5f32 * v * v) * 0.398_942_3f32;
             let mut g = f32::cast_from(dys[c]);

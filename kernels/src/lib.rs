@@ -203,51 +203,83 @@ pub trait AttentionBackend: Backend {
         Self::float_mul(dy, derivative)
     }
 
-    /// `seeded_dropout(gelu_exact(x))`, the feed-forward's activation and its
-    /// dropout: one kernel and one pass on the CubeCL backends, where the two
-    /// ops wrote and read the layer's widest activation once more each way
-    /// (~0.55 ms per ASV-level layer forward and backward on an H100 at the
-    /// reference's batch). Under autodiff the node keeps only `x`; its
-    /// backward is [`AttentionBackend::gelu_exact_dropout_backward`]. The
-    /// default is the two ops.
-    ///
-    /// # Panics
-    /// When [`AttentionBackend::has_seeded_dropout`] is false.
-    fn gelu_exact_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
-        Self::seeded_dropout(Self::gelu_exact(x), dropout)
-    }
-
-    /// The input gradient of [`AttentionBackend::gelu_exact_dropout`] at `x`:
-    /// `gelu_exact_backward(x, seeded_dropout(dy))`, the mask drawn again.
-    fn gelu_exact_dropout_backward(
-        x: FloatTensor<Self>,
-        dy: FloatTensor<Self>,
-        dropout: AttentionDropout,
-    ) -> FloatTensor<Self> {
-        Self::gelu_exact_backward(x, Self::seeded_dropout(dy, dropout))
-    }
-
-    /// `dense(gelu_exact_dropout(h, dropout), weight, bias)`: a feed-forward
-    /// layer's second half. Under autodiff one node that keeps `h` and not
-    /// the activation: its backward recomputes `gelu_exact_dropout(h)` (one
-    /// element-wise pass) for the weight gradient. So a layer keeps one
-    /// `[M, F]` activation where it kept two (`F = 4·D`: on the reference's
-    /// batch 619 MB per ASV-level layer, a quarter of what a layer keeps for
-    /// its backward). The default is the two ops.
+    /// `seeded_dropout(gelu_exact(x + bias))`, the feed-forward's activation
+    /// and its dropout (and the bias of the dense layer before it, one value
+    /// per column of `x`'s last axis): one kernel and one pass on the CubeCL
+    /// backends, where the ops wrote and read the layer's widest activation
+    /// once more each (~0.55 ms per ASV-level layer forward and backward on
+    /// an H100 at the reference's batch, and the bias's own pass ~0.45 ms).
+    /// Under autodiff the node keeps only `x` (and the bias); its backward is
+    /// [`AttentionBackend::gelu_exact_dropout_backward`]. The default is the
+    /// ops.
     ///
     /// # Panics
     /// When [`AttentionBackend::has_seeded_dropout`] is false.
     ///
     /// # Shapes
-    /// - h: `[M, F]`, weight: `[N, F]`, bias: `[N]`
+    /// - x: `[..., F]`, bias: `[F]` → output: x's shape
+    fn gelu_exact_dropout(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::seeded_dropout(Self::gelu_exact(add_row_bias::<Self>(x, bias)), dropout)
+    }
+
+    /// The input gradient of [`AttentionBackend::gelu_exact_dropout`] at
+    /// `x + bias`: `gelu_exact_backward(x + bias, seeded_dropout(dy))`, the
+    /// mask drawn again. (The bias's gradient is this summed over the rows.)
+    fn gelu_exact_dropout_backward(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> FloatTensor<Self> {
+        Self::gelu_exact_backward(
+            add_row_bias::<Self>(x, bias),
+            Self::seeded_dropout(dy, dropout),
+        )
+    }
+
+    /// `(gelu_exact_dropout_backward(x, bias, dy), its sum over the rows)`:
+    /// the input gradient and the bias's (`dy` and `x` `[..., F]`, the sum
+    /// `[F]`). One pass on the CubeCL backends, where the sum read the
+    /// gradient back in a pass of its own; the default is the two ops.
+    fn gelu_exact_dropout_backward_column_sum(
+        x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let dx = Self::gelu_exact_dropout_backward(x, bias, dy, dropout);
+        let sum = column_sum_last::<Self>(dx.clone());
+        (dx, sum)
+    }
+
+    /// `dense(gelu_exact_dropout(h, h_bias, dropout), weight, bias)`: a
+    /// feed-forward layer's second half, and with `h_bias` the first
+    /// layer's bias (so that `h` is the first layer's product without it,
+    /// and no pass adds it). Under autodiff one node that keeps `h` and not
+    /// the activation: its backward recomputes `gelu_exact_dropout(h)` (one
+    /// element-wise pass) for the weight gradient. So a layer keeps one
+    /// `[M, F]` activation where it kept two (`F = 4·D`: on the reference's
+    /// batch 619 MB per ASV-level layer, a quarter of what a layer keeps for
+    /// its backward). The default is the ops.
+    ///
+    /// # Panics
+    /// When [`AttentionBackend::has_seeded_dropout`] is false.
+    ///
+    /// # Shapes
+    /// - h: `[M, F]`, h_bias: `[F]`, weight: `[N, F]`, bias: `[N]`
     /// - output: `[M, N]`
     fn gelu_dropout_dense(
         h: FloatTensor<Self>,
+        h_bias: Option<FloatTensor<Self>>,
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        Self::dense(Self::gelu_exact_dropout(h, dropout), weight, bias)
+        Self::dense(Self::gelu_exact_dropout(h, h_bias, dropout), weight, bias)
     }
 
     /// A dense layer on rows, `y = x·wᵀ + b`, weight in torch layout.
@@ -508,20 +540,42 @@ pub trait AttentionBackend: Backend {
         panic!("this backend has no seeded dropout kernel; use aam_kernels::dropout")
     }
 
-    /// `residual + seeded_dropout(x)` (same shapes and type): a transformer
-    /// layer's residual branch as one op and one pass (CubeCL backends),
-    /// where the dropout and the add were two of each. Under autodiff the
-    /// residual's gradient is the output's, and `x`'s the seeded dropout of
-    /// it. The default is the two ops.
+    /// `(seeded_dropout(dy), its sum over the rows)` (`dy [..., N]`, the sum
+    /// `[N]`): the gradients of `x` and of the bias of
+    /// [`AttentionBackend::seeded_dropout_add`]. One pass on the CubeCL
+    /// backends; the default is the two ops.
+    ///
+    /// # Panics
+    /// When [`AttentionBackend::has_seeded_dropout`] is false.
+    fn seeded_dropout_column_sum(
+        dy: FloatTensor<Self>,
+        dropout: AttentionDropout,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let dx = Self::seeded_dropout(dy, dropout);
+        let sum = column_sum_last::<Self>(dx.clone());
+        (dx, sum)
+    }
+
+    /// `residual + seeded_dropout(x + bias)` (residual and x of the same
+    /// shape and type, bias one value per column of their last axis): a
+    /// transformer layer's residual branch, with the bias of the dense layer
+    /// that made `x`, as one op and one pass (CubeCL backends), where the
+    /// bias, the dropout and the add were a pass each. Under autodiff the
+    /// residual's gradient is the output's, `x`'s the seeded dropout of it,
+    /// and the bias's that summed over the rows. The default is the ops.
     ///
     /// # Panics
     /// When [`AttentionBackend::has_seeded_dropout`] is false.
     fn seeded_dropout_add(
         residual: FloatTensor<Self>,
         x: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        Self::float_add(residual, Self::seeded_dropout(x, dropout))
+        Self::float_add(
+            residual,
+            Self::seeded_dropout(add_row_bias::<Self>(x, bias), dropout),
+        )
     }
 
     /// Fused masked self-attention on the packed projection `qkv` (torch's
@@ -739,67 +793,98 @@ pub fn dropout<B: AttentionBackend, const D: usize>(
     x * mask * (1.0 / keep)
 }
 
-/// `residual + dropout(x)` ([`dropout`]), one op where the backend has the
-/// seeded kernel ([`AttentionBackend::seeded_dropout_add`]).
+/// `residual + dropout(x + bias)` ([`dropout`]; `bias` per column of the
+/// last axis, where given), one op where the backend has the seeded kernel
+/// ([`AttentionBackend::seeded_dropout_add`]), else the ops.
 ///
 /// # Shapes
-/// - residual, x: the same shape → output: that shape
+/// - residual, x: the same shape, bias: `[x's last axis]` → output: x's shape
 pub fn dropout_add<B: AttentionBackend, const D: usize>(
     residual: Tensor<B, D>,
     x: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
     dropout: AttentionDropout,
 ) -> Tensor<B, D> {
     assert_eq!(residual.dims(), x.dims(), "dropout_add: shapes differ");
-    if dropout.prob > 0.0 && B::has_seeded_dropout() && seeded_dropout_enabled() {
+    if seeded_dropout_runs::<B>() {
         return Tensor::from_primitive(TensorPrimitive::Float(B::seeded_dropout_add(
             residual.into_primitive().tensor(),
             x.into_primitive().tensor(),
+            bias.map(|b| b.into_primitive().tensor()),
             dropout,
         )));
     }
+    let x = match bias {
+        Some(bias) => x + bias.unsqueeze(),
+        None => x,
+    };
     residual + crate::dropout(x, dropout)
 }
 
-/// `dropout(gelu(x))` with the exact (erf) GELU: one op where the backend
-/// has the seeded dropout kernel ([`AttentionBackend::gelu_exact_dropout`];
-/// the same mask as [`dropout`] with the same seed), else the two.
+/// `dropout(gelu(x + bias))` with the exact (erf) GELU (`bias` per column
+/// of the last axis, where given): one op where the backend has the seeded
+/// dropout kernel ([`AttentionBackend::gelu_exact_dropout`]; the same mask
+/// as [`dropout`] with the same seed), else the ops.
 pub fn gelu_dropout<B: AttentionBackend, const D: usize>(
     x: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
     dropout: AttentionDropout,
 ) -> Tensor<B, D> {
-    let x = x.into_primitive().tensor();
-    if dropout.prob > 0.0 && B::has_seeded_dropout() && seeded_dropout_enabled() {
-        return Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact_dropout(x, dropout)));
+    if seeded_dropout_runs::<B>() {
+        return Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact_dropout(
+            x.into_primitive().tensor(),
+            bias.map(|b| b.into_primitive().tensor()),
+            dropout,
+        )));
     }
+    let x = match bias {
+        Some(bias) => x + bias.unsqueeze(),
+        None => x,
+    };
     crate::dropout(
-        Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact(x))),
+        Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact(
+            x.into_primitive().tensor(),
+        ))),
         dropout,
     )
 }
 
-/// `dense(gelu_dropout(h), weight, bias)` ([`dense`], [`gelu_dropout`]):
-/// where the backend has the seeded dropout kernel one op whose autodiff
-/// node keeps `h` instead of the activation
+/// `dense(gelu_dropout(h, h_bias), weight, bias)` ([`dense`],
+/// [`gelu_dropout`]): where the backend has the seeded dropout kernel one
+/// op whose autodiff node keeps `h` instead of the activation
 /// ([`AttentionBackend::gelu_dropout_dense`]), else the ops.
 ///
 /// # Shapes
-/// - h: `[M, F]`, weight: `[N, F]`, bias: `[N]`
+/// - h: `[M, F]`, h_bias: `[F]`, weight: `[N, F]`, bias: `[N]`
 /// - output: `[M, N]`
 pub fn gelu_dropout_dense<B: AttentionBackend>(
     h: Tensor<B, 2>,
+    h_bias: Option<Tensor<B, 1>>,
     weight: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
     dropout: AttentionDropout,
 ) -> Tensor<B, 2> {
-    if B::has_seeded_dropout() && seeded_dropout_enabled() {
+    if seeded_dropout_runs::<B>() {
         return Tensor::from_primitive(TensorPrimitive::Float(B::gelu_dropout_dense(
             h.into_primitive().tensor(),
+            h_bias.map(|b| b.into_primitive().tensor()),
             weight.into_primitive().tensor(),
             bias.map(|b| b.into_primitive().tensor()),
             dropout,
         )));
     }
-    dense(gelu_dropout(h, dropout), weight, bias)
+    dense(gelu_dropout(h, h_bias, dropout), weight, bias)
+}
+
+/// Whether [`dropout_add`] and [`gelu_dropout`] run as one op, the seeded
+/// kernel's: where the backend has it (and `AAM_DROPOUT=burn` is unset),
+/// and for `dropout_add` also at p = 0, where it still adds the bias and
+/// the residual in one pass.
+///
+/// A caller that moves a dense layer's bias into them (as the transformer
+/// layer does) saves that bias's own pass exactly where this holds.
+pub fn seeded_dropout_runs<B: AttentionBackend>() -> bool {
+    B::has_seeded_dropout() && seeded_dropout_enabled()
 }
 
 /// `AAM_DROPOUT=burn` turns [`dropout`]'s kernel off (Burn's masks
@@ -808,6 +893,29 @@ pub fn gelu_dropout_dense<B: AttentionBackend>(
 fn seeded_dropout_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ENABLED.get_or_init(|| std::env::var("AAM_DROPOUT").map_or(true, |v| v != "burn"))
+}
+
+/// `t [..., W]` summed over everything but its last axis, `[W]`: a
+/// per-column bias's gradient ([`AttentionBackend::column_sum`]).
+pub(crate) fn column_sum_last<B: AttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
+    let shape = t.shape();
+    let width = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / width.max(1);
+    B::column_sum(B::float_reshape(t, Shape::new([rows, width])))
+}
+
+/// `x + bias` with `bias [W]` broadcast over `x`'s rows (`x [..., W]`); `x`
+/// itself where there is no bias.
+fn add_row_bias<B: Backend>(x: FloatTensor<B>, bias: Option<FloatTensor<B>>) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
+    let Some(bias) = bias else {
+        return x;
+    };
+    let rank = x.shape().num_dims();
+    let mut dims = vec![1; rank];
+    dims[rank - 1] = bias.shape()[0];
+    B::float_add(x, B::float_reshape(bias, Shape::from(dims)))
 }
 
 /// A dense layer on rows, `y = x·wᵀ + b` with `weight` in torch layout

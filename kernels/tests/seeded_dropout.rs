@@ -4,7 +4,8 @@
 //! the backward pass (which keeps no mask) drops the gradient with the
 //! forward's mask. `dropout_add` (a residual branch as one op) equals the
 //! residual plus `dropout` with the same seed, and its backward gives the
-//! residual the output gradient and the input the dropped one.
+//! residual the output gradient and the input the dropped one; with a bias
+//! it equals the ops on `x + bias`, gradients included.
 //!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
@@ -173,7 +174,7 @@ fn dropout_add_is_the_residual_plus_dropout_both_ways() {
     let shape = [257, 33];
     let normal = || Tensor::<GpuAd, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
     let (residual, x, w) = (normal().require_grad(), normal().require_grad(), normal());
-    let y = dropout_add(residual.clone(), x.clone(), drop);
+    let y = dropout_add(residual.clone(), x.clone(), None, drop);
     let grads = (y.clone() * w.clone()).sum().backward();
     let dropped = values(dropout(x.clone().inner(), drop));
     let mask = kept(&values(x.clone().inner()), &dropped, drop.prob);
@@ -197,5 +198,58 @@ fn dropout_add_is_the_residual_plus_dropout_both_ways() {
     for (i, ((&dx, &w), &keep)) in dx.iter().zip(&w).zip(&mask).enumerate() {
         let want = if keep { w * scale } else { 0.0 };
         assert_eq!(dx, want, "element {i}: x's gradient");
+    }
+}
+
+/// `dropout_add(residual, x, bias)` (the bias added in the kernel) against
+/// `residual + dropout(x + bias)` with one seed: values and the gradients of
+/// all three (the bias's summed with `x`'s in one kernel, in parts of 256
+/// rows: 530 rows make three), on rows the forward kernel takes four
+/// elements at a time (128 wide) and one at a time (33), and at p = 0 (the
+/// kernel still runs, adding the bias and the residual).
+#[test]
+fn dropout_add_with_a_bias_is_the_ops_on_the_sum() {
+    let device = Default::default();
+    <Gpu as Backend>::seed(&device, 8);
+    for (rows, width, prob) in [(530, 128, 0.3), (57, 33, 0.3), (20, 128, 0.0)] {
+        let drop = AttentionDropout { prob, seed: 4321 };
+        let normal = |shape: [usize; 2]| {
+            Tensor::<GpuAd, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+        };
+        let (residual, x, w) = (
+            normal([rows, width]),
+            normal([rows, width]),
+            normal([rows, width]),
+        );
+        let bias = normal([1, width]).reshape([width]);
+        let run = |fused: bool| -> [Vec<f32>; 4] {
+            let (residual, x, bias) = (
+                residual.clone().require_grad(),
+                x.clone().require_grad(),
+                bias.clone().require_grad(),
+            );
+            let y = if fused {
+                dropout_add(residual.clone(), x.clone(), Some(bias.clone()), drop)
+            } else {
+                residual.clone() + dropout(x.clone() + bias.clone().unsqueeze(), drop)
+            };
+            let grads = (y.clone() * w.clone()).sum().backward();
+            [
+                values(y.inner()),
+                values(residual.grad(&grads).expect("d residual")),
+                values(x.grad(&grads).expect("dx")),
+                values(bias.grad(&grads).expect("d bias")),
+            ]
+        };
+        let (fused, ops) = (run(true), run(false));
+        for (i, name) in ["y", "d residual", "dx", "d bias"].iter().enumerate() {
+            // The bias's gradient: the same sums over the rows in another order.
+            let tol = if i == 3 { 1e-5 } else { 1e-6 };
+            let err = rel(&fused[i], &ops[i]);
+            assert!(
+                err <= tol,
+                "{rows}x{width}, p {prob}: {name}: the fused op off the ops by {err:e}"
+            );
+        }
     }
 }

@@ -235,6 +235,29 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         x: Tensor<B, 3>,
         key_padding_mask: Option<Tensor<B, 2, Bool>>,
     ) -> Tensor<B, 3> {
+        self.self_attention_with(x, key_padding_mask, true)
+    }
+
+    /// [`MultiheadAttention::self_attention`], with the output projection's
+    /// bias left out where `out_bias` is false (for a caller that adds it in
+    /// its next element-wise pass, see [`crate::nn::Linear::forward_without_bias`]).
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, key_padding_mask: `[N, T]` (true = ignore)
+    /// - output: `[N, T, D]`
+    pub fn self_attention_with(
+        &self,
+        x: Tensor<B, 3>,
+        key_padding_mask: Option<Tensor<B, 2, Bool>>,
+        out_bias: bool,
+    ) -> Tensor<B, 3> {
+        let project_out = |context: Tensor<B, 3>| {
+            if out_bias {
+                self.out_proj.forward(context)
+            } else {
+                self.out_proj.forward_without_bias(context)
+            }
+        };
         let [n, t, d] = x.dims();
         // In the input's float type (mixed precision, see `precision.rs`).
         let dtype = x.dtype();
@@ -249,7 +272,7 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
             // ~26 host ops a layer (`aam_kernels::fused_packed_attention`).
             let dropout = fused_dropout::<B>(&qkv.device(), &self.dropout);
             let context = fused_packed_attention(qkv, key_padding_mask, self.num_heads, dropout);
-            return self.out_proj.forward(context);
+            return project_out(context);
         }
         let q = self.split_heads(qkv.clone().narrow(2, 0, d));
         let k = self.split_heads(qkv.clone().narrow(2, d, d));
@@ -263,7 +286,7 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
             self.attn_implementation,
             false,
         );
-        self.out_proj.forward(self.merge_heads(context, n, t, d))
+        project_out(self.merge_heads(context, n, t, d))
     }
 
     /// Attention of `query` over `key`/`value` (separate projections), with the

@@ -83,39 +83,76 @@ impl<B: AttentionBackend> Linear<B> {
         linear(
             input,
             cast_to(self.weight.val(), dtype),
-            self.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
+            self.bias_in(dtype),
         )
     }
 
-    /// `self.forward(dropout.forward(activation.forward(input)))`, a
-    /// feed-forward layer's second half (dropout active only while autodiff
-    /// is on, as [`dropout`]). With exact GELU in training, one op
+    /// `input·Wᵀ`, the layer without its bias: for a caller that adds
+    /// [`Linear::bias_in`] in the element-wise pass that follows (the
+    /// transformer layer, see [`crate::transformer`]), instead of in a pass
+    /// of its own.
+    ///
+    /// # Shapes
+    /// - input: `[..., d_input]`
+    /// - output: `[..., d_output]`
+    pub fn forward_without_bias<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = input.dtype();
+        linear(input, cast_to(self.weight.val(), dtype), None)
+    }
+
+    /// The bias, cast to `dtype` (mixed precision), if the layer has one.
+    pub fn bias_in(&self, dtype: burn::tensor::DType) -> Option<Tensor<B, 1>> {
+        self.bias.as_ref().map(|b| cast_to(b.val(), dtype))
+    }
+
+    /// `self.forward(dropout.forward(activation.forward(input + input_bias)))`,
+    /// a feed-forward layer's second half (dropout active only while autodiff
+    /// is on, as [`dropout`]; `input_bias` is the first layer's bias where
+    /// the caller left it out of `input`, see [`Linear::forward_without_bias`]).
+    /// With exact GELU in training, one op
     /// ([`aam_kernels::gelu_dropout_dense`]): on the CubeCL backends its
     /// autodiff node keeps `input` and recomputes the activation in the
     /// backward pass instead of keeping it (a quarter less memory per
     /// layer), with the same values and dropout mask as the ops.
     ///
+    /// With `without_bias`, this layer's own bias is left out of the output
+    /// for the caller to add (as [`Linear::forward_without_bias`]).
+    ///
     /// # Shapes
-    /// - input: `[..., d_input]`
+    /// - input: `[..., d_input]`, input_bias: `[d_input]`
     /// - output: `[..., d_output]`
     pub fn forward_activated<const D: usize>(
         &self,
         input: Tensor<B, D>,
+        input_bias: Option<Tensor<B, 1>>,
         activation: Activation,
         dropout: &burn::nn::Dropout,
+        without_bias: bool,
     ) -> Tensor<B, D> {
+        let dtype = input.dtype();
+        let bias = if without_bias {
+            None
+        } else {
+            self.bias_in(dtype)
+        };
+        let input_bias = input_bias.map(|b| cast_to(b, dtype));
         let training = B::ad_enabled(&input.device()) && dropout.prob > 0.0;
         if activation != Activation::Gelu || !training {
-            return self.forward(self::dropout(dropout, activation.forward(input)));
+            let input = match input_bias {
+                Some(b) => input + b.unsqueeze(),
+                None => input,
+            };
+            let activated = self::dropout(dropout, activation.forward(input));
+            return linear(activated, cast_to(self.weight.val(), dtype), bias);
         }
-        let dtype = input.dtype();
         let dims = input.dims();
         let [d_output, d_input] = self.weight.dims();
         let rows = dims[..D - 1].iter().product::<usize>();
         let y = aam_kernels::gelu_dropout_dense(
             input.reshape([rows, d_input]),
+            input_bias,
             cast_to(self.weight.val(), dtype),
-            self.bias.as_ref().map(|b| cast_to(b.val(), dtype)),
+            bias,
             aam_kernels::AttentionDropout {
                 prob: dropout.prob,
                 seed: crate::attention::next_dropout_seed(),
@@ -270,20 +307,26 @@ pub fn dropout<B: AttentionBackend, const D: usize>(
     )
 }
 
-/// `residual + dropout(x)`: a residual branch, one op on the CubeCL
-/// backends ([`aam_kernels::dropout_add`]); dropout only in training, as
-/// [`dropout`].
+/// `residual + dropout(x + bias)`: a residual branch (`bias`, per column of
+/// the last axis, the bias of the dense layer that made `x` where the caller
+/// left it out), one op on the CubeCL backends
+/// ([`aam_kernels::dropout_add`]); dropout only in training, as [`dropout`].
 pub fn dropout_add<B: AttentionBackend, const D: usize>(
     dropout: &burn::nn::Dropout,
     residual: Tensor<B, D>,
     x: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
     if !B::ad_enabled(&x.device()) || dropout.prob == 0.0 {
-        return residual + x;
+        return match bias {
+            Some(bias) => residual + x + bias.unsqueeze(),
+            None => residual + x,
+        };
     }
     aam_kernels::dropout_add(
         residual,
         x,
+        bias,
         aam_kernels::AttentionDropout {
             prob: dropout.prob,
             seed: crate::attention::next_dropout_seed(),
