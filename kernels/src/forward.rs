@@ -1777,22 +1777,29 @@ fn gradient_column_sums<R: CubeRuntime>(
     };
     let client = dy.client.clone();
     let dx = empty(&dy, shape, dy.dtype);
-    let parts = rows.div_ceil(COLUMN_ROWS_PER_PART).max(1);
+    // Four columns a unit where they divide a row, in parts a quarter as
+    // long: as many units as one column a unit over parts of
+    // `COLUMN_ROWS_PER_PART` rows, each load 16 bytes.
+    let width = if columns.is_multiple_of(4) { 4 } else { 1 };
+    let rows_per_part = COLUMN_ROWS_PER_PART / width;
+    let parts = rows.div_ceil(rows_per_part).max(1);
     let partial = empty(&dy, Shape::new([1, parts, columns]), DType::F32);
     let sum = empty(&dy, Shape::new([columns]), dy.dtype);
-    let (cubes, cube_dim) = one_unit_each(&client, (parts * columns).max(1), 256);
+    let vectors = columns / width;
+    let (cubes, cube_dim) = one_unit_each(&client, (parts * vectors).max(1), 256);
     let x_arg = x.as_ref().unwrap_or(&dy);
     gradient_column_partials::launch::<R>(
         &client,
         cubes,
         cube_dim,
+        width,
         x_arg.clone().into_tensor_arg(),
         bias.as_ref().unwrap_or(x_arg).clone().into_tensor_arg(),
         dy.clone().into_tensor_arg(),
         dx.clone().into_tensor_arg(),
         partial.clone().into_tensor_arg(),
-        columns as u32,
-        COLUMN_ROWS_PER_PART as u32,
+        vectors as u32,
+        rows_per_part as u32,
         threshold,
         scale,
         seed,

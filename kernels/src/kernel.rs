@@ -1789,19 +1789,20 @@ pub fn column_partial_sums<F: Float>(
 /// element-wise pass after it (dropout plus residual, GELU): the sum no
 /// longer reads `dx` back in a pass of its own.
 ///
-/// Launch: one unit per `(part, column)`, index `p·N + c`, as
-/// [`column_partial_sums`]; `x`, `dy`, `dx` `[M, N]` contiguous (`x` and
-/// `bias` any tensors, unread, where not used), `partial` `[P, N]` f32.
-/// Element `m·N + c`'s mask is [`dropout_elements`]' for the same seed.
+/// Launch: one unit per `(part, vector of N columns)`, index `p·(C/N) + v`
+/// for `C` columns (N = 4 where C allows: one 16-byte load per tensor and
+/// row); `x`, `dy`, `dx` `[M, C]` contiguous (`x` and `bias` any tensors,
+/// unread, where not used), `partial` `[P, C]` f32. Element `m·C + c`'s mask
+/// is [`dropout_elements`]' for the same seed.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gradient_column_partials<F: Float>(
-    x: &Tensor<F>,
-    bias: &Tensor<F>,
-    dy: &Tensor<F>,
-    dx: &mut Tensor<F>,
-    partial: &mut Tensor<f32>,
-    columns: u32,
+pub fn gradient_column_partials<F: Float, N: Size>(
+    x: &Tensor<Vector<F, N>>,
+    bias: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    dx: &mut Tensor<Vector<F, N>>,
+    partial: &mut Tensor<Vector<f32, N>>,
+    vectors: u32,
     rows_per_part: u32,
     threshold: u32,
     scale: f32,
@@ -1812,7 +1813,8 @@ pub fn gradient_column_partials<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let unit = ABSOLUTE_POS;
-    let n = columns as usize;
+    let width = dy.vector_size();
+    let n = vectors as usize;
     let rows = dy.len() / n;
     let parts = rows.div_ceil(rows_per_part as usize);
     if unit < parts * n {
@@ -1821,25 +1823,36 @@ pub fn gradient_column_partials<F: Float>(
         let start = part * (rows_per_part as usize);
         let stop = start + (rows_per_part as usize);
         let end = select(stop < rows, stop, rows);
-        let mut shift = 0.0f32;
+        let mut shift = Vector::<f32, N>::new(0.0f32);
         if with_bias {
-            shift = f32::cast_from(bias[column]);
+            shift = Vector::cast_from(bias[column]);
         }
-        let mut sum = 0.0f32;
+        let mut sum = Vector::<f32, N>::new(0.0f32);
         for m in start..end {
             let at = m * n + column;
-            let mut g = f32::cast_from(dy[at]);
-            if use_dropout {
-                g = select(element_keep(seed, at as u32, threshold), g * scale, 0.0f32);
-            }
+            let dys = dy[at];
+            let mut xs = dys;
             if gelu {
-                let v = f32::cast_from(x[at]) + shift;
-                let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
-                let pdf = f32::exp(-0.5f32 * v * v) * 0.398_942_3f32;
-                g *= cdf + v * pdf;
+                xs = x[at];
             }
-            dx[at] = F::cast_from(g);
-            sum += g;
+            let mut out = dys;
+            #[unroll]
+            for c in 0..width {
+                let mut g = f32::cast_from(dys[c]);
+                if use_dropout {
+                    let element = (at * width + c) as u32;
+                    g = select(element_keep(seed, element, threshold), g * scale, 0.0f32);
+                }
+                if gelu {
+                    let v = f32::cast_from(xs[c]) + shift[c];
+                    let cdf = 0.5f32 * (1.0f32 + Erf::erf(v * 0.707_106_77f32));
+                    let pdf = f32::exp(-0.5f32 * v * v) * 0.398_942_3f32;
+                    g *= cdf + v * pdf;
+                }
+                out[c] = F::cast_from(g);
+                sum[c] += g;
+            }
+            dx[at] = out;
         }
         partial[unit] = sum;
     }
