@@ -17,7 +17,7 @@ use crate::kernel::{
     adam_steps_elements, attention_backward_dkdv, attention_backward_dq, attention_backward_merged,
     attention_forward, column_partial_sums, dropout_elements, gelu_backward_elements,
     gelu_elements, gradient_column_partials, key_validity, layer_norm_backward_rows,
-    layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
+    layer_norm_backward_rows_sums, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
 };
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -874,8 +874,34 @@ where
         let dims = dy.meta.shape().clone();
         let rows = dims[0];
         let client = dy.client.clone();
-        let dx = empty(&dy, dims, dy.dtype);
+        let dx = empty(&dy, dims.clone(), dy.dtype);
         let (cubes, cube_dim, lanes) = row_groups(&client, rows);
+        let width = dims[1];
+        let groups = 256 / lanes;
+        // γ's and β's gradients summed in the same pass where the cube's
+        // shared sums fit 32 KiB (D ≤ 512 at 32 lanes a row).
+        if 2 * groups * width * 4 <= 32 * 1024 && rows > 0 {
+            let steps = rows.div_ceil(groups * LAYER_NORM_MAX_PARTS).max(1);
+            let parts = rows.div_ceil(groups * steps);
+            let partial = empty(&dy, Shape::new([2, parts, width]), DType::F32);
+            layer_norm_backward_rows_sums::launch::<R>(
+                &client,
+                CubeCount::Static(parts as u32, 1, 1),
+                cube_dim,
+                normalised.into_tensor_arg(),
+                r.into_tensor_arg(),
+                gamma.into_tensor_arg(),
+                dy.clone().into_tensor_arg(),
+                dx.clone().into_tensor_arg(),
+                partial.clone().into_tensor_arg(),
+                steps as u32,
+                lanes,
+                width,
+                dy.dtype.into(),
+            );
+            let (dbeta, dgamma) = sum_partials_launch(&dy, partial, parts, width, true);
+            return (dx, dgamma.expect("Σ dy·x̂ was asked for"), dbeta);
+        }
         layer_norm_backward_rows::launch::<R>(
             &client,
             cubes,
@@ -1700,6 +1726,12 @@ fn element_offset(offset: usize) -> u32 {
 /// reference's 302,000 rows) over lanes.
 const COLUMN_ROWS_PER_PART: usize = 256;
 
+/// At most this many parts (cubes) in [`layer_norm_backward_rows_sums`]:
+/// each cube then takes a whole number of row groups, `steps` at a time,
+/// and the sum over parts stays short (the reference's batch: 302,000 ASV
+/// tokens, 8 rows a group, 37 steps, 1,021 parts).
+const LAYER_NORM_MAX_PARTS: usize = 1024;
+
 /// Units that share a column's parts in [`sum_partials`] (256 a cube, the
 /// most every runtime allows).
 const SUM_PARTIAL_LANES: usize = 32;
@@ -1717,9 +1749,6 @@ fn column_sums<R: CubeRuntime>(
     let client = a.client.clone();
     let sums = if b.is_some() { 2 } else { 1 };
     let partial = empty(a, Shape::new([sums, parts.max(1), columns]), DType::F32);
-    let column = || empty(a, Shape::new([columns]), a.dtype);
-    let sum = column();
-    let sum_ab = b.map(|_| column());
     let (cubes, cube_dim) = one_unit_each(&client, (parts * columns).max(1), 256);
     column_partial_sums::launch::<R>(
         &client,
@@ -1733,8 +1762,23 @@ fn column_sums<R: CubeRuntime>(
         b.is_some(),
         a.dtype.into(),
     );
+    sum_partials_launch(a, partial, parts, columns, b.is_some())
+}
+
+/// [`sum_partials`] over `partial` `[1 or 2, parts, columns]` f32: the
+/// column sums (of `like`'s type), and the second ones with `with_b`.
+fn sum_partials_launch<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    partial: CubeTensor<R>,
+    parts: usize,
+    columns: usize,
+    with_b: bool,
+) -> (CubeTensor<R>, Option<CubeTensor<R>>) {
+    let column = || empty(like, Shape::new([columns]), like.dtype);
+    let sum = column();
+    let sum_ab = with_b.then(column);
     sum_partials::launch::<R>(
-        &client,
+        &like.client,
         CubeCount::Static(columns.div_ceil(SUM_PARTIALS_COLUMNS) as u32, 1, 1),
         CubeDim::new_2d(SUM_PARTIALS_COLUMNS as u32, SUM_PARTIAL_LANES as u32),
         partial.into_tensor_arg(),
@@ -1742,8 +1786,8 @@ fn column_sums<R: CubeRuntime>(
         sum_ab.as_ref().unwrap_or(&sum).clone().into_tensor_arg(),
         parts as u32,
         SUM_PARTIAL_LANES,
-        b.is_some(),
-        a.dtype.into(),
+        with_b,
+        like.dtype.into(),
     );
     (sum, sum_ab)
 }
@@ -1784,7 +1828,6 @@ fn gradient_column_sums<R: CubeRuntime>(
     let rows_per_part = COLUMN_ROWS_PER_PART / width;
     let parts = rows.div_ceil(rows_per_part).max(1);
     let partial = empty(&dy, Shape::new([1, parts, columns]), DType::F32);
-    let sum = empty(&dy, Shape::new([columns]), dy.dtype);
     let vectors = columns / width;
     let (cubes, cube_dim) = one_unit_each(&client, (parts * vectors).max(1), 256);
     let x_arg = x.as_ref().unwrap_or(&dy);
@@ -1808,19 +1851,10 @@ fn gradient_column_sums<R: CubeRuntime>(
         bias.is_some(),
         dy.dtype.into(),
     );
-    sum_partials::launch::<R>(
-        &client,
-        CubeCount::Static(columns.div_ceil(SUM_PARTIALS_COLUMNS) as u32, 1, 1),
-        CubeDim::new_2d(SUM_PARTIALS_COLUMNS as u32, SUM_PARTIAL_LANES as u32),
-        partial.into_tensor_arg(),
-        sum.clone().into_tensor_arg(),
-        sum.clone().into_tensor_arg(),
-        parts as u32,
-        SUM_PARTIAL_LANES,
-        false,
-        dy.dtype.into(),
-    );
-    (dx, sum)
+    (
+        dx,
+        sum_partials_launch(&dy, partial, parts, columns, false).0,
+    )
 }
 
 /// One launch of [`adam_steps_elements`] over `items` (see

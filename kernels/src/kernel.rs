@@ -1735,6 +1735,105 @@ pub fn layer_norm_backward_rows<F: Float>(
     }
 }
 
+/// [`layer_norm_backward_rows`] with the column sums of γ's and β's
+/// gradients in the same pass: `partial[0, p, c] = Σ dy[m, c]` and
+/// `partial[1, p, c] = Σ dy[m, c]·x̂[m, c]` over the rows `m` of cube `p`
+/// (then [`sum_partials`]), where a separate pass ([`column_partial_sums`])
+/// read `dy` and `x̂` back from memory.
+///
+/// Launch: cube dim 256, `lanes` units per row, so `256 / lanes` rows at a
+/// time, `steps` times: cube `p` takes rows `[p·steps·g, (p+1)·steps·g)`
+/// (`g = 256 / lanes`), one cube per part; `width` is D (the shared sums
+/// are `2·g·D` floats). `normalised`, `dy`, `dx` `[M, D]` contiguous, `r`
+/// `[M, 1]`, `partial` `[2, P, D]` f32.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_backward_rows_sums<F: Float>(
+    normalised: &Tensor<F>,
+    r: &Tensor<F>,
+    gamma: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    partial: &mut Tensor<f32>,
+    steps: u32,
+    #[comptime] lanes: usize,
+    #[comptime] width: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let groups = comptime!(256 / lanes);
+    let per_lane = comptime!(width.div_ceil(lanes));
+    let lane = UNIT_POS_X as usize % lanes;
+    let slot = UNIT_POS_X as usize / lanes;
+    let rows = r.len();
+    let parts = CUBE_COUNT as usize;
+    let d = comptime!(width);
+    let widthf = f32::cast_from(d);
+    let mut sum_dy = Array::<f32>::new(per_lane);
+    let mut sum_dyx = Array::<f32>::new(per_lane);
+    #[unroll]
+    for k in 0..per_lane {
+        sum_dy[k] = 0.0;
+        sum_dyx[k] = 0.0;
+    }
+    for step in 0..steps as usize {
+        let row = (CUBE_POS as usize * steps as usize + step) * groups + slot;
+        let in_range = row < rows;
+        let base = row * d;
+        let mut sum_g = 0.0f32;
+        let mut sum_gx = 0.0f32;
+        if in_range {
+            #[unroll]
+            for k in 0..per_lane {
+                let i = lane + k * lanes;
+                if i < d {
+                    let g = f32::cast_from(dy[base + i]) * f32::cast_from(gamma[i]);
+                    sum_g += g;
+                    sum_gx += g * f32::cast_from(normalised[base + i]);
+                }
+            }
+        }
+        let mean_g = sum_over_lanes(sum_g, lanes) / widthf;
+        let mean_gx = sum_over_lanes(sum_gx, lanes) / widthf;
+        if in_range {
+            let rs = f32::cast_from(r[row]);
+            #[unroll]
+            for k in 0..per_lane {
+                let i = lane + k * lanes;
+                if i < d {
+                    let dyv = f32::cast_from(dy[base + i]);
+                    let n = f32::cast_from(normalised[base + i]);
+                    let g = dyv * f32::cast_from(gamma[i]);
+                    dx[base + i] = F::cast_from((g - mean_g - n * mean_gx) * rs);
+                    sum_dy[k] += dyv;
+                    sum_dyx[k] += dyv * n;
+                }
+            }
+        }
+    }
+    let mut shared = SharedMemory::<f32>::new(comptime!(2 * groups * width));
+    #[unroll]
+    for k in 0..per_lane {
+        let i = lane + k * lanes;
+        if i < d {
+            shared[slot * d + i] = sum_dy[k];
+            shared[(groups + slot) * d + i] = sum_dyx[k];
+        }
+    }
+    sync_cube();
+    let mut c = UNIT_POS_X as usize;
+    while c < d {
+        let mut total = 0.0f32;
+        let mut total_x = 0.0f32;
+        for g in 0..groups {
+            total += shared[g * d + c];
+            total_x += shared[(groups + g) * d + c];
+        }
+        partial[CUBE_POS as usize * d + c] = total;
+        partial[(parts + CUBE_POS as usize) * d + c] = total_x;
+        c += CUBE_DIM_X as usize;
+    }
+}
+
 /// Column sums of `[M, N]` rows in parts: `partial[0, p, c] = Σ a[m, c]`
 /// and, with `b`, `partial[1, p, c] = Σ a[m, c]·b[m, c]`, over rows `m` of
 /// part `p` (`rows_per_part` rows each, the last part may be short), in f32.

@@ -11,7 +11,10 @@
 //! per op, so on the CubeCL backends GELU, LayerNorm's forward and backward,
 //! the dense backward, the sum over rows and the Adam steps are one op each
 //! too (a kernel, or one custom op of Burn's fusion stream), with the tensor
-//! ops as the default everywhere else.
+//! ops as the default everywhere else. A dense layer's bias can be left to
+//! the element-wise op after it ([`dropout_add`] and [`gelu_dropout`] take
+//! one, and sum its gradient in the same pass as the input's), so that on a
+//! GPU no pass over a layer's output exists only to add a bias.
 //!
 //! Why it exists: AAM attention is almost always masked (ASVs padded to 151
 //! tokens, samples padded to 1024 ASV slots), and the PyTorch reference's fast
@@ -38,7 +41,9 @@
 //!   as a multiply and a sum (the model uses it for every such product).
 //! - `dense.rs`: the dense layer [`dense`], whose gradients sum over rows in
 //!   parts (CubeCL's matmul and reduction leave most of a GPU idle on one
-//!   long row axis), with [`row_product`] and [`sum_rows`].
+//!   long row axis), with [`row_product`] and [`sum_rows`]; its forward
+//!   product runs on the same validated kernels, the weight a transposed
+//!   view.
 //! - `adam.rs`: one Adam/AdamW step of a parameter as one op
 //!   ([`AttentionBackend::adam_step`]), and all of a step's as one op under
 //!   fusion ([`AttentionBackend::adam_steps`]); on the CubeCL backends one
@@ -52,7 +57,9 @@
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
 //!   element-wise seeded dropout behind [`dropout`] and [`dropout_add`], and
-//!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels).
+//!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels;
+//!   the element-wise ones take a dense layer's bias, and the gradients of
+//!   dropout and GELU come with their column sums from one kernel).
 //!   Where one cube holds all of a head's keys (the ASV level's 151), dK/dV
 //!   and dQ are one kernel, so `P` and `dS` are computed once
 //!   (`AAM_KERNEL_MERGED_BACKWARD=0` runs the two kernels).

@@ -70,6 +70,9 @@ fn layer_norm_kernels_match_the_ops() {
         (300, 33, false),
         (2_049, 128, true),
         (600, 2, true),
+        // γ's and β's gradients summed with dx in one kernel: a cube takes
+        // several row groups in turn where the rows exceed ~1,024 groups.
+        (40_001, 128, true),
     ] {
         // Rows with an offset and a spread, as activations have.
         let inputs = [

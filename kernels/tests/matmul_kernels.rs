@@ -348,6 +348,44 @@ fn autotune_candidates_at_aam_shapes() {
         })
         .unwrap_or(vec![53152, 60000, 47000, 62967]);
     let device = Default::default();
+    // `AAM_MATMUL_PRODUCTS=rows`: the forward and input-gradient products
+    // (`x·wᵀ` with the weight as a transposed view, `dy·w`) at the dense
+    // layers' widths instead of the weight gradients.
+    if std::env::var("AAM_MATMUL_PRODUCTS").as_deref() == Ok("rows") {
+        for (i, &rows) in rows_list.iter().enumerate() {
+            for (k, n) in [(128, 384), (128, 512), (512, 128), (128, 128), (384, 128)] {
+                let seed = 20 * i as u64;
+                let x = Tensor::<B, 2>::from_data(
+                    TensorData::new(draw(rows * k, seed), [rows, k]),
+                    &device,
+                );
+                let w = Tensor::<B, 2>::from_data(
+                    TensorData::new(draw(n * k, seed + 1), [n, k]),
+                    &device,
+                );
+                // The forward's view, and the input gradient's contiguous
+                // right operand of the same shape.
+                let wt = w.transpose();
+                let contiguous = wt.clone().reshape([n * k]).reshape([k, n]);
+                for (what, rhs) in [("x·wᵀ (view)", wt), ("x·w (contiguous)", contiguous)] {
+                    let (lhs, rhs) = (x.clone().unsqueeze::<3>(), rhs.unsqueeze::<3>());
+                    let want = run(&Strategy::Naive, &lhs, &rhs).expect("naive runs").0;
+                    let want: Vec<f64> = want.iter().map(|v| *v as f64).collect();
+                    let validated = rel(&dense_matmul(lhs.clone(), rhs.clone()), &want);
+                    let mut line =
+                        format!("rows {rows}, [{k}→{n}] {what}: validated {validated:.1e}");
+                    for strategy in &candidates[1..] {
+                        if let Some((got, us)) = run(strategy, &lhs, &rhs) {
+                            line += &format!(" | {strategy} {:.1e} {us:.0}us", rel(&got, &want));
+                        }
+                    }
+                    println!("{line}");
+                    assert!(validated <= RTOL, "{line}");
+                }
+            }
+        }
+        return;
+    }
     for (i, &rows) in rows_list.iter().enumerate() {
         for (p, q) in [(128, 512), (512, 128)] {
             let seed = 10 * i as u64;
