@@ -146,29 +146,16 @@ impl GeluExactDropoutBackward {
     }
 }
 
-impl<B: AttentionBackend> Backward<B, 1> for GeluExactDropoutBackward {
+impl<B: AttentionBackend, const N: usize> Backward<B, N> for GeluExactDropoutBackward {
     type State = (NodeId, Option<NodeId>, AttentionDropout);
 
     fn backward(
         self,
-        ops: Ops<Self::State, 1>,
+        ops: Ops<Self::State, N>,
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        Self::run::<B, 1>(ops, grads, checkpointer);
-    }
-}
-
-impl<B: AttentionBackend> Backward<B, 2> for GeluExactDropoutBackward {
-    type State = (NodeId, Option<NodeId>, AttentionDropout);
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 2>(ops, grads, checkpointer);
+        Self::run::<B, N>(ops, grads, checkpointer);
     }
 }
 
@@ -228,29 +215,16 @@ impl SeededDropoutAddBackward {
     }
 }
 
-impl<B: AttentionBackend> Backward<B, 2> for SeededDropoutAddBackward {
+impl<B: AttentionBackend, const N: usize> Backward<B, N> for SeededDropoutAddBackward {
     type State = AttentionDropout;
 
     fn backward(
         self,
-        ops: Ops<Self::State, 2>,
+        ops: Ops<Self::State, N>,
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        Self::run::<B, 2>(ops, grads);
-    }
-}
-
-impl<B: AttentionBackend> Backward<B, 3> for SeededDropoutAddBackward {
-    type State = AttentionDropout;
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 3>,
-        grads: &mut Gradients,
-        _checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 3>(ops, grads);
+        Self::run::<B, N>(ops, grads);
     }
 }
 

@@ -821,11 +821,7 @@ pub fn dropout_add<B: AttentionBackend, const D: usize>(
             dropout,
         )));
     }
-    let x = match bias {
-        Some(bias) => x + bias.unsqueeze(),
-        None => x,
-    };
-    residual + crate::dropout(x, dropout)
+    residual + crate::dropout(with_row_bias(x, bias), dropout)
 }
 
 /// `dropout(gelu(x + bias))` with the exact (erf) GELU (`bias` per column
@@ -844,14 +840,9 @@ pub fn gelu_dropout<B: AttentionBackend, const D: usize>(
             dropout,
         )));
     }
-    let x = match bias {
-        Some(bias) => x + bias.unsqueeze(),
-        None => x,
-    };
+    let x = with_row_bias(x, bias).into_primitive().tensor();
     crate::dropout(
-        Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact(
-            x.into_primitive().tensor(),
-        ))),
+        Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact(x))),
         dropout,
     )
 }
@@ -900,6 +891,18 @@ pub fn seeded_dropout_runs<B: AttentionBackend>() -> bool {
 fn seeded_dropout_enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ENABLED.get_or_init(|| std::env::var("AAM_DROPOUT").map_or(true, |v| v != "burn"))
+}
+
+/// `x + bias` with `bias [W]` broadcast over the rows of `x [..., W]`; `x`
+/// itself where there is no bias.
+pub fn with_row_bias<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    match bias {
+        Some(bias) => x + bias.unsqueeze(),
+        None => x,
+    }
 }
 
 /// `t [..., W]` summed over everything but its last axis, `[W]`: a

@@ -138,10 +138,7 @@ impl<B: AttentionBackend> Linear<B> {
         let input_bias = input_bias.map(|b| cast_to(b, dtype));
         let training = B::ad_enabled(&input.device()) && dropout.prob > 0.0;
         if activation != Activation::Gelu || !training {
-            let input = match input_bias {
-                Some(b) => input + b.unsqueeze(),
-                None => input,
-            };
+            let input = aam_kernels::with_row_bias(input, input_bias);
             let activated = self::dropout(dropout, activation.forward(input));
             return linear(activated, cast_to(self.weight.val(), dtype), bias);
         }
@@ -318,10 +315,7 @@ pub fn dropout_add<B: AttentionBackend, const D: usize>(
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, D> {
     if !B::ad_enabled(&x.device()) || dropout.prob == 0.0 {
-        return match bias {
-            Some(bias) => residual + x + bias.unsqueeze(),
-            None => residual + x,
-        };
+        return residual + aam_kernels::with_row_bias(x, bias);
     }
     aam_kernels::dropout_add(
         residual,
