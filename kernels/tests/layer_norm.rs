@@ -4,7 +4,8 @@
 //! ndarray, through autodiff as the model uses them: `aam_kernels::layer_norm`
 //! (value and the gradients of x, γ, β) and `aam_kernels::dense` (whose bias
 //! gradient is the column sum), at row counts below, at and past the parts
-//! of the sums, widths 2-128, with and without a shift. (Not width 1: there
+//! of the sums, widths 2-600 (both LayerNorm backward paths), with and
+//! without a shift. (Not width 1: there
 //! `x̂ = 0` and `dx = 0` exactly, and rounding noise comes out multiplied by
 //! `1/√ε`, as it does in every implementation.)
 //!
@@ -73,6 +74,10 @@ fn layer_norm_kernels_match_the_ops() {
         // γ's and β's gradients summed with dx in one kernel: a cube takes
         // several row groups in turn where the rows exceed ~1,024 groups.
         (40_001, 128, true),
+        // Widths whose shared sums don't fit a cube (past 128 at lavapipe's
+        // 8 lanes a row, past 512 at CUDA's 32): dx, then a column-sum pass.
+        (64, 200, true),
+        (40, 600, false),
     ] {
         // Rows with an offset and a spread, as activations have.
         let inputs = [
