@@ -5,9 +5,9 @@
 //! (value and the gradients of x, γ, β) and `aam_kernels::dense` (whose bias
 //! gradient is the column sum), at row counts below, at and past the parts
 //! of the sums, widths 2-600 (both LayerNorm backward paths), with and
-//! without a shift. (Not width 1: there
-//! `x̂ = 0` and `dx = 0` exactly, and rounding noise comes out multiplied by
-//! `1/√ε`, as it does in every implementation.)
+//! without a shift. (Not width 1: there `x̂ = 0` and `dx = 0` exactly, and
+//! rounding noise comes out multiplied by `1/√ε`, as it does in every
+//! implementation.)
 //!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver). With `fusion`
