@@ -19,6 +19,7 @@ use crate::kernel::{
     gelu_elements, gradient_column_partials, key_validity, layer_norm_backward_rows,
     layer_norm_backward_rows_sums, layer_norm_rows, sum_partials, SUM_PARTIALS_COLUMNS,
 };
+use crate::rows_matmul::rows_matmul_tf32;
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
@@ -724,6 +725,11 @@ where
     }
 
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        if rows_matmul_enabled() {
+            if let Some(out) = rows_matmul(&a, &b) {
+                return out;
+            }
+        }
         match dense_matmul_choice() {
             DenseMatmul::Tuned => tuned_matmul(a, b),
             DenseMatmul::Validated => validated_matmul(a, b),
@@ -1642,6 +1648,174 @@ fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeT
     });
     TUNER.execute(&id, &client, tunables, (lhs, rhs, out.clone()));
     out
+}
+
+/// `AAM_ROWS_MATMUL=1` sends the dense products [`rows_matmul`] applies to
+/// through it; unset or `0`, every product stays on CubeCL's kernels. Off
+/// by default: on the H100 at 302,000 rows it ran the forward and input
+/// gradient products at 0.9-1.4x the time of CubeCL's `simple_tma_mma`
+/// and the weight gradient's parts at ~2x (`benches/RESULTS.md`,
+/// twenty-sixth session); it is the base for fusing element-wise passes
+/// into a product, which CubeCL's kernels cannot take.
+fn rows_matmul_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("AAM_ROWS_MATMUL").as_deref() {
+        Ok("1") => true,
+        Err(_) | Ok("0") => false,
+        Ok(other) => panic!("AAM_ROWS_MATMUL must be 0 or 1, not {other:?}"),
+    })
+}
+
+/// `lhs·rhs` on [`rows_matmul_tf32`] where it applies, else `None`: f32
+/// operands of rank 2, or rank 3 with one batch size, on a runtime with
+/// 32-unit planes and TF32 `cmma` (CUDA on Ampere and later), with the
+/// inner size a multiple of [`BLOCK_K`] and the output width of 64, each
+/// operand contiguous along one of its two axes, and every stride and
+/// offset a multiple of four elements. The dense layers' products at AAM's
+/// widths (multiples of 128) all qualify, except the weight gradient's
+/// leftover rows (an inner size that is rarely a multiple of 32).
+///
+/// The output is allocated with its rows rounded up to the row block, and
+/// the rows asked for returned as a view of it.
+pub fn rows_matmul<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+) -> Option<CubeTensor<R>> {
+    rows_matmul_tile(lhs, rhs, None)
+}
+
+/// [`rows_matmul`] with a given tile: `(row_planes, block_n)`, planes down
+/// the rows (32 rows each; 2 or 4) and output columns a cube computes (64
+/// or 128, dividing the output width); `None`: the default, to time others.
+pub fn rows_matmul_tile<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    tile: Option<(usize, usize)>,
+) -> Option<CubeTensor<R>> {
+    use crate::rows_matmul::{BLOCK_K, PLANE_ROWS, PLANE_SIZE, VECTOR};
+
+    if lhs.dtype != DType::F32 || rhs.dtype != DType::F32 {
+        return None;
+    }
+    let rank = lhs.meta.shape().num_dims();
+    if rhs.meta.shape().num_dims() != rank || !(2..=3).contains(&rank) {
+        return None;
+    }
+    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+    let (lt, rt) = (lhs.meta.strides(), rhs.meta.strides());
+    let batch = if rank == 3 { ls[0] } else { 1 };
+    if rank == 3 && rs[0] != batch {
+        return None;
+    }
+    let [m, k] = [ls[rank - 2], ls[rank - 1]];
+    let n = rs[rank - 1];
+    if rs[rank - 2] != k || m == 0 || k == 0 || !k.is_multiple_of(BLOCK_K) || !n.is_multiple_of(64)
+    {
+        return None;
+    }
+    // (contiguous along k / along n, the other axis's stride)
+    let a_k_contiguous = lt[rank - 1] == 1;
+    let a_stride = match (a_k_contiguous, lt[rank - 2] == 1) {
+        (true, _) => lt[rank - 2],
+        (false, true) => lt[rank - 1],
+        (false, false) => return None,
+    };
+    let b_k_contiguous = rt[rank - 2] == 1 && rt[rank - 1] != 1;
+    let b_stride = match (b_k_contiguous, rt[rank - 1] == 1) {
+        (true, _) => rt[rank - 1],
+        (false, true) => rt[rank - 2],
+        (false, false) => return None,
+    };
+    let a_batch = if rank == 3 && batch > 1 { lt[0] } else { 0 };
+    let b_batch = if rank == 3 && batch > 1 { rt[0] } else { 0 };
+    let aligned = |t: &CubeTensor<R>| {
+        t.handle
+            .offset_start
+            .is_none_or(|o| o.is_multiple_of((VECTOR * 4) as u64))
+    };
+    let (row_planes, block_n) = match tile {
+        Some((p, b)) if matches!(p, 2 | 4) && matches!(b, 64 | 128) && n.is_multiple_of(b) => {
+            (p, b)
+        }
+        Some(_) => return None,
+        None if n.is_multiple_of(128) => (4, 128),
+        None => (4, 64),
+    };
+    let block_m = PLANE_ROWS * row_planes;
+    let rows_padded = m.div_ceil(block_m) * block_m;
+    if [a_stride, b_stride, a_batch, b_batch]
+        .iter()
+        .any(|s| !s.is_multiple_of(VECTOR))
+        || !aligned(lhs)
+        || !aligned(rhs)
+        || (!a_k_contiguous && !m.is_multiple_of(VECTOR))
+        || rows_padded / block_m > u16::MAX as usize
+        || batch > u16::MAX as usize
+    {
+        return None;
+    }
+    let client = lhs.client.clone();
+    let hardware = &client.properties().hardware;
+    if hardware.plane_size_min as usize != PLANE_SIZE
+        || hardware.plane_size_max as usize != PLANE_SIZE
+    {
+        return None;
+    }
+    let f32_type =
+        cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F32));
+    let tf32_type =
+        cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::TF32));
+    let config = cubecl::features::MmaConfig {
+        a_type: tf32_type,
+        b_type: tf32_type,
+        cd_type: f32_type,
+        m: 16,
+        n: 16,
+        k: 8,
+    };
+    if !client.features().matmul.cmma.contains(&config) {
+        return None;
+    }
+    let out_shape = if rank == 3 {
+        Shape::new([batch, rows_padded, n])
+    } else {
+        Shape::new([rows_padded, n])
+    };
+    let out = empty(lhs, out_shape, DType::F32);
+    rows_matmul_tf32::launch::<R>(
+        &client,
+        CubeCount::Static(
+            (n / block_n) as u32,
+            (rows_padded / block_m) as u32,
+            batch as u32,
+        ),
+        CubeDim::new_2d(PLANE_SIZE as u32, (2 * row_planes) as u32),
+        VECTOR,
+        lhs.clone().into_tensor_arg(),
+        rhs.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        m as u32,
+        k as u32,
+        rows_padded as u32,
+        n as u32,
+        a_batch as u32,
+        a_stride as u32,
+        b_batch as u32,
+        b_stride as u32,
+        a_k_contiguous,
+        b_k_contiguous,
+        row_planes,
+        block_n,
+    );
+    if rows_padded == m {
+        return Some(out);
+    }
+    let ranges: Vec<std::ops::Range<usize>> = if rank == 3 {
+        vec![0..batch, 0..m, 0..n]
+    } else {
+        vec![0..m, 0..n]
+    };
+    Some(burn_cubecl::kernel::slice(out, &ranges))
 }
 
 /// `lhs·rhs` on the first of [`dense_matmul_candidates`] that runs, tried

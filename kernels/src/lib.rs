@@ -95,11 +95,13 @@ pub use slots::{unpack_rows, RowSlots};
 #[cfg(feature = "cubecl")]
 mod forward;
 #[cfg(feature = "cubecl")]
-pub use forward::{dense_matmul_candidates, launch_matmul};
+pub use forward::{dense_matmul_candidates, launch_matmul, rows_matmul, rows_matmul_tile};
 #[cfg(feature = "fusion")]
 mod fusion;
 #[cfg(feature = "cubecl")]
 mod kernel;
+#[cfg(feature = "cubecl")]
+mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;
 
