@@ -23,6 +23,7 @@
 #      then dK/dV) where one merged kernel would run,
 #      linearfwd = AAM_DENSE_FORWARD=linear: the dense layers' forward product on Burn's
 #      `linear` (a copy of each transposed weight) instead of the validated kernels,
+#      rowsmm = AAM_ROWS_MATMUL=1: the dense products on aam-kernels' TF32 kernel where it applies,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
 #      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
@@ -69,6 +70,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       validated) vars="$vars AAM_DENSE_MATMUL=validated" ;;
       separate) vars="$vars AAM_KERNEL_MERGED_BACKWARD=0" ;;
       linearfwd) vars="$vars AAM_DENSE_FORWARD=linear" ;;
+      rowsmm) vars="$vars AAM_ROWS_MATMUL=1" ;;
       allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac

@@ -485,6 +485,42 @@ impl<B: AttentionBackend> Backward<B, 2> for LayerNormBackward {
     }
 }
 
+/// Attention pooling's closed-form backward (`pool.rs`).
+#[derive(Debug)]
+struct AttentionPoolBackward;
+
+/// What the pooling node keeps: `x`, the query, `valid`, the row
+/// log-sum-exps and the scale. `x` is the ASV encoder's output, which the
+/// nucleotide head keeps too, so keeping it costs no memory there.
+type AttentionPoolState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    f64,
+);
+
+impl<B: AttentionBackend> Backward<B, 2> for AttentionPoolBackward {
+    type State = AttentionPoolState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, query, valid, lse, scale) = ops.state;
+        let (dx, dquery) = B::attention_pool_backward(x, query, valid, lse, dy, scale);
+        if let Some(node) = &ops.parents[0] {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = &ops.parents[1] {
+            grads.register::<B>(node.id, dquery);
+        }
+    }
+}
+
 impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     fn has_fused_attention() -> bool {
         B::has_fused_attention()
@@ -672,6 +708,36 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
             (Some(b), Some(hb)) => {
                 DenseBackward::track::<B, C, 4>([h, weight, b, hb], true, fused, forward)
             }
+        }
+    }
+
+    fn attention_pool(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        match AttentionPoolBackward
+            .prepare::<C>([x.node.clone(), query.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (pooled, lse) = B::attention_pool_with_stats(
+                    x.primitive.clone(),
+                    query.primitive.clone(),
+                    valid.primitive.clone(),
+                    scale,
+                );
+                let state = (x.primitive, query.primitive, valid.primitive, lse, scale);
+                prep.finish(state, pooled)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::attention_pool(
+                x.primitive,
+                query.primitive,
+                valid.primitive,
+                scale,
+            )),
         }
     }
 

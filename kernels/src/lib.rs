@@ -55,6 +55,9 @@
 //!   only put back in their slots, one op each way (the backward gathers).
 //! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
 //!   closed-form backward (fewer ops a step than Burn's decomposition).
+//! - `pool.rs`: [`attention_pool`], the pooling of a row's tokens with a
+//!   learned query, one op each way (on CubeCL one kernel that reads the
+//!   states once, where the tensor ops made seven passes a step).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
 //!   element-wise seeded dropout behind [`dropout`] and [`dropout_add`], and
 //!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels;
@@ -88,6 +91,7 @@ mod backward;
 mod dense;
 mod norm;
 mod packed;
+mod pool;
 mod slots;
 pub use adam::{adam_step_ops, AdamItem, AdamStep};
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
@@ -446,6 +450,79 @@ pub trait AttentionBackend: Backend {
             normalised.into_primitive().tensor(),
             r.into_primitive().tensor(),
         )
+    }
+
+    /// Attention pooling over each row's tokens (`pool.rs`): the pooled rows
+    /// and each row's log-sum-exp of its scores, for the backward. `valid`
+    /// is 1 at tokens that count and 0 at padding. The default is tensor
+    /// ops; the CubeCL backends run one kernel that reads `x` once, and
+    /// Burn's fusion backend one custom op.
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`
+    /// - pooled: `[N, D]`, lse: `[N]` (f32 on the CubeCL backends)
+    fn attention_pool_with_stats(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (pooled, lse) = pool::attention_pool_ops::<Self>(
+            Tensor::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::from_primitive(TensorPrimitive::Float(query)),
+            Tensor::from_primitive(TensorPrimitive::Float(valid)),
+            scale,
+        );
+        (
+            pooled.into_primitive().tensor(),
+            lse.into_primitive().tensor(),
+        )
+    }
+
+    /// `(dx, dquery)` of [`AttentionBackend::attention_pool_with_stats`]
+    /// from its inputs, its `lse` and the pooled rows' gradient (the closed
+    /// form of `pool.rs`).
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`, lse: `[N]`, dy: `[N, D]`
+    /// - dx: `[N, T, D]`, dquery: `[D]`
+    fn attention_pool_backward(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let wrap3 = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
+        let (dx, dquery) = pool::attention_pool_backward_ops::<Self>(
+            wrap3(x),
+            Tensor::from_primitive(TensorPrimitive::Float(query)),
+            Tensor::from_primitive(TensorPrimitive::Float(valid)),
+            Tensor::from_primitive(TensorPrimitive::Float(lse)),
+            Tensor::from_primitive(TensorPrimitive::Float(dy)),
+            scale,
+        );
+        (
+            dx.into_primitive().tensor(),
+            dquery.into_primitive().tensor(),
+        )
+    }
+
+    /// The pooled rows of [`AttentionBackend::attention_pool_with_stats`];
+    /// under autodiff one node whose backward is
+    /// [`AttentionBackend::attention_pool_backward`].
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`
+    /// - output: `[N, D]`
+    fn attention_pool(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        Self::attention_pool_with_stats(x, query, valid, scale).0
     }
 
     /// LayerNorm's backward from [`AttentionBackend::layer_norm_with_stats`]'s
@@ -968,6 +1045,30 @@ pub fn layer_norm<B: AttentionBackend>(
         gamma.into_primitive().tensor(),
         beta.map(|b| b.into_primitive().tensor()),
         eps,
+    )))
+}
+
+/// Attention pooling of each row's tokens with a learned query (reference
+/// §1.4; `pool.rs`): scores `x·query·scale`, a softmax over the tokens where
+/// `valid` (uniform weights for a row with none), and the weighted sum,
+/// through [`AttentionBackend::attention_pool`] (one kernel each way on the
+/// CubeCL backends).
+///
+/// # Shapes
+/// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]` (true = counts)
+/// - output: `[N, D]`
+pub fn attention_pool<B: AttentionBackend>(
+    x: Tensor<B, 3>,
+    query: Tensor<B, 1>,
+    valid: Tensor<B, 2, Bool>,
+    scale: f64,
+) -> Tensor<B, 2> {
+    let valid = valid.float().cast(x.dtype());
+    Tensor::from_primitive(TensorPrimitive::Float(B::attention_pool(
+        x.into_primitive().tensor(),
+        query.into_primitive().tensor(),
+        valid.into_primitive().tensor(),
+        scale,
     )))
 }
 

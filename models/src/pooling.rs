@@ -5,6 +5,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 
 use crate::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use crate::precision::cast_to;
 use aam_kernels::AttentionBackend;
 
 /// Configuration of [`AttentionPooling`].
@@ -42,6 +43,10 @@ impl<B: AttentionBackend> AttentionPooling<B> {
     /// reference's `mask == 1`). A row with no valid position gets uniform
     /// weights 1/T (§1.4 step 5), so an all-zero row pools to the norm's β.
     ///
+    /// Steps 2-6 run as one op each way ([`aam_kernels::attention_pool`]:
+    /// one kernel that reads `x` once on the CubeCL backends, the
+    /// reference's tensor ops elsewhere; `pool.rs` there says why).
+    ///
     /// DEVIATION(§1.4 steps 1 and 6): the reference raises on NaN at three
     /// points; checking needs a device→host read per call, and no NaN can
     /// arise here from finite inputs (masked rows are handled explicitly).
@@ -51,26 +56,19 @@ impl<B: AttentionBackend> AttentionPooling<B> {
     /// - output: `[N, D]`
     pub fn forward(&self, x: Tensor<B, 3>, valid: Option<Tensor<B, 2, Bool>>) -> Tensor<B, 2> {
         let [n, t, d] = x.dims();
-        // 2. s = query(x) / √D  (√hidden_dim, not √head_dim)
-        let scores =
-            self.query.forward(x.clone()).reshape([n, t]) / (self.hidden_dim as f64).sqrt();
-        let weights = match valid {
+        // s = query(x) / √D  (√hidden_dim, not √head_dim)
+        let scale = 1.0 / (self.hidden_dim as f64).sqrt();
+        let pooled = match valid {
             Some(valid) => {
-                // 3. all-padding rows score 0 everywhere; other rows −∞ at padding.
-                let all_padding = valid.clone().any_dim(1).bool_not().expand([n, t]);
-                let ignore = valid.bool_not().bool_and(all_padding.clone().bool_not());
-                let scores = scores
-                    .mask_fill(ignore.clone(), f32::NEG_INFINITY)
-                    .mask_fill(all_padding, 0.0);
-                // 4-5. softmax, zero padding, renormalise (+1e-8 as the reference).
-                let w = activation::softmax(scores, 1).mask_fill(ignore, 0.0);
-                let total = w.clone().sum_dim(1) + 1e-8;
-                w / total
+                let query = cast_to(self.query.weight.val(), x.dtype()).reshape([d]);
+                aam_kernels::attention_pool(x, query, valid, scale)
             }
-            None => activation::softmax(scores, 1),
+            None => {
+                let scores = self.query.forward(x.clone()).reshape([n, t]) * scale;
+                let weights = activation::softmax(scores, 1);
+                aam_kernels::matmul(weights.reshape([n, 1, t]), x).reshape([n, d])
+            }
         };
-        // 6. Σ_t w·x, then LayerNorm.
-        let pooled = aam_kernels::matmul(weights.reshape([n, 1, t]), x).reshape([n, d]);
         self.norm.forward(pooled)
     }
 }

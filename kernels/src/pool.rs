@@ -1,0 +1,143 @@
+//! Attention pooling over a row's tokens as one op each way.
+//!
+//! AAM pools each ASV's 151 token states into one vector with a learned
+//! query (reference §1.4): scores `s = x·q·scale`, a softmax over the valid
+//! tokens (a row with none gets uniform weights), the weights renormalised
+//! by their sum + 1e-8, and `Σ_t w_t·x_t`. As tensor ops the query's product
+//! and the weighted sum each have a unit dimension, so each is a broadcast
+//! multiply and a sum over the ASV level's `[rows, 151, 128]` states (see
+//! [`crate::matmul`]), and their backward passes are more of them: on the
+//! H100 at the reference's batch, ~0.65 ms forward and ~1.2 ms backward a
+//! step in seven passes over the states (`benches/RESULTS.md`, twenty-sixth
+//! session). The CubeCL kernels read the states once each way:
+//!
+//! - forward: per row, an online softmax over the tokens (running max and
+//!   sum, as the attention kernels) accumulating the weighted sum, and the
+//!   row's log-sum-exp `lse` for the backward;
+//! - backward: with `w_t = exp(s_t − lse)` and `g_t = dy·x_t`, the softmax's
+//!   gradient `ds_t = w_t·(g_t − Σ_u w_u·g_u)`, then `dx_t = w_t·dy +
+//!   ds_t·q·scale` and `dq = scale·Σ_rows Σ_t ds_t·x_t`. The sum over the
+//!   tokens is needed before any `ds_t`, so the kernel reads a row's states
+//!   twice (the second time mostly from L2); `Σ_t ds_t·x_t` is gathered in
+//!   the first read as `Σ_t w_t·g_t·x_t − (Σ_t w_t·g_t)·Σ_t w_t·x_t`.
+//!
+//! The renormalisation by `Σ w + 1e-8` changes the weights by ~1e-8 of
+//! themselves, below f32's resolution, and is left out of the kernels;
+//! [`attention_pool_ops`] keeps it, as the reference (the parity tests
+//! compare the two).
+
+use burn::prelude::*;
+use burn::tensor::activation;
+
+/// `(pooled, lse)` as tensor ops: the reference's pooling (module doc) and
+/// each row's log-sum-exp of its scores over the tokens it weights (all of
+/// them, at score 0, for a row with no valid token).
+///
+/// # Shapes
+/// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]` (1 valid, 0 padding)
+/// - pooled: `[N, D]`, lse: `[N]`
+pub(crate) fn attention_pool_ops<B: Backend>(
+    x: Tensor<B, 3>,
+    query: Tensor<B, 1>,
+    valid: Tensor<B, 2>,
+    scale: f64,
+) -> (Tensor<B, 2>, Tensor<B, 1>) {
+    let [n, t, d] = x.dims();
+    let scores = crate::matmul(x.clone(), query.reshape([1, d, 1])).reshape([n, t]) * scale;
+    let valid = valid.greater_elem(0.5);
+    // All-padding rows score 0 everywhere; other rows −∞ at padding.
+    let all_padding = valid.clone().any_dim(1).bool_not().expand([n, t]);
+    let ignore = valid.bool_not().bool_and(all_padding.clone().bool_not());
+    let scores = scores
+        .mask_fill(ignore.clone(), f32::NEG_INFINITY)
+        .mask_fill(all_padding, 0.0);
+    let max = scores.clone().max_dim(1);
+    let lse = ((scores.clone() - max.clone()).exp().sum_dim(1).log() + max).reshape([n]);
+    // Softmax, padding zeroed, renormalised (+1e-8 as the reference).
+    let w = activation::softmax(scores, 1).mask_fill(ignore, 0.0);
+    let total = w.clone().sum_dim(1) + 1e-8;
+    let w = w / total;
+    let pooled = crate::matmul(w.reshape([n, 1, t]), x).reshape([n, d]);
+    (pooled, lse)
+}
+
+/// `(dx, dquery)` of [`attention_pool_ops`]' pooled output from its
+/// inputs, the row log-sum-exps and the output gradient, in closed form as
+/// tensor ops (module doc).
+///
+/// # Shapes
+/// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`, lse: `[N]`, dy: `[N, D]`
+/// - dx: `[N, T, D]`, dquery: `[D]`
+pub(crate) fn attention_pool_backward_ops<B: Backend>(
+    x: Tensor<B, 3>,
+    query: Tensor<B, 1>,
+    valid: Tensor<B, 2>,
+    lse: Tensor<B, 1>,
+    dy: Tensor<B, 2>,
+    scale: f64,
+) -> (Tensor<B, 3>, Tensor<B, 1>) {
+    let [n, t, d] = x.dims();
+    let valid = valid.greater_elem(0.5);
+    let any_valid = valid.clone().any_dim(1);
+    let weighted = valid.bool_or(any_valid.clone().bool_not().expand([n, t]));
+    let scores = crate::matmul(x.clone(), query.clone().reshape([1, d, 1])).reshape([n, t]) * scale;
+    // All-padding rows: score 0 at every token, and no gradient to it.
+    let scores = scores.mask_fill(any_valid.clone().bool_not().expand([n, t]), 0.0);
+    let w = (scores - lse.reshape([n, 1]))
+        .exp()
+        .mask_fill(weighted.bool_not(), 0.0);
+    let g = crate::matmul(x.clone(), dy.clone().reshape([n, d, 1])).reshape([n, t]);
+    let c = (w.clone() * g.clone()).sum_dim(1);
+    let ds = (w.clone() * (g - c)).mask_fill(any_valid.bool_not().expand([n, t]), 0.0);
+    let dx = w.reshape([n, t, 1]) * dy.reshape([n, 1, d])
+        + ds.clone().reshape([n, t, 1]) * (query.reshape([1, 1, d]) * scale);
+    let dquery = crate::sum_rows((x * ds.reshape([n, t, 1])).sum_dim(1).reshape([n, d])) * scale;
+    (dx, dquery)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::attention_pool;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::prelude::*;
+    use burn::tensor::{Distribution, Tolerance};
+
+    type Ad = Autodiff<NdArray<f64>>;
+
+    /// The pooling node (closed-form backward) against Burn's autodiff
+    /// through [`super::attention_pool_ops`], in f64: rows with several
+    /// valid tokens, one, and none.
+    #[test]
+    fn pooling_node_equals_autodiff_through_the_ops() {
+        let device = Default::default();
+        let (n, t, d) = (4, 7, 5);
+        let x = Tensor::<Ad, 3>::random([n, t, d], Distribution::Normal(0.0, 1.0), &device);
+        let q = Tensor::<Ad, 1>::random([d], Distribution::Normal(0.0, 1.0), &device);
+        let dy = Tensor::<Ad, 2>::random([n, d], Distribution::Normal(0.0, 1.0), &device);
+        let lengths = [7, 3, 1, 0];
+        let valid: Vec<bool> = lengths
+            .iter()
+            .flat_map(|&l| (0..t).map(move |i| i < l))
+            .collect();
+        let valid = Tensor::<Ad, 2, Bool>::from_data(TensorData::new(valid, [n, t]), &device);
+        let run = |node: bool| {
+            let (x, q) = (x.clone().require_grad(), q.clone().require_grad());
+            let pooled = if node {
+                attention_pool(x.clone(), q.clone(), valid.clone(), 0.4)
+            } else {
+                super::attention_pool_ops(x.clone(), q.clone(), valid.clone().float(), 0.4).0
+            };
+            let grads = (pooled.clone() * dy.clone()).sum().backward();
+            (
+                pooled.into_data(),
+                x.grad(&grads).unwrap().into_data(),
+                q.grad(&grads).unwrap().into_data(),
+            )
+        };
+        let (want, got) = (run(false), run(true));
+        let tol = Tolerance::<f64>::rel_abs(1e-7, 1e-7);
+        want.0.assert_approx_eq::<f64>(&got.0, tol);
+        want.1.assert_approx_eq::<f64>(&got.1, tol);
+        want.2.assert_approx_eq::<f64>(&got.2, tol);
+    }
+}
