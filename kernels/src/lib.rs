@@ -66,6 +66,10 @@
 //!   Where one cube holds all of a head's keys (the ASV level's 151), dK/dV
 //!   and dQ are one kernel, so `P` and `dS` are computed once
 //!   (`AAM_KERNEL_MERGED_BACKWARD=0` runs the two kernels).
+//! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
+//!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
+//!   best at AAM's shapes so far; the base for fusing element-wise passes
+//!   into a product).
 //! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
