@@ -2158,13 +2158,9 @@ pub fn attention_pool_rows<F: Float>(
     let mut q = Array::<f32>::new(cols);
     let mut acc = Array::<f32>::new(cols);
     let mut xs = Array::<f32>::new(cols);
+    load_columns::<F>(query, &mut q, 0, d, lanes, cols);
     #[unroll]
     for c in 0..cols {
-        let i = lane + c * lanes;
-        q[c] = 0.0f32;
-        if i < d {
-            q[c] = f32::cast_from(query[i]);
-        }
         acc[c] = 0.0f32;
     }
     // See `attention_forward` for why the start is written 0 − 1e30.
@@ -2173,18 +2169,8 @@ pub fn attention_pool_rows<F: Float>(
     let mut l = 0.0f32;
     let mut t = plane;
     while t < t_len {
-        let base = (row * t_len + t) * d;
-        let mut dot = 0.0f32;
-        #[unroll]
-        for c in 0..cols {
-            let i = lane + c * lanes;
-            xs[c] = 0.0f32;
-            if i < d {
-                xs[c] = f32::cast_from(x[base + i]);
-            }
-            dot += xs[c] * q[c];
-        }
-        let score = select(all_padding, 0.0f32, sum_over_lanes(dot, lanes) * scale);
+        load_columns::<F>(x, &mut xs, (row * t_len + t) * d, d, lanes, cols);
+        let score = select(all_padding, 0.0f32, row_dot(&xs, &q, lanes, cols) * scale);
         let weighted = all_padding || f32::cast_from(valid[row * t_len + t]) > 0.5f32;
         if weighted {
             let m_new = f32::max(m, score);
@@ -2284,15 +2270,10 @@ pub fn attention_pool_backward_rows<F: Float>(
     // lane's columns.
     let mut wgx = Array::<f32>::new(cols);
     let mut wx = Array::<f32>::new(cols);
+    load_columns::<F>(query, &mut q, 0, d, lanes, cols);
+    load_columns::<F>(dy, &mut dys, row * d, d, lanes, cols);
     #[unroll]
     for c in 0..cols {
-        let i = lane + c * lanes;
-        q[c] = 0.0f32;
-        dys[c] = 0.0f32;
-        if i < d {
-            q[c] = f32::cast_from(query[i]);
-            dys[c] = f32::cast_from(dy[row * d + i]);
-        }
         wgx[c] = 0.0f32;
         wx[c] = 0.0f32;
     }
@@ -2426,25 +2407,51 @@ fn pool_token_weight<F: Float>(
     #[comptime] lanes: usize,
     #[comptime] cols: usize,
 ) -> PoolToken {
-    let lane = UNIT_POS_X as usize;
-    let base = (row * t_len + t) * d;
-    let mut dot_q = 0.0f32;
-    let mut dot_dy = 0.0f32;
-    #[unroll]
-    for c in 0..cols {
-        let i = lane + c * lanes;
-        xs[c] = 0.0f32;
-        if i < d {
-            xs[c] = f32::cast_from(x[base + i]);
-        }
-        dot_q += xs[c] * q[c];
-        dot_dy += xs[c] * dys[c];
-    }
-    let score = select(all_padding, 0.0f32, sum_over_lanes(dot_q, lanes) * scale);
-    let g = sum_over_lanes(dot_dy, lanes);
+    load_columns::<F>(x, xs, (row * t_len + t) * d, d, lanes, cols);
+    let score = select(all_padding, 0.0f32, row_dot(xs, q, lanes, cols) * scale);
+    let g = row_dot(xs, dys, lanes, cols);
     let weighted = all_padding || f32::cast_from(valid[row * t_len + t]) > 0.5f32;
     let w = select(weighted, f32::exp(score - row_lse), 0.0f32);
     PoolToken { w, g }
+}
+
+/// This lane's columns `l, l + lanes, …` of the `d` values at `base` of
+/// `t`, as f32 (zeros past `d`).
+#[cube]
+fn load_columns<F: Float>(
+    t: &Tensor<F>,
+    out: &mut Array<f32>,
+    base: usize,
+    d: usize,
+    #[comptime] lanes: usize,
+    #[comptime] cols: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    #[unroll]
+    for c in 0..cols {
+        let i = lane + c * lanes;
+        out[c] = 0.0f32;
+        if i < d {
+            out[c] = f32::cast_from(t[base + i]);
+        }
+    }
+}
+
+/// `a·b` over a row held in [`load_columns`]' layout: this lane's part,
+/// summed over the plane's `lanes` (every unit of the plane must call it).
+#[cube]
+fn row_dot(
+    a: &Array<f32>,
+    b: &Array<f32>,
+    #[comptime] lanes: usize,
+    #[comptime] cols: usize,
+) -> f32 {
+    let mut dot = 0.0f32;
+    #[unroll]
+    for c in 0..cols {
+        dot += a[c] * b[c];
+    }
+    sum_over_lanes(dot, lanes)
 }
 
 /// A token's pooling weight and `dy·x_t` ([`pool_token_weight`]).
