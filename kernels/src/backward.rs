@@ -490,8 +490,9 @@ impl<B: AttentionBackend> Backward<B, 2> for LayerNormBackward {
 struct AttentionPoolBackward;
 
 /// What the pooling node keeps: `x`, the query, `valid`, the row
-/// log-sum-exps and the scale. `x` is the ASV encoder's output, which the
-/// nucleotide head keeps too, so keeping it costs no memory there.
+/// log-sum-exps and the scale. The tensor ops it replaces kept `x` for
+/// their backward too (and at the ASV level the nucleotide head keeps it),
+/// so the node costs only the `[N]` log-sum-exps.
 type AttentionPoolState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
