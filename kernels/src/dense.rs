@@ -150,11 +150,7 @@ pub(crate) fn dense_forward<B: crate::AttentionBackend>(
         let wt = weight.transpose().reshape([k * n]).reshape([k, n]);
         return burn::tensor::module::linear(x, wt, bias);
     }
-    let y = product(x, weight.transpose());
-    match bias {
-        Some(bias) => y + bias.unsqueeze(),
-        None => y,
-    }
+    crate::with_row_bias(product(x, weight.transpose()), bias)
 }
 
 /// `AAM_DENSE_FORWARD=linear`: [`dense_forward`] through Burn's `linear`

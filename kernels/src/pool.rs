@@ -29,6 +29,30 @@
 use burn::prelude::*;
 use burn::tensor::activation;
 
+/// `(scores, ignore, all_padding)`: `x·query·scale` as the reference masks
+/// it, −∞ at the padding of a row with a valid token (`ignore`) and 0 at
+/// every token of a row with none (`all_padding`).
+///
+/// # Shapes
+/// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]` (1 valid, 0 padding)
+/// - scores, ignore, all_padding: `[N, T]`
+fn masked_scores<B: Backend>(
+    x: Tensor<B, 3>,
+    query: Tensor<B, 1>,
+    valid: Tensor<B, 2>,
+    scale: f64,
+) -> (Tensor<B, 2>, Tensor<B, 2, Bool>, Tensor<B, 2, Bool>) {
+    let [n, t, d] = x.dims();
+    let scores = crate::matmul(x, query.reshape([1, d, 1])).reshape([n, t]) * scale;
+    let valid = valid.greater_elem(0.5);
+    let all_padding = valid.clone().any_dim(1).bool_not().expand([n, t]);
+    let ignore = valid.bool_not().bool_and(all_padding.clone().bool_not());
+    let scores = scores
+        .mask_fill(ignore.clone(), f32::NEG_INFINITY)
+        .mask_fill(all_padding.clone(), 0.0);
+    (scores, ignore, all_padding)
+}
+
 /// `(pooled, lse)` as tensor ops: the reference's pooling (module doc) and
 /// each row's log-sum-exp of its scores over the tokens it weights (all of
 /// them, at score 0, for a row with no valid token).
@@ -43,14 +67,7 @@ pub(crate) fn attention_pool_ops<B: Backend>(
     scale: f64,
 ) -> (Tensor<B, 2>, Tensor<B, 1>) {
     let [n, t, d] = x.dims();
-    let scores = crate::matmul(x.clone(), query.reshape([1, d, 1])).reshape([n, t]) * scale;
-    let valid = valid.greater_elem(0.5);
-    // All-padding rows score 0 everywhere; other rows −∞ at padding.
-    let all_padding = valid.clone().any_dim(1).bool_not().expand([n, t]);
-    let ignore = valid.bool_not().bool_and(all_padding.clone().bool_not());
-    let scores = scores
-        .mask_fill(ignore.clone(), f32::NEG_INFINITY)
-        .mask_fill(all_padding, 0.0);
+    let (scores, ignore, _) = masked_scores(x.clone(), query, valid, scale);
     let max = scores.clone().max_dim(1);
     let lse = ((scores.clone() - max.clone()).exp().sum_dim(1).log() + max).reshape([n]);
     // Softmax, padding zeroed, renormalised (+1e-8 as the reference).
@@ -77,18 +94,13 @@ pub(crate) fn attention_pool_backward_ops<B: Backend>(
     scale: f64,
 ) -> (Tensor<B, 3>, Tensor<B, 1>) {
     let [n, t, d] = x.dims();
-    let valid = valid.greater_elem(0.5);
-    let any_valid = valid.clone().any_dim(1);
-    let weighted = valid.bool_or(any_valid.clone().bool_not().expand([n, t]));
-    let scores = crate::matmul(x.clone(), query.clone().reshape([1, d, 1])).reshape([n, t]) * scale;
-    // All-padding rows: score 0 at every token, and no gradient to it.
-    let scores = scores.mask_fill(any_valid.clone().bool_not().expand([n, t]), 0.0);
-    let w = (scores - lse.reshape([n, 1]))
-        .exp()
-        .mask_fill(weighted.bool_not(), 0.0);
+    // exp(−∞ − lse) = 0 at the tokens the forward ignored.
+    let (scores, _, all_padding) = masked_scores(x.clone(), query.clone(), valid, scale);
+    let w = (scores - lse.reshape([n, 1])).exp();
     let g = crate::matmul(x.clone(), dy.clone().reshape([n, d, 1])).reshape([n, t]);
     let c = (w.clone() * g.clone()).sum_dim(1);
-    let ds = (w.clone() * (g - c)).mask_fill(any_valid.bool_not().expand([n, t]), 0.0);
+    // All-padding rows' scores are the constant 0: no gradient to them.
+    let ds = (w.clone() * (g - c)).mask_fill(all_padding, 0.0);
     let dx = w.reshape([n, t, 1]) * dy.reshape([n, 1, d])
         + ds.clone().reshape([n, t, 1]) * (query.reshape([1, 1, d]) * scale);
     let dquery = crate::sum_rows((x * ds.reshape([n, t, 1])).sum_dim(1).reshape([n, d])) * scale;

@@ -99,14 +99,19 @@ pub fn rows_matmul_tf32<N: Size>(
     let z = CUBE_POS_Z as usize;
     let row0 = CUBE_POS_Y as usize * block_m;
     let col0 = CUBE_POS_X as usize * block_n;
-    let operands = Operands {
-        rows: rows as usize,
-        row0,
-        col0,
-        a_base: z * a_batch as usize,
-        a_stride: a_stride as usize,
-        b_base: z * b_batch as usize,
-        b_stride: b_stride as usize,
+    // A's lines are its rows (zeros past `rows`); B's its columns, whole
+    // blocks of them.
+    let a_at = Operand {
+        base: z * a_batch as usize,
+        stride: a_stride as usize,
+        first: row0,
+        bound: rows as usize,
+    };
+    let b_at = Operand {
+        base: z * b_batch as usize,
+        stride: b_stride as usize,
+        first: col0,
+        bound: out_cols as usize,
     };
 
     let a_len = comptime!(block_m * LD);
@@ -136,22 +141,22 @@ pub fn rows_matmul_tf32<N: Size>(
     }
 
     let slices = inner as usize / BLOCK_K;
-    load_a::<N>(
+    load_slice::<N>(
         a,
         &mut a_regs,
         unit,
         0,
-        &operands,
+        &a_at,
         a_k_contiguous,
         block_m,
         cube_units,
     );
-    load_b::<N>(
+    load_slice::<N>(
         b,
         &mut b_regs,
         unit,
         0,
-        &operands,
+        &b_at,
         b_k_contiguous,
         block_n,
         cube_units,
@@ -176,22 +181,22 @@ pub fn rows_matmul_tf32<N: Size>(
         sync_cube();
         if s + 1 < slices {
             let k0 = (s + 1) * BLOCK_K;
-            load_a::<N>(
+            load_slice::<N>(
                 a,
                 &mut a_regs,
                 unit,
                 k0,
-                &operands,
+                &a_at,
                 a_k_contiguous,
                 block_m,
                 cube_units,
             );
-            load_b::<N>(
+            load_slice::<N>(
                 b,
                 &mut b_regs,
                 unit,
                 k0,
-                &operands,
+                &b_at,
                 b_k_contiguous,
                 block_n,
                 cube_units,
@@ -253,81 +258,51 @@ pub fn rows_matmul_tf32<N: Size>(
     }
 }
 
-/// Where a cube's operands are (see [`rows_matmul_tf32`]).
+/// Where one operand of a cube is (see [`rows_matmul_tf32`]): its lines
+/// (A's rows, B's columns) from `first`, those at or past `bound` read as
+/// zeros, one `stride` apart along the axis that is not contiguous.
 #[derive(CubeType)]
-struct Operands {
-    rows: usize,
-    row0: usize,
-    col0: usize,
-    a_base: usize,
-    a_stride: usize,
-    b_base: usize,
-    b_stride: usize,
+struct Operand {
+    base: usize,
+    stride: usize,
+    first: usize,
+    bound: usize,
 }
 
-/// Loads this unit's vectors of `A`'s slice at `k0` into registers (zeros
-/// for rows past `rows`). Vector `v` of the slice is, along k, row `v / 8`
-/// and k `4 · (v % 8)`; across k (rows contiguous), k `v % 32` and rows
-/// `4 · (v / 32)` (see [`store_slice`]).
+/// Loads this unit's vectors of an operand's slice at `k0` (its `len`
+/// lines) into registers. Vector `v` of the slice is, along k, line
+/// `v / 8` and k `4 · (v % 8)`; across k (lines contiguous), k `v % 32`
+/// and lines `4 · (v / 32)` (see [`store_slice`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_a<N: Size>(
-    a: &Tensor<Vector<f32, N>>,
+fn load_slice<N: Size>(
+    t: &Tensor<Vector<f32, N>>,
     regs: &mut Array<Vector<f32, N>>,
     unit: usize,
     k0: usize,
-    at: &Operands,
+    at: &Operand,
     #[comptime] k_contiguous: bool,
-    #[comptime] block_m: usize,
+    #[comptime] len: usize,
     #[comptime] cube_units: usize,
 ) {
     #[unroll]
-    for t in 0..comptime!(block_m * BLOCK_K / VECTOR / cube_units) {
-        let v = unit + t * cube_units;
+    for i in 0..comptime!(len * BLOCK_K / VECTOR / cube_units) {
+        let v = unit + i * cube_units;
         let mut value = Vector::<f32, N>::new(0.0f32);
         if k_contiguous {
-            let row = at.row0 + v / comptime!(BLOCK_K / VECTOR);
+            let line = at.first + v / comptime!(BLOCK_K / VECTOR);
             let k = k0 + (v % comptime!(BLOCK_K / VECTOR)) * VECTOR;
-            if row < at.rows {
-                value = a[(at.a_base + row * at.a_stride + k) / VECTOR];
+            if line < at.bound {
+                value = t[(at.base + line * at.stride + k) / VECTOR];
             }
         } else {
             let k = k0 + v % BLOCK_K;
-            let row = at.row0 + (v / BLOCK_K) * VECTOR;
-            if row < at.rows {
-                value = a[(at.a_base + k * at.a_stride + row) / VECTOR];
+            let line = at.first + (v / BLOCK_K) * VECTOR;
+            if line < at.bound {
+                value = t[(at.base + k * at.stride + line) / VECTOR];
             }
         }
-        regs[t] = value;
-    }
-}
-
-/// [`load_a`] for `B`'s columns `col0 ..` (no bounds: the caller's widths
-/// are whole blocks).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_b<N: Size>(
-    b: &Tensor<Vector<f32, N>>,
-    regs: &mut Array<Vector<f32, N>>,
-    unit: usize,
-    k0: usize,
-    at: &Operands,
-    #[comptime] k_contiguous: bool,
-    #[comptime] block_n: usize,
-    #[comptime] cube_units: usize,
-) {
-    #[unroll]
-    for t in 0..comptime!(block_n * BLOCK_K / VECTOR / cube_units) {
-        let v = unit + t * cube_units;
-        if k_contiguous {
-            let col = at.col0 + v / comptime!(BLOCK_K / VECTOR);
-            let k = k0 + (v % comptime!(BLOCK_K / VECTOR)) * VECTOR;
-            regs[t] = b[(at.b_base + col * at.b_stride + k) / VECTOR];
-        } else {
-            let k = k0 + v % BLOCK_K;
-            let col = at.col0 + (v / BLOCK_K) * VECTOR;
-            regs[t] = b[(at.b_base + k * at.b_stride + col) / VECTOR];
-        }
+        regs[i] = value;
     }
 }
 
