@@ -15,6 +15,7 @@ use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
+use burn::tensor::{Shape, TensorMetadata};
 
 use crate::{AttentionBackend, AttentionDropout, RowSlots};
 
@@ -66,9 +67,11 @@ impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
 #[derive(Debug)]
 struct PackedAttentionBackward;
 
-/// `qkv`'s checkpoint, the mask, `out`, `lse`, heads, scale and dropout.
+/// `qkv`'s checkpoint, the bias, the mask, `out`, `lse`, heads, scale and
+/// dropout.
 type PackedState<B> = (
     NodeId,
+    Option<FloatTensor<B>>,
     Option<BoolTensor<B>>,
     FloatTensor<B>,
     FloatTensor<B>,
@@ -76,6 +79,28 @@ type PackedState<B> = (
     f64,
     AttentionDropout,
 );
+
+impl PackedAttentionBackward {
+    /// `dqkv` for parent 0 (`qkv`) and, with a bias, its column sum for
+    /// parent 1 (the bias was added to every row of `qkv`).
+    fn run<B: AttentionBackend, const N: usize>(
+        ops: Ops<PackedState<B>, N>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let dout = grads.consume::<B>(&ops.node);
+        let (qkv_state, bias, mask, out, lse, heads, scale, dropout) = ops.state;
+        let qkv: FloatTensor<B> = checkpointer.retrieve_node_output(qkv_state);
+        let dqkv =
+            B::packed_attention_backward(qkv, bias, mask, out, lse, dout, heads, scale, dropout);
+        if let Some(Some(node)) = ops.parents.get(1) {
+            grads.register::<B>(node.id, crate::column_sum_last::<B>(dqkv.clone()));
+        }
+        if let Some(node) = &ops.parents[0] {
+            grads.register::<B>(node.id, dqkv);
+        }
+    }
+}
 
 impl<B: AttentionBackend> Backward<B, 1> for PackedAttentionBackward {
     type State = PackedState<B>;
@@ -86,11 +111,20 @@ impl<B: AttentionBackend> Backward<B, 1> for PackedAttentionBackward {
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let (qkv_state, mask, out, lse, heads, scale, dropout) = ops.state;
-        let qkv: FloatTensor<B> = checkpointer.retrieve_node_output(qkv_state);
-        unary::<B, _>(ops.parents, ops.node, grads, |dout| {
-            B::packed_attention_backward(qkv, mask, out, lse, dout, heads, scale, dropout)
-        });
+        Self::run::<B, 1>(ops, grads, checkpointer);
+    }
+}
+
+impl<B: AttentionBackend> Backward<B, 2> for PackedAttentionBackward {
+    type State = PackedState<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        Self::run::<B, 2>(ops, grads, checkpointer);
     }
 }
 
@@ -404,8 +438,50 @@ enum LayerNormSaved<B: AttentionBackend> {
     Input(NodeId, f64),
 }
 
-/// What the node keeps, and γ.
-type LayerNormState<B> = (LayerNormSaved<B>, FloatTensor<B>);
+/// What the LayerNorm node keeps.
+#[derive(Debug, Clone)]
+struct LayerNormState<B: AttentionBackend> {
+    saved: LayerNormSaved<B>,
+    gamma: FloatTensor<B>,
+    /// A handle on the input's node ([`input_handle`]).
+    input: InputHandle<B>,
+    /// The input's shape `[..., D]`: the node is the input's own (no reshape
+    /// node between, whose gradient Burn would add to the residual's), and
+    /// works on its rows.
+    shape: Shape,
+}
+
+/// `t` as rows of its last axis, `[M, D]` (a reshape of the inner tensor,
+/// recorded by no autodiff node).
+fn as_rows<B: AttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    let shape = t.shape();
+    let width = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / width.max(1);
+    B::float_reshape(t, Shape::new([rows, width]))
+}
+
+/// An autodiff tensor whose node is an op's input and whose value is a
+/// stand-in: the key under which `Gradients` holds that input's gradient
+/// (Burn names nodes' gradients only through tensors).
+type InputHandle<B> = FloatTensor<Autodiff<B>>;
+
+/// A handle on `x`'s node for its backward, holding `stand_in` (a small
+/// tensor the node keeps anyway) instead of `x`'s value.
+///
+/// Why: in AAM's pre-norm blocks each LayerNorm's input also feeds the
+/// residual sum, whose backward runs first (it is deeper in the graph) and
+/// registers its gradient for the input. Burn would add LayerNorm's `dx`
+/// to it in a pass of its own (on an H100 at the reference's batch, ~0.19
+/// ms for each of the ASV level's eight such sums); the node instead takes
+/// that gradient out and has the backward kernel add it as it writes `dx`.
+fn input_handle<B: AttentionBackend>(
+    x: &InputHandle<B>,
+    stand_in: &FloatTensor<B>,
+) -> InputHandle<B> {
+    let mut handle = x.clone();
+    handle.primitive = stand_in.clone();
+    handle
+}
 
 impl LayerNormBackward {
     fn run<B: AttentionBackend, const N: usize>(
@@ -414,21 +490,41 @@ impl LayerNormBackward {
         checkpointer: &mut Checkpointer,
     ) {
         let dy = grads.consume::<B>(&ops.node);
-        let (saved, gamma) = ops.state;
+        let LayerNormState {
+            saved,
+            gamma,
+            input,
+            shape,
+        } = ops.state;
         let (normalised, r) = match saved {
             LayerNormSaved::Normalised(normalised, r) => (normalised, r),
             LayerNormSaved::Input(x_state, eps) => {
                 let x: FloatTensor<B> = checkpointer.retrieve_node_output(x_state);
                 // The forward's own op, so `x̂` and `r` are bit for bit the
                 // kept ones (its `y`, unused here, is the price).
-                let (_, normalised, r) = B::layer_norm_with_stats(x, gamma.clone(), None, eps);
+                let (_, normalised, r) =
+                    B::layer_norm_with_stats(as_rows::<B>(x), gamma.clone(), None, eps);
                 (normalised, r)
             }
         };
-        let (dx, dgamma, dbeta) = B::layer_norm_backward(normalised, r, gamma, dy);
+        // The input's gradient from its other paths so far, if any, added
+        // by the kernel (`input_handle`). One of another type (none in the
+        // model) is put back for Burn to add.
+        let mut dx_add = None;
+        if ops.parents[0].is_some() {
+            if let Some(add) = grads.remove::<B>(&input) {
+                if add.dtype() == dy.dtype() && add.shape() == shape {
+                    dx_add = Some(as_rows::<B>(add));
+                } else {
+                    grads.register::<B>(input.node.id, add);
+                }
+            }
+        }
+        let (dx, dgamma, dbeta) =
+            B::layer_norm_backward(normalised, r, gamma, as_rows::<B>(dy), dx_add);
         let parents = &ops.parents;
         if let Some(node) = &parents[0] {
-            grads.register::<B>(node.id, dx);
+            grads.register::<B>(node.id, B::float_reshape(dx, shape));
         }
         if let Some(node) = &parents[1] {
             grads.register::<B>(node.id, dgamma);
@@ -445,18 +541,26 @@ impl LayerNormBackward {
 fn layer_norm_tracked<B: AttentionBackend>(
     x: FloatTensor<B>,
     x_state: impl FnOnce() -> NodeId,
+    input: InputHandle<B>,
     gamma: FloatTensor<B>,
     beta: Option<FloatTensor<B>>,
     eps: f64,
     checkpointed: bool,
 ) -> (FloatTensor<B>, LayerNormState<B>) {
-    let (y, normalised, r) = B::layer_norm_with_stats(x, gamma.clone(), beta, eps);
+    let shape = x.shape();
+    let (y, normalised, r) = B::layer_norm_with_stats(as_rows::<B>(x), gamma.clone(), beta, eps);
     let saved = if checkpointed {
         LayerNormSaved::Input(x_state(), eps)
     } else {
         LayerNormSaved::Normalised(normalised, r)
     };
-    (y, (saved, gamma))
+    let state = LayerNormState {
+        saved,
+        gamma,
+        input,
+        shape: shape.clone(),
+    };
+    (B::float_reshape(y, shape), state)
 }
 
 impl<B: AttentionBackend> Backward<B, 3> for LayerNormBackward {
@@ -757,9 +861,11 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                 .stateful()
             {
                 OpsKind::Tracked(mut prep) => {
+                    let input = input_handle(&x, &gamma.primitive);
                     let (y, state) = layer_norm_tracked::<B>(
                         x.primitive.clone(),
                         || prep.checkpoint(&x),
+                        input,
                         gamma.primitive,
                         Some(beta.primitive),
                         eps,
@@ -780,9 +886,11 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                 .stateful()
             {
                 OpsKind::Tracked(mut prep) => {
+                    let input = input_handle(&x, &gamma.primitive);
                     let (y, state) = layer_norm_tracked::<B>(
                         x.primitive.clone(),
                         || prep.checkpoint(&x),
+                        input,
                         gamma.primitive,
                         None,
                         eps,
@@ -799,43 +907,56 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
 
     fn fused_packed_attention(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        match PackedAttentionBackward
-            .prepare::<C>([qkv.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let qkv_state = prep.checkpoint(&qkv);
-                let (out, lse) = B::packed_attention_forward(
-                    qkv.primitive,
-                    key_padding_mask.clone(),
-                    heads,
-                    scale,
-                    dropout,
-                );
-                let state = (
-                    qkv_state,
-                    key_padding_mask,
-                    out.clone(),
-                    lse,
-                    heads,
-                    scale,
-                    dropout,
-                );
-                prep.finish(state, out)
+        // The forward and the state, the same with and without a bias
+        // (whose node is the second parent).
+        macro_rules! packed {
+            ($prepared:expr) => {
+                match $prepared.compute_bound().stateful() {
+                    OpsKind::Tracked(mut prep) => {
+                        let qkv_state = prep.checkpoint(&qkv);
+                        let bias = bias.map(|b| b.primitive);
+                        let (out, lse) = B::packed_attention_forward(
+                            qkv.primitive,
+                            bias.clone(),
+                            key_padding_mask.clone(),
+                            heads,
+                            scale,
+                            dropout,
+                        );
+                        let state = (
+                            qkv_state,
+                            bias,
+                            key_padding_mask,
+                            out.clone(),
+                            lse,
+                            heads,
+                            scale,
+                            dropout,
+                        );
+                        prep.finish(state, out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(B::fused_packed_attention(
+                        qkv.primitive,
+                        bias.map(|b| b.primitive),
+                        key_padding_mask,
+                        heads,
+                        scale,
+                        dropout,
+                    )),
+                }
+            };
+        }
+        match &bias {
+            Some(b) => {
+                packed!(PackedAttentionBackward.prepare::<C>([qkv.node.clone(), b.node.clone()]))
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::fused_packed_attention(
-                qkv.primitive,
-                key_padding_mask,
-                heads,
-                scale,
-                dropout,
-            )),
+            None => packed!(PackedAttentionBackward.prepare::<C>([qkv.node.clone()])),
         }
     }
 

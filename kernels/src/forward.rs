@@ -952,8 +952,13 @@ where
         r: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        dx_add: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let [normalised, r, gamma, dy] = [normalised, r, gamma, dy].map(into_contiguous);
+        // Without a gradient to add, the kernels are compiled without the
+        // read (`accumulate`), and `dy` stands in for the unused argument.
+        let accumulate = dx_add.is_some();
+        let dx_add = dx_add.map(into_contiguous).unwrap_or_else(|| dy.clone());
         let dims = dy.meta.shape().clone();
         let rows = dims[0];
         let client = dy.client.clone();
@@ -975,11 +980,13 @@ where
                 r.into_tensor_arg(),
                 gamma.into_tensor_arg(),
                 dy.clone().into_tensor_arg(),
+                dx_add.into_tensor_arg(),
                 dx.clone().into_tensor_arg(),
                 partial.clone().into_tensor_arg(),
                 steps as u32,
                 lanes,
                 width,
+                accumulate,
                 dy.dtype.into(),
             );
             let (dbeta, dgamma) = sum_partials_launch(&dy, partial, parts, width, true);
@@ -993,8 +1000,10 @@ where
             r.into_tensor_arg(),
             gamma.into_tensor_arg(),
             dy.clone().into_tensor_arg(),
+            dx_add.into_tensor_arg(),
             dx.clone().into_tensor_arg(),
             lanes,
+            accumulate,
             dy.dtype.into(),
         );
         let (dbeta, dgamma) = column_sums::<R>(&dy, Some(&normalised));
@@ -1059,6 +1068,7 @@ where
         let lse = scalar_forward::<R, F, I, BT>(
             [&q, &k, &v],
             [0, 0],
+            None,
             &out,
             key_padding_mask,
             scale,
@@ -1109,6 +1119,7 @@ where
         scalar_backward::<R, F, I, BT>(
             [&q, &k, &v],
             [0, 0],
+            None,
             [&out, &dout],
             into_contiguous(lse),
             key_padding_mask,
@@ -1126,6 +1137,7 @@ where
 
     fn packed_attention_forward(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         heads: usize,
         scale: f64,
@@ -1137,6 +1149,7 @@ where
         if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Forward).is_some() {
             return crate::packed::packed_forward_ops::<Self>(
                 qkv,
+                bias,
                 key_padding_mask,
                 heads,
                 scale,
@@ -1145,9 +1158,11 @@ where
         }
         let out = empty(&qkv, Shape::new([n, t, d]), qkv.dtype);
         let qkv_heads = heads_view(&qkv, heads, dh);
+        let bias = bias.map(|b| packed_bias(b, d3, qkv.dtype));
         let lse = scalar_forward::<R, F, I, BT>(
             [&qkv_heads, &qkv_heads, &qkv_heads],
             [d, 2 * d],
+            bias.as_ref(),
             &heads_view(&out, heads, dh),
             key_padding_mask,
             scale,
@@ -1159,6 +1174,7 @@ where
     #[allow(clippy::too_many_arguments)]
     fn packed_attention_backward(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
@@ -1173,6 +1189,7 @@ where
         if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Backward).is_some() {
             return crate::packed::packed_backward_ops::<Self>(
                 qkv,
+                bias,
                 key_padding_mask,
                 out,
                 lse,
@@ -1185,9 +1202,11 @@ where
         let [out, dout] = [out, dout].map(into_contiguous);
         let dqkv = empty(&qkv, qkv.meta.shape().clone(), qkv.dtype);
         let [qkv_heads, dqkv_heads] = [&qkv, &dqkv].map(|x| heads_view(x, heads, dh));
+        let bias = bias.map(|b| packed_bias(b, d3, qkv.dtype));
         scalar_backward::<R, F, I, BT>(
             [&qkv_heads, &qkv_heads, &qkv_heads],
             [d, 2 * d],
+            bias.as_ref(),
             [&heads_view(&out, heads, dh), &heads_view(&dout, heads, dh)],
             into_contiguous(lse),
             key_padding_mask,
@@ -1199,6 +1218,22 @@ where
         );
         dqkv
     }
+}
+
+/// The packed kernels' bias operand: `[3D]`, contiguous, of `qkv`'s type
+/// (the kernels read it as `qkv`'s element type).
+fn packed_bias<R: CubeRuntime>(bias: CubeTensor<R>, width: usize, dtype: DType) -> CubeTensor<R> {
+    assert_eq!(
+        bias.meta.shape().num_elements(),
+        width,
+        "packed attention: a bias of {} elements for qkv rows of {width}",
+        bias.meta.shape().num_elements()
+    );
+    assert_eq!(
+        bias.dtype, dtype,
+        "packed attention: the bias's type differs from qkv's"
+    );
+    into_contiguous(bias)
 }
 
 /// `[N, T, W]` of a 3-d tensor.
@@ -1241,6 +1276,7 @@ fn heads_view<R: CubeRuntime>(t: &CubeTensor<R>, heads: usize, head_dim: usize) 
 fn scalar_forward<R, F, I, BT>(
     [q, k, v]: [&CubeTensor<R>; 3],
     kv_offsets: [usize; 2],
+    bias: Option<&CubeTensor<R>>,
     out: &CubeTensor<R>,
     key_padding_mask: Option<BoolTensor<CubeBackend<R, F, I, BT>>>,
     scale: f64,
@@ -1277,6 +1313,7 @@ where
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
+            bias.unwrap_or(q).clone().into_tensor_arg(),
             key_valid.clone().into_tensor_arg(),
             tile_valid.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
@@ -1295,6 +1332,7 @@ where
             parts,
             layout.stride,
             use_dropout,
+            bias.is_some(),
             unroll_loops(),
             q.dtype.into(),
         );
@@ -1309,6 +1347,7 @@ where
 fn scalar_backward<R, F, I, BT>(
     [q, k, v]: [&CubeTensor<R>; 3],
     kv_offsets: [usize; 2],
+    bias: Option<&CubeTensor<R>>,
     [out, dout]: [&CubeTensor<R>; 2],
     lse: CubeTensor<R>,
     key_padding_mask: Option<BoolTensor<CubeBackend<R, F, I, BT>>>,
@@ -1343,6 +1382,7 @@ fn scalar_backward<R, F, I, BT>(
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),
+                bias.unwrap_or(q).clone().into_tensor_arg(),
                 dout.clone().into_tensor_arg(),
                 out.clone().into_tensor_arg(),
                 lse.clone().into_tensor_arg(),
@@ -1364,6 +1404,7 @@ fn scalar_backward<R, F, I, BT>(
                 parts_k,
                 layout.stride,
                 use_dropout,
+                bias.is_some(),
                 tk,
                 merged.key_splits,
                 merged.loads,
@@ -1393,6 +1434,7 @@ fn scalar_backward<R, F, I, BT>(
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
+            bias.unwrap_or(q).clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             dout.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
@@ -1414,6 +1456,7 @@ fn scalar_backward<R, F, I, BT>(
             parts_q,
             layout.stride,
             use_dropout,
+            bias.is_some(),
             unroll_loops(),
             q.dtype.into(),
         );
@@ -1424,6 +1467,7 @@ fn scalar_backward<R, F, I, BT>(
             q.clone().into_tensor_arg(),
             k.clone().into_tensor_arg(),
             v.clone().into_tensor_arg(),
+            bias.unwrap_or(q).clone().into_tensor_arg(),
             dout.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
@@ -1446,6 +1490,7 @@ fn scalar_backward<R, F, I, BT>(
             parts_k,
             layout.stride,
             use_dropout,
+            bias.is_some(),
             unroll_loops(),
             q.dtype.into(),
         );

@@ -419,16 +419,22 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         r: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        dx_add: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let like = (dy.shape.clone(), dy.dtype);
         let column = (gamma.shape.clone(), gamma.dtype);
+        let mut inputs = vec![normalised, r, gamma, dy];
+        inputs.extend(dx_add);
         let out = float_op::<B>(
             "aam_layer_norm_backward",
-            vec![normalised, r, gamma, dy],
+            inputs,
             vec![like, column.clone(), column],
             |inputs| {
-                let [normalised, r, gamma, dy] = <[_; 4]>::try_from(inputs).expect("four inputs");
-                let (dx, dgamma, dbeta) = B::layer_norm_backward(normalised, r, gamma, dy);
+                let mut inputs = inputs.into_iter();
+                let mut next = || inputs.next().expect("four inputs");
+                let (normalised, r, gamma, dy) = (next(), next(), next(), next());
+                let (dx, dgamma, dbeta) =
+                    B::layer_norm_backward(normalised, r, gamma, dy, inputs.next());
                 vec![dx, dgamma, dbeta]
             },
         );
@@ -616,6 +622,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
 
     fn packed_attention_forward(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         heads: usize,
         scale: f64,
@@ -624,14 +631,18 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         let [n, t, d3] = qkv.shape.dims();
         let out = (Shape::new([n, t, d3 / 3]), qkv.dtype);
         let lse = (Shape::new([n, heads, t]), DType::F32);
+        let mut inputs = vec![qkv];
+        inputs.extend(bias);
         let outputs = masked_op::<B>(
             "aam_packed_attention_forward",
-            vec![qkv],
+            inputs,
             key_padding_mask,
             vec![out, lse],
             move |inputs, mask| {
-                let qkv = inputs.into_iter().next().expect("qkv");
-                let (out, lse) = B::packed_attention_forward(qkv, mask, heads, scale, dropout);
+                let mut inputs = inputs.into_iter();
+                let qkv = inputs.next().expect("qkv");
+                let (out, lse) =
+                    B::packed_attention_forward(qkv, inputs.next(), mask, heads, scale, dropout);
                 vec![out, lse]
             },
         );
@@ -640,6 +651,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
 
     fn packed_attention_backward(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
@@ -649,16 +661,27 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
         let like = (qkv.shape.clone(), qkv.dtype);
+        let mut inputs = vec![qkv, out, lse, dout];
+        inputs.extend(bias);
         masked_op::<B>(
             "aam_packed_attention_backward",
-            vec![qkv, out, lse, dout],
+            inputs,
             key_padding_mask,
             vec![like],
             move |inputs, mask| {
-                let [qkv, out, lse, dout] =
-                    <[_; 4]>::try_from(inputs).expect("qkv, out, lse, dout");
+                let mut inputs = inputs.into_iter();
+                let mut next = || inputs.next().expect("qkv, out, lse, dout");
+                let (qkv, out, lse, dout) = (next(), next(), next(), next());
                 vec![B::packed_attention_backward(
-                    qkv, mask, out, lse, dout, heads, scale, dropout,
+                    qkv,
+                    inputs.next(),
+                    mask,
+                    out,
+                    lse,
+                    dout,
+                    heads,
+                    scale,
+                    dropout,
                 )]
             },
         )

@@ -185,6 +185,7 @@ pub fn attention_forward<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     out: &mut Tensor<F>,
@@ -203,6 +204,7 @@ pub fn attention_forward<F: Float>(
     #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -242,7 +244,8 @@ pub fn attention_forward<F: Float>(
     if active {
         #[unroll(unroll)]
         for d in 0..dims {
-            q_row[d] = f32::cast_from(q[q_base + d]) * scale;
+            let q_bias = bias_at(bias, h * head_dim + part * dims + d, with_bias);
+            q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * scale;
         }
     }
 
@@ -264,18 +267,22 @@ pub fn attention_forward<F: Float>(
             load_key_tile::<F>(
                 k,
                 v,
+                bias,
                 key_valid,
                 &mut k_tile,
                 &mut v_tile,
                 &mut valid_tile,
                 k_base,
                 v_base,
+                k_offset as usize + h * head_dim,
+                v_offset as usize + h * head_dim,
                 n * tk,
                 t * tile_keys,
                 tk,
                 head_dim,
                 tile_keys,
                 stride,
+                with_bias,
             );
             sync_cube();
             if compute {
@@ -358,25 +365,46 @@ fn row_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize, row: usiz
     head_start(t, offset, n, h) + row * t.stride(2)
 }
 
+/// `bias[at]` in f32 where `with_bias`, else 0 (and no read).
+///
+/// The packed kernels add the input projection's bias to q, k and v as they
+/// load them: a pass of its own over `qkv [N, T, 3D]` took ~0.34 ms an
+/// ASV-level layer on the H100 at the reference's batch. Element `d` of
+/// head `h` of the part at column `offset` of `qkv` (0, D, 2D) has the bias
+/// at `offset + h·head_dim + d`.
+#[cube]
+fn bias_at<F: Float>(bias: &Tensor<F>, at: usize, #[comptime] with_bias: bool) -> f32 {
+    let mut b = 0.0f32;
+    if with_bias {
+        b = f32::cast_from(bias[at]);
+    }
+    b
+}
+
 /// Loads keys `[start, start + tile_keys)` of one (n, h) into shared memory
-/// (see [`load_rows`]) and the validity of each key (0 past the end).
+/// (see [`load_rows`]; with their biases from `k_bias` and `v_bias` where
+/// `with_bias`) and the validity of each key (0 past the end).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_key_tile<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
+    bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
     k_tile: &mut SharedMemory<Quad>,
     v_tile: &mut SharedMemory<Quad>,
     valid_tile: &mut SharedMemory<f32>,
     k_base: usize,
     v_base: usize,
+    k_bias: usize,
+    v_bias: usize,
     valid_base: usize,
     start: usize,
     tk: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
     #[comptime] stride: usize,
+    #[comptime] with_bias: bool,
 ) {
     load_rows::<F>(
         k,
@@ -386,9 +414,12 @@ fn load_key_tile<F: Float>(
         k.stride(2),
         start,
         tk,
+        bias,
+        k_bias,
         head_dim,
         tile_keys,
         stride,
+        with_bias,
     );
     load_rows::<F>(
         v,
@@ -398,9 +429,12 @@ fn load_key_tile<F: Float>(
         v.stride(2),
         start,
         tk,
+        bias,
+        v_bias,
         head_dim,
         tile_keys,
         stride,
+        with_bias,
     );
     let mut jj = UNIT_POS_X as usize;
     while jj < tile_keys {
@@ -415,9 +449,10 @@ fn load_key_tile<F: Float>(
 }
 
 /// Loads rows `[start, start + rows)` of the `[len, head_dim]` matrix at
-/// `base` in `src` (row `i` at `base + i·row_stride`), times `scale`, into
-/// `tile` (row `r` at quad `r·stride`), with zeros past `len` and past
-/// `head_dim`. All units of the cube share the work, a quad each.
+/// `base` in `src` (row `i` at `base + i·row_stride`), plus the bias
+/// `bias[bias_base + d]` where `with_bias`, times `scale`, into `tile` (row
+/// `r` at quad `r·stride`), with zeros past `len` and past `head_dim`. All
+/// units of the cube share the work, a quad each.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_rows<F: Float>(
@@ -428,9 +463,12 @@ fn load_rows<F: Float>(
     row_stride: usize,
     start: usize,
     len: usize,
+    bias: &Tensor<F>,
+    bias_base: usize,
     #[comptime] head_dim: usize,
     #[comptime] rows: usize,
     #[comptime] stride: usize,
+    #[comptime] with_bias: bool,
 ) {
     let quads = comptime!(head_dim.div_ceil(4));
     let mut idx = UNIT_POS_X as usize;
@@ -447,9 +485,11 @@ fn load_rows<F: Float>(
             #[allow(clippy::if_same_then_else)]
             for c in 0..4usize {
                 if comptime!(head_dim.is_multiple_of(4)) {
-                    x[c] = f32::cast_from(src[at + c]) * scale;
+                    let b = bias_at(bias, bias_base + d4 * 4 + c, with_bias);
+                    x[c] = (f32::cast_from(src[at + c]) + b) * scale;
                 } else if d4 * 4 + c < head_dim {
-                    x[c] = f32::cast_from(src[at + c]) * scale;
+                    let b = bias_at(bias, bias_base + d4 * 4 + c, with_bias);
+                    x[c] = (f32::cast_from(src[at + c]) + b) * scale;
                 }
             }
         }
@@ -530,6 +570,7 @@ pub fn attention_backward_dq<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    bias: &Tensor<F>,
     out: &Tensor<F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
@@ -551,6 +592,7 @@ pub fn attention_backward_dq<F: Float>(
     #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -596,7 +638,8 @@ pub fn attention_backward_dq<F: Float>(
     if active {
         #[unroll(unroll)]
         for d in 0..dims {
-            q_row[d] = f32::cast_from(q[q_base + d]) * scale;
+            let q_bias = bias_at(bias, h * head_dim + part * dims + d, with_bias);
+            q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * scale;
             do_row[d] = f32::cast_from(dout[do_base + d]);
             row_delta += do_row[d] * f32::cast_from(out[out_base + d]);
         }
@@ -616,18 +659,22 @@ pub fn attention_backward_dq<F: Float>(
             load_key_tile::<F>(
                 k,
                 v,
+                bias,
                 key_valid,
                 &mut k_tile,
                 &mut v_tile,
                 &mut valid_tile,
                 k_base,
                 v_base,
+                k_offset as usize + h * head_dim,
+                v_offset as usize + h * head_dim,
                 n * tk,
                 t * tile_keys,
                 tk,
                 head_dim,
                 tile_keys,
                 stride,
+                with_bias,
             );
             sync_cube();
             if compute {
@@ -817,7 +864,8 @@ struct KeyRow {
 }
 
 /// A [`KeyRow`] with the key's `dims` elements at `k_base` and `v_base`
-/// (zeros unless `active`) and zero sums.
+/// (plus their biases from `k_bias`, `v_bias` where `with_bias`; zeros
+/// unless `active`) and zero sums.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_key_row<F: Float>(
@@ -825,9 +873,13 @@ fn load_key_row<F: Float>(
     v: &Tensor<F>,
     k_base: usize,
     v_base: usize,
+    bias: &Tensor<F>,
+    k_bias: usize,
+    v_bias: usize,
     active: bool,
     #[comptime] quads: usize,
     #[comptime] dims: usize,
+    #[comptime] with_bias: bool,
     #[comptime] unroll: bool,
 ) -> KeyRow {
     let mut key = KeyRow {
@@ -846,8 +898,8 @@ fn load_key_row<F: Float>(
     if active {
         #[unroll(unroll)]
         for d in 0..dims {
-            key.k[d] = f32::cast_from(k[k_base + d]);
-            key.v[d] = f32::cast_from(v[v_base + d]);
+            key.k[d] = f32::cast_from(k[k_base + d]) + bias_at(bias, k_bias + d, with_bias);
+            key.v[d] = f32::cast_from(v[v_base + d]) + bias_at(bias, v_bias + d, with_bias);
         }
     }
     key
@@ -930,6 +982,7 @@ pub fn attention_backward_dkdv<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    bias: &Tensor<F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -952,6 +1005,7 @@ pub fn attention_backward_dkdv<F: Float>(
     #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -1004,7 +1058,20 @@ pub fn attention_backward_dkdv<F: Float>(
     let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
     let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
 
-    let mut key = load_key_row::<F>(k, v, k_base, v_base, active, quads, dims, unroll);
+    let mut key = load_key_row::<F>(
+        k,
+        v,
+        k_base,
+        v_base,
+        bias,
+        k_offset as usize + h * head_dim + part * dims,
+        v_offset as usize + h * head_dim + part * dims,
+        active,
+        quads,
+        dims,
+        with_bias,
+        unroll,
+    );
 
     let mut q_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
     let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
@@ -1020,9 +1087,12 @@ pub fn attention_backward_dkdv<F: Float>(
             q.stride(2),
             start,
             tq,
+            bias,
+            h * head_dim,
             head_dim,
             tile,
             stride,
+            with_bias,
         );
         load_rows::<F>(
             dout,
@@ -1032,9 +1102,12 @@ pub fn attention_backward_dkdv<F: Float>(
             dout.stride(2),
             start,
             tq,
+            dout,
+            0usize,
             head_dim,
             tile,
             stride,
+            false,
         );
         let mut ii = UNIT_POS_X as usize;
         while ii < tile {
@@ -1119,6 +1192,7 @@ pub fn attention_backward_merged<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,
     v: &Tensor<F>,
+    bias: &Tensor<F>,
     dout: &Tensor<F>,
     out: &Tensor<F>,
     lse: &Tensor<f32>,
@@ -1140,6 +1214,7 @@ pub fn attention_backward_merged<F: Float>(
     #[comptime] parts: usize,
     #[comptime] stride: usize,
     #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
     #[comptime] key_capacity: usize,
     #[comptime] key_splits: usize,
     #[comptime] loads: usize,
@@ -1173,7 +1248,20 @@ pub fn attention_backward_merged<F: Float>(
     let k_base = row_start(k, k_offset, n, h, col) + part * dims;
     let v_base = row_start(v, v_offset, n, h, col) + part * dims;
 
-    let mut key = load_key_row::<F>(k, v, k_base, v_base, active, quads, dims, unroll);
+    let mut key = load_key_row::<F>(
+        k,
+        v,
+        k_base,
+        v_base,
+        bias,
+        k_offset as usize + h * head_dim + part * dims,
+        v_offset as usize + h * head_dim + part * dims,
+        active,
+        quads,
+        dims,
+        with_bias,
+        unroll,
+    );
 
     let mut q_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
     let mut do_tile = SharedMemory::<Quad>::new(comptime!(tile * stride));
@@ -1208,7 +1296,21 @@ pub fn attention_backward_merged<F: Float>(
     };
     let n_tiles = tq.div_ceil(tile);
     fetch_query_rows::<F>(
-        q, dout, out, lse, &rows, &mut next, 0, tq, scale, head_dim, tile, loads,
+        q,
+        dout,
+        out,
+        lse,
+        &rows,
+        &mut next,
+        0,
+        tq,
+        scale,
+        bias,
+        h * head_dim,
+        head_dim,
+        tile,
+        loads,
+        with_bias,
     );
     stage_query_rows(
         &next,
@@ -1239,9 +1341,12 @@ pub fn attention_backward_merged<F: Float>(
                 start + tile,
                 tq,
                 scale,
+                bias,
+                h * head_dim,
                 head_dim,
                 tile,
                 loads,
+                with_bias,
             );
         }
         // Every unit (a masked key's too: its partners shuffle with it, and
@@ -1346,7 +1451,7 @@ struct QueryRows {
 /// quad `UNIT_POS_X + l·CUBE_DIM_X` of the tile (row-major, `⌈head_dim/4⌉`
 /// quads a row) for `l < loads`, zeros past `tq` and past `head_dim`; and
 /// for units below `tile`, that row's log-sum-exp (`+1e30` past `tq`, so that
-/// its probabilities are 0).
+/// its probabilities are 0). q gets its bias from `q_bias` where `with_bias`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_query_rows<F: Float>(
@@ -1359,9 +1464,12 @@ fn fetch_query_rows<F: Float>(
     start: usize,
     tq: usize,
     scale: f32,
+    bias: &Tensor<F>,
+    q_bias: usize,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] loads: usize,
+    #[comptime] with_bias: bool,
 ) {
     let all_quads = comptime!(head_dim.div_ceil(4));
     #[unroll]
@@ -1380,7 +1488,8 @@ fn fetch_query_rows<F: Float>(
             #[allow(clippy::if_same_then_else)]
             for c in 0..4usize {
                 if comptime!(head_dim.is_multiple_of(4)) || d + c < head_dim {
-                    xq[c] = f32::cast_from(q[q_at + c]) * scale;
+                    let b = bias_at(bias, q_bias + d + c, with_bias);
+                    xq[c] = (f32::cast_from(q[q_at + c]) + b) * scale;
                     xdo[c] = f32::cast_from(dout[do_at + c]);
                     xo[c] = f32::cast_from(out[o_at + c]);
                 }
@@ -1513,6 +1622,9 @@ pub fn dropout_elements<F: Float, N: Size>(
 /// ignore the key): `key_valid[n, j]` is 1 for a key to attend to, else 0,
 /// and `tile_valid[n, t]` counts the valid keys of tile `t` (0 lets a cube
 /// skip the tile). One launch where the same from tensor ops took ~8.
+/// The loop over a tile's keys is unrolled so that a unit's loads are in
+/// flight together: in turn, one waiting on the last, they took ~48 µs a
+/// launch at the ASV level on the H100 (24 launches a training step).
 ///
 /// Launch: one unit per (sequence, tile); `mask` and `key_valid` `[N, Tk]`,
 /// `tile_valid` `[N, ⌈Tk / tile_keys⌉]`, contiguous.
@@ -1531,6 +1643,7 @@ pub fn key_validity<B: Int>(
         let n = id / tiles;
         let start = (id % tiles) * tile_keys;
         let mut count = 0.0f32;
+        #[unroll]
         for jj in 0..tile_keys {
             let j = start + jj;
             if j < tk {
@@ -1690,18 +1803,23 @@ pub fn layer_norm_rows<F: Float>(
 }
 
 /// LayerNorm's input gradient per row, `dx = r·(g − mean(g) − x̂·mean(g·x̂))`
-/// with `g = dy·γ` (`norm.rs`), in f32.
+/// with `g = dy·γ` (`norm.rs`), in f32, plus `dx_add` where `accumulate`
+/// (the input's gradient along its other paths, which a separate pass would
+/// read with `dx` and write once more).
 ///
 /// Launch: as [`layer_norm_rows`], `lanes` units per row; `normalised`,
-/// `dy`, `dx` `[M, D]` contiguous, `r` `[M, 1]`.
+/// `dy`, `dx_add`, `dx` `[M, D]` contiguous, `r` `[M, 1]`.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward_rows<F: Float>(
     normalised: &Tensor<F>,
     r: &Tensor<F>,
     gamma: &Tensor<F>,
     dy: &Tensor<F>,
+    dx_add: &Tensor<F>,
     dx: &mut Tensor<F>,
     #[comptime] lanes: usize,
+    #[comptime] accumulate: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let lane = UNIT_POS_X as usize % lanes;
@@ -1729,7 +1847,11 @@ pub fn layer_norm_backward_rows<F: Float>(
         while i < d {
             let g = f32::cast_from(dy[base + i]) * f32::cast_from(gamma[i]);
             let n = f32::cast_from(normalised[base + i]);
-            dx[base + i] = F::cast_from((g - mean_g - n * mean_gx) * rs);
+            let mut value = (g - mean_g - n * mean_gx) * rs;
+            if accumulate {
+                value += f32::cast_from(dx_add[base + i]);
+            }
+            dx[base + i] = F::cast_from(value);
             i += lanes;
         }
     }
@@ -1744,8 +1866,9 @@ pub fn layer_norm_backward_rows<F: Float>(
 /// Launch: cube dim 256, `lanes` units per row, so `256 / lanes` rows at a
 /// time, `steps` times: cube `p` takes rows `[p·steps·g, (p+1)·steps·g)`
 /// (`g = 256 / lanes`), one cube per part; `width` is D (the shared sums
-/// are `2·g·D` floats). `normalised`, `dy`, `dx` `[M, D]` contiguous, `r`
-/// `[M, 1]`, `partial` `[2, P, D]` f32.
+/// are `2·g·D` floats). `normalised`, `dy`, `dx_add`, `dx` `[M, D]`
+/// contiguous, `r` `[M, 1]`, `partial` `[2, P, D]` f32; `dx_add` is added
+/// to `dx` where `accumulate`, as in [`layer_norm_backward_rows`].
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_backward_rows_sums<F: Float>(
@@ -1753,11 +1876,13 @@ pub fn layer_norm_backward_rows_sums<F: Float>(
     r: &Tensor<F>,
     gamma: &Tensor<F>,
     dy: &Tensor<F>,
+    dx_add: &Tensor<F>,
     dx: &mut Tensor<F>,
     partial: &mut Tensor<f32>,
     steps: u32,
     #[comptime] lanes: usize,
     #[comptime] width: usize,
+    #[comptime] accumulate: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let groups = comptime!(256 / lanes);
@@ -1803,7 +1928,11 @@ pub fn layer_norm_backward_rows_sums<F: Float>(
                     let dyv = f32::cast_from(dy[base + i]);
                     let n = f32::cast_from(normalised[base + i]);
                     let g = dyv * f32::cast_from(gamma[i]);
-                    dx[base + i] = F::cast_from((g - mean_g - n * mean_gx) * rs);
+                    let mut value = (g - mean_g - n * mean_gx) * rs;
+                    if accumulate {
+                        value += f32::cast_from(dx_add[base + i]);
+                    }
+                    dx[base + i] = F::cast_from(value);
                     sum_dy[k] += dyv;
                     sum_dyx[k] += dyv * n;
                 }

@@ -364,8 +364,8 @@ pub trait AttentionBackend: Backend {
     /// `layer_norm`.
     ///
     /// # Shapes
-    /// - x: `[M, D]`, gamma / beta: `[D]`
-    /// - output: `[M, D]`
+    /// - x: `[..., D]`, gamma / beta: `[D]`
+    /// - output: `[..., D]`
     fn lean_layer_norm(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
@@ -531,17 +531,20 @@ pub trait AttentionBackend: Backend {
 
     /// LayerNorm's backward from [`AttentionBackend::layer_norm_with_stats`]'s
     /// `x̂` and `r`: `(dx, dγ, dβ)` (the closed form of `norm.rs`; dγ and dβ
-    /// summed over the rows in parts). One kernel launch sequence and one
-    /// custom op where the backend has them, else tensor ops.
+    /// summed over the rows in parts), with `dx_add` (the input's gradient
+    /// along its other paths, e.g. a residual connection) added to `dx` in
+    /// the same pass. One kernel launch sequence and one custom op where the
+    /// backend has them, else tensor ops.
     ///
     /// # Shapes
-    /// - normalised, dy: `[M, D]`, r: `[M, 1]`, gamma: `[D]`
+    /// - normalised, dy, dx_add: `[M, D]`, r: `[M, 1]`, gamma: `[D]`
     /// - dx: `[M, D]`, dγ / dβ: `[D]`
     fn layer_norm_backward(
         normalised: FloatTensor<Self>,
         r: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        dx_add: Option<FloatTensor<Self>>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (dx, dgamma, dbeta) = norm::layer_norm_backward_ops::<Self>(
             Tensor::from_primitive(TensorPrimitive::Float(normalised)),
@@ -549,6 +552,10 @@ pub trait AttentionBackend: Backend {
             Tensor::from_primitive(TensorPrimitive::Float(gamma)),
             Tensor::from_primitive(TensorPrimitive::Float(dy)),
         );
+        let dx = match dx_add {
+            Some(add) => dx + Tensor::from_primitive(TensorPrimitive::Float(add)),
+            None => dx,
+        };
         (
             dx.into_primitive().tensor(),
             dgamma.into_primitive().tensor(),
@@ -678,8 +685,12 @@ pub trait AttentionBackend: Backend {
     /// `Autodiff` overrides it with one node whose backward is
     /// [`AttentionBackend::packed_attention_backward`].
     ///
+    /// `bias`, where given, is the input projection's bias, added to `qkv`
+    /// as the kernels load it (`kernel.rs`, `bias_at`, says why); the
+    /// `Autodiff` node's gradient for it is the column sum of `dqkv`.
+    ///
     /// # Shapes
-    /// - qkv: `[N, T, 3D]`, D divisible by `heads`, Dh ≤ 128
+    /// - qkv: `[N, T, 3D]`, D divisible by `heads`, Dh ≤ 128; bias: `[3D]`
     /// - key_padding_mask: `[N, T]`, `true` = ignore this key
     /// - output: `[N, T, D]`; rows whose keys are all masked are 0
     ///
@@ -687,12 +698,13 @@ pub trait AttentionBackend: Backend {
     /// When [`AttentionBackend::has_fused_attention`] is false.
     fn fused_packed_attention(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
     ) -> FloatTensor<Self> {
-        Self::packed_attention_forward(qkv, key_padding_mask, heads, scale, dropout).0
+        Self::packed_attention_forward(qkv, bias, key_padding_mask, heads, scale, dropout).0
     }
 
     /// The packed forward with its saved statistics: `(out [N, T, D], lse
@@ -704,12 +716,13 @@ pub trait AttentionBackend: Backend {
     /// (f16/bf16) takes the default.
     fn packed_attention_forward(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        packed::packed_forward_ops::<Self>(qkv, key_padding_mask, heads, scale, dropout)
+        packed::packed_forward_ops::<Self>(qkv, bias, key_padding_mask, heads, scale, dropout)
     }
 
     /// The packed backward: `dqkv [N, T, 3D]` from the forward's input,
@@ -719,10 +732,12 @@ pub trait AttentionBackend: Backend {
     /// writes the three gradients into `dqkv` in one concatenation; Burn's
     /// fusion backend makes that one custom op. The CubeCL backends' scalar
     /// kernels read `qkv`, `out` and `dout` in place and write dQ, dK and dV
-    /// straight into their thirds of `dqkv`.
+    /// straight into their thirds of `dqkv`. `bias` as in the forward (the
+    /// gradient of `qkv + bias` is the same `dqkv`).
     #[allow(clippy::too_many_arguments)]
     fn packed_attention_backward(
         qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
         key_padding_mask: Option<BoolTensor<Self>>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
@@ -733,6 +748,7 @@ pub trait AttentionBackend: Backend {
     ) -> FloatTensor<Self> {
         packed::packed_backward_ops::<Self>(
             qkv,
+            bias,
             key_padding_mask,
             out,
             lse,
@@ -831,13 +847,15 @@ pub fn fused_attention<B: AttentionBackend>(
 }
 
 /// Runs [`AttentionBackend::fused_packed_attention`] on tensors, with the
-/// scale `1/√Dh`.
+/// scale `1/√Dh`: attention over `qkv + bias` (the bias added as the
+/// kernels load `qkv`).
 ///
 /// # Shapes
-/// - qkv: `[N, T, 3D]`, key_padding_mask: `[N, T]` (true = ignore)
+/// - qkv: `[N, T, 3D]`, bias: `[3D]`, key_padding_mask: `[N, T]` (true = ignore)
 /// - output: `[N, T, D]`
 pub fn fused_packed_attention<B: AttentionBackend>(
     qkv: Tensor<B, 3>,
+    bias: Option<Tensor<B, 1>>,
     key_padding_mask: Option<Tensor<B, 2, Bool>>,
     heads: usize,
     dropout: AttentionDropout,
@@ -849,8 +867,18 @@ pub fn fused_packed_attention<B: AttentionBackend>(
         qkv.dims()[2]
     );
     let scale = ((d / heads) as f64).sqrt().recip();
+    if let Some(bias) = &bias {
+        assert_eq!(
+            bias.dims()[0],
+            3 * d,
+            "packed attention: bias of {} for width {}",
+            bias.dims()[0],
+            3 * d
+        );
+    }
     Tensor::from_primitive(TensorPrimitive::Float(B::fused_packed_attention(
         qkv.into_primitive().tensor(),
+        bias.map(|b| b.into_primitive().tensor()),
         key_padding_mask.map(|m| m.into_primitive()),
         heads,
         scale,
@@ -1031,19 +1059,21 @@ pub fn dense<B: AttentionBackend>(
     )))
 }
 
-/// LayerNorm over the last axis of rows, through
+/// LayerNorm over the last axis, through
 /// [`AttentionBackend::lean_layer_norm`]: Burn's `layer_norm` in value, and
-/// under autodiff one node with the closed-form backward.
+/// under autodiff one node with the closed-form backward, whose parent is
+/// `x` itself (its rows are taken inside the node), so that it can add
+/// the gradient `x` has from a residual path in the same pass.
 ///
 /// # Shapes
-/// - x: `[M, D]`, gamma / beta: `[D]`
-/// - output: `[M, D]`
-pub fn layer_norm<B: AttentionBackend>(
-    x: Tensor<B, 2>,
+/// - x: `[..., D]`, gamma / beta: `[D]`
+/// - output: `[..., D]`
+pub fn layer_norm<B: AttentionBackend, const R: usize>(
+    x: Tensor<B, R>,
     gamma: Tensor<B, 1>,
     beta: Option<Tensor<B, 1>>,
     eps: f64,
-) -> Tensor<B, 2> {
+) -> Tensor<B, R> {
     Tensor::from_primitive(TensorPrimitive::Float(B::lean_layer_norm(
         x.into_primitive().tensor(),
         gamma.into_primitive().tensor(),

@@ -101,7 +101,9 @@ mod tests {
     /// `layer_norm` against Burn's `layer_norm` op (differentiated through its
     /// decomposition): value and the gradients of x, γ and β, with and
     /// without β, at row counts below and above one split of the sums; with
-    /// the statistics kept (no checkpointing) and recomputed (checkpointing).
+    /// the statistics kept (no checkpointing) and recomputed (checkpointing);
+    /// alone and inside a residual sum `x + LN(x)`, whose gradient for x the
+    /// node adds to its own.
     #[test]
     fn layer_norm_equals_burns() {
         check::<Autodiff<NdArray<f64>>>();
@@ -114,7 +116,13 @@ mod tests {
             + burn::tensor::backend::AutodiffBackend,
     {
         let device = Default::default();
-        for (rows, with_beta) in [(7, true), (crate::ROWS_PER_PART * 2 + 5, true), (9, false)] {
+        for (rows, with_beta, residual) in [
+            (7, true, false),
+            (7, true, true),
+            (crate::ROWS_PER_PART * 2 + 5, true, true),
+            (9, false, false),
+            (9, false, true),
+        ] {
             let d = 12;
             // Rows with an offset and a spread, as activations have.
             let x = Tensor::<Ad, 2>::random([rows, d], Distribution::Normal(0.5, 2.0), &device);
@@ -138,7 +146,12 @@ mod tests {
                         1e-5,
                     )))
                 };
-                let grads = (y.clone() * dy.clone()).sum().backward();
+                let out = if residual {
+                    x.clone() + y.clone()
+                } else {
+                    y.clone()
+                };
+                let grads = (out * dy.clone()).sum().backward();
                 (
                     y.into_data(),
                     x.grad(&grads).unwrap().into_data(),

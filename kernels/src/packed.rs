@@ -61,16 +61,24 @@ fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
+/// `qkv + bias` (a tensor op: the kernels behind these defaults take no bias).
+fn with_bias<B: Backend>(qkv: FloatTensor<B>, bias: Option<FloatTensor<B>>) -> FloatTensor<B> {
+    crate::with_row_bias(float::<B, 3>(qkv), bias.map(float::<B, 1>))
+        .into_primitive()
+        .tensor()
+}
+
 /// [`AttentionBackend::packed_attention_forward`] from the split-heads
 /// kernels: `(out [N, T, D], lse [N, H, T])`.
 pub(crate) fn packed_forward_ops<B: AttentionBackend>(
     qkv: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
     key_padding_mask: Option<BoolTensor<B>>,
     heads: usize,
     scale: f64,
     dropout: AttentionDropout,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let [q, k, v] = split_packed::<B>(qkv, heads);
+    let [q, k, v] = split_packed::<B>(with_bias::<B>(qkv, bias), heads);
     let (out, lse) = B::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout);
     (
         merge_heads(float::<B, 4>(out)).into_primitive().tensor(),
@@ -83,6 +91,7 @@ pub(crate) fn packed_forward_ops<B: AttentionBackend>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn packed_backward_ops<B: AttentionBackend>(
     qkv: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
     key_padding_mask: Option<BoolTensor<B>>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
@@ -92,7 +101,7 @@ pub(crate) fn packed_backward_ops<B: AttentionBackend>(
     dropout: AttentionDropout,
 ) -> FloatTensor<B> {
     let [n, t, d3] = float::<B, 3>(qkv.clone()).dims();
-    let [q, k, v] = split_packed::<B>(qkv, heads);
+    let [q, k, v] = split_packed::<B>(with_bias::<B>(qkv, bias), heads);
     let as_heads = |x| {
         split_heads(float::<B, 3>(x), heads)
             .into_primitive()

@@ -32,12 +32,15 @@ fn random(rng: &mut Rng, n: usize, offset: f32, spread: f32) -> Vec<f32> {
     (0..n).map(|_| offset + spread * rng.normal()).collect()
 }
 
-/// LayerNorm's output and gradients of `Σ y ⊙ dy` on backend `Ad`.
+/// LayerNorm's output and gradients of `Σ y ⊙ dy` on backend `Ad`, or with
+/// `residual` of `Σ (x + y) ⊙ dy`, as in AAM's pre-norm blocks (the kernel
+/// adds the residual's gradient for x to its own).
 fn run_layer_norm<Ad: AutodiffBackend + AttentionBackend>(
     inputs: &[Vec<f32>; 4],
     rows: usize,
     width: usize,
     with_beta: bool,
+    residual: bool,
 ) -> Vec<Vec<f32>> {
     let x = tensor::<Ad, 2>(&inputs[0], [rows, width]).require_grad();
     let gamma = tensor::<Ad, 1>(&inputs[1], [width]).require_grad();
@@ -49,7 +52,12 @@ fn run_layer_norm<Ad: AutodiffBackend + AttentionBackend>(
         with_beta.then(|| beta.clone()),
         1e-5,
     );
-    let grads = (y.clone() * dy).sum().backward();
+    let out = if residual {
+        x.clone() + y.clone()
+    } else {
+        y.clone()
+    };
+    let grads = (out * dy).sum().backward();
     let mut out = vec![
         values(y),
         values(x.grad(&grads).expect("dx")),
@@ -86,15 +94,58 @@ fn layer_norm_kernels_match_the_ops() {
             random(&mut rng, width, 0.0, 0.5),
             random(&mut rng, rows * width, 0.0, 1.0),
         ];
-        let got = run_layer_norm::<GpuAd>(&inputs, rows, width, with_beta);
-        let want = run_layer_norm::<CpuAd>(&inputs, rows, width, with_beta);
-        for (i, name) in ["y", "dx", "dγ", "dβ"].iter().enumerate().take(got.len()) {
-            let err = rel(&got[i], &want[i]);
-            assert!(
-                err <= RTOL,
-                "rows {rows}, width {width}, beta {with_beta}: {name} off by {err:e}"
-            );
+        for residual in [false, true] {
+            let got = run_layer_norm::<GpuAd>(&inputs, rows, width, with_beta, residual);
+            let want = run_layer_norm::<CpuAd>(&inputs, rows, width, with_beta, residual);
+            for (i, name) in ["y", "dx", "dγ", "dβ"].iter().enumerate().take(got.len()) {
+                let err = rel(&got[i], &want[i]);
+                assert!(
+                    err <= RTOL,
+                    "rows {rows}, width {width}, beta {with_beta}, residual {residual}: \
+                     {name} off by {err:e}"
+                );
+            }
         }
+    }
+}
+
+/// The backward op itself with a gradient to add (`dx_add`), on both kernel
+/// paths (γ's and β's sums in the same pass at width 128, a separate pass at
+/// 600), against the ops: the autodiff test above reaches it only where
+/// Burn's traversal runs the residual's backward first.
+#[test]
+fn layer_norm_backward_adds_the_other_gradient() {
+    lean_shaders();
+    let mut rng = Rng::new(13);
+    for (rows, width) in [(5, 128), (3_001, 128), (40, 600)] {
+        let inputs: Vec<Vec<f32>> = [(0.5, 2.0), (1.0, 0.5), (0.0, 1.0), (0.0, 1.0)]
+            .iter()
+            .zip([rows * width, width, rows * width, rows * width])
+            .map(|(&(offset, spread), n)| random(&mut rng, n, offset, spread))
+            .collect();
+        fn run<B: AttentionBackend>(inputs: &[Vec<f32>], rows: usize, width: usize) -> Vec<f32> {
+            let x = tensor::<B, 2>(&inputs[0], [rows, width])
+                .into_primitive()
+                .tensor();
+            let gamma = tensor::<B, 1>(&inputs[1], [width])
+                .into_primitive()
+                .tensor();
+            let dy = tensor::<B, 2>(&inputs[2], [rows, width])
+                .into_primitive()
+                .tensor();
+            let add = tensor::<B, 2>(&inputs[3], [rows, width])
+                .into_primitive()
+                .tensor();
+            let (_, normalised, r) = B::layer_norm_with_stats(x, gamma.clone(), None, 1e-5);
+            let (dx, _, _) = B::layer_norm_backward(normalised, r, gamma, dy, Some(add));
+            values(Tensor::<B, 2>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(dx),
+            ))
+        }
+        let got = run::<Gpu>(&inputs, rows, width);
+        let want = run::<Cpu>(&inputs, rows, width);
+        let err = rel(&got, &want);
+        assert!(err <= RTOL, "rows {rows}, width {width}: dx off by {err:e}");
     }
 }
 

@@ -1,8 +1,10 @@
 //! Self-attention on the packed projection (`fused_packed_attention`: one op
 //! from `qkv [N, T, 3D]` to the merged heads, one autodiff node, one fusion
 //! custom op each way) against the CPU reference on the heads split by tensor
-//! ops: output and `dqkv`. With dropout it must draw the same masks as the
-//! split-heads kernel call, forward and backward.
+//! ops: output, `dqkv` and the gradient of the input projection's bias,
+//! which the packed op adds to `qkv` as its kernels load it. With dropout it
+//! must draw the same masks as the split-heads kernel call, forward and
+//! backward.
 //!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe. With `fusion` the ops run as custom
@@ -16,15 +18,16 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use common::*;
 
-/// A packed case: `qkv [n, t, 3·h·dh]`, output weights `w [n, t, h·dh]`, and
-/// the mask of [`Case`] (an all-padding sample, a one-key sample, random
-/// lengths with holes).
+/// A packed case: `qkv [n, t, 3·h·dh]`, its bias `[3·h·dh]`, output weights
+/// `w [n, t, h·dh]`, and the mask of [`Case`] (an all-padding sample, a
+/// one-key sample, random lengths with holes).
 struct Packed {
     n: usize,
     t: usize,
     h: usize,
     dh: usize,
     qkv: Vec<f32>,
+    bias: Vec<f32>,
     w: Vec<f32>,
     case: Case,
 }
@@ -34,6 +37,7 @@ impl Packed {
         let mut rng = Rng::new(seed);
         let d = h * dh;
         let qkv = (0..n * t * 3 * d).map(|_| rng.normal()).collect();
+        let bias = (0..3 * d).map(|_| rng.normal()).collect();
         let w = (0..n * t * d).map(|_| rng.normal()).collect();
         Packed {
             n,
@@ -41,16 +45,26 @@ impl Packed {
             h,
             dh,
             qkv,
+            bias,
             w,
             case: Case::new(seed, n, h, t, t, dh),
         }
     }
 
-    fn tensors<B: Backend>(&self, device: &B::Device) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    /// `qkv` and the bias (both requiring gradients), and `w`.
+    fn tensors<B: AutodiffBackend>(
+        &self,
+        device: &B::Device,
+    ) -> (Tensor<B, 3>, Tensor<B, 1>, Tensor<B, 3>) {
         let d = self.h * self.dh;
         let qkv = TensorData::new(self.qkv.clone(), [self.n, self.t, 3 * d]);
+        let bias = TensorData::new(self.bias.clone(), [3 * d]);
         let w = TensorData::new(self.w.clone(), [self.n, self.t, d]);
-        (Tensor::from_data(qkv, device), Tensor::from_data(w, device))
+        (
+            Tensor::from_data(qkv, device).require_grad(),
+            Tensor::from_data(bias, device).require_grad(),
+            Tensor::from_data(w, device),
+        )
     }
 
     fn label(&self) -> String {
@@ -75,39 +89,43 @@ fn merge<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
     x.swap_dims(1, 2).reshape([n, t, h * dh])
 }
 
-/// `(out, dqkv)` of `f = Σ attention(qkv) ⊙ w`, on the GPU, packed or by the
-/// split-heads kernel call.
-fn gpu_run(p: &Packed, packed: bool, dropout: AttentionDropout) -> [Vec<f32>; 2] {
+/// `(out, dqkv, dbias)` of `f = Σ attention(qkv + bias) ⊙ w`, on the GPU,
+/// packed (the bias added by the kernels) or by the split-heads kernel call
+/// on `qkv + bias` made by a tensor op.
+fn gpu_run(p: &Packed, packed: bool, dropout: AttentionDropout) -> [Vec<f32>; 3] {
     let device = Default::default();
-    let (qkv, w) = p.tensors::<GpuAd>(&device);
-    let qkv = qkv.require_grad();
+    let (qkv, bias, w) = p.tensors::<GpuAd>(&device);
     let mask = Some(p.case.mask::<GpuAd>(&device));
     let out = if packed {
-        fused_packed_attention(qkv.clone(), mask, p.h, dropout)
+        fused_packed_attention(qkv.clone(), Some(bias.clone()), mask, p.h, dropout)
     } else {
-        let [q, k, v] = split(qkv.clone(), p.h);
+        let [q, k, v] = split(qkv.clone() + bias.clone().unsqueeze(), p.h);
         merge(fused_attention(q, k, v, mask, dropout))
     };
-    grads_of(out, w, qkv)
+    grads_of(out, w, qkv, bias)
 }
 
 fn grads_of<B: AutodiffBackend>(
     out: Tensor<B, 3>,
     w: Tensor<B, 3>,
     qkv: Tensor<B, 3>,
-) -> [Vec<f32>; 2] {
+    bias: Tensor<B, 1>,
+) -> [Vec<f32>; 3] {
     let grads = (out.clone() * w).sum().backward();
-    [values(out), values(qkv.grad(&grads).expect("dqkv"))]
+    [
+        values(out),
+        values(qkv.grad(&grads).expect("dqkv")),
+        values(bias.grad(&grads).expect("dbias")),
+    ]
 }
 
-/// The CPU reference on the split heads.
-fn cpu_run(p: &Packed) -> [Vec<f32>; 2] {
+/// The CPU reference on the split heads of `qkv + bias`.
+fn cpu_run(p: &Packed) -> [Vec<f32>; 3] {
     let device = Default::default();
-    let (qkv, w) = p.tensors::<CpuAd>(&device);
-    let qkv = qkv.require_grad();
-    let [q, k, v] = split(qkv.clone(), p.h);
+    let (qkv, bias, w) = p.tensors::<CpuAd>(&device);
+    let [q, k, v] = split(qkv.clone() + bias.clone().unsqueeze(), p.h);
     let out = merge(reference_attention(q, k, v, Some(p.case.mask(&device))));
-    grads_of(out, w, qkv)
+    grads_of(out, w, qkv, bias)
 }
 
 #[test]
@@ -122,13 +140,15 @@ fn packed_attention_matches_the_reference() {
         Packed::new(5, 3, 1, 33, 64),
     ];
     for p in &cases {
-        let [out, dqkv] = gpu_run(p, true, AttentionDropout::NONE);
-        let [want_out, want_dqkv] = cpu_run(p);
+        let [out, dqkv, dbias] = gpu_run(p, true, AttentionDropout::NONE);
+        let [want_out, want_dqkv, want_dbias] = cpu_run(p);
         let label = p.label();
         let e = rel(&out, &want_out);
         assert!(e <= FORWARD_RTOL_F32, "{label}: output off by {e:e}");
         let e = rel(&dqkv, &want_dqkv);
         assert!(e <= GRAD_RTOL_F32, "{label}: dqkv off by {e:e}");
+        let e = rel(&dbias, &want_dbias);
+        assert!(e <= GRAD_RTOL_F32, "{label}: dbias off by {e:e}");
         // With n > 2, sample 0 is all padding: a zero context.
         let row = p.t * p.h * p.dh;
         let zeros = out[..row].iter().all(|x| *x == 0.0);
@@ -149,7 +169,7 @@ fn packed_dropout_draws_the_split_heads_masks() {
     let split = gpu_run(&p, false, dropout);
     let none = gpu_run(&p, true, AttentionDropout::NONE);
     assert!(rel(&packed[0], &none[0]) > 1e-2, "dropout changed nothing");
-    for (i, name) in ["output", "dqkv"].iter().enumerate() {
+    for (i, name) in ["output", "dqkv", "dbias"].iter().enumerate() {
         let e = rel(&packed[i], &split[i]);
         assert!(e <= 1e-6, "{name}: packed and split heads differ by {e:e}");
     }

@@ -261,19 +261,21 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
         let [n, t, d] = x.dims();
         // In the input's float type (mixed precision, see `precision.rs`).
         let dtype = x.dtype();
-        let qkv = linear(
-            x,
-            cast_to(self.in_proj_weight.val(), dtype),
-            Some(cast_to(self.in_proj_bias.val(), dtype)),
-        );
+        let weight = cast_to(self.in_proj_weight.val(), dtype);
+        let bias = cast_to(self.in_proj_bias.val(), dtype);
         if self.attn_implementation.uses_fused::<B>() {
             // One op from the packed projection to the merged heads (and
             // one back): the split and merge as tensor ops cost a GPU step
             // ~26 host ops a layer (`aam_kernels::fused_packed_attention`).
+            // The projection's bias is added as the kernels read `qkv`,
+            // not by a pass of its own.
+            let qkv = linear(x, weight, None);
             let dropout = fused_dropout::<B>(&qkv.device(), &self.dropout);
-            let context = fused_packed_attention(qkv, key_padding_mask, self.num_heads, dropout);
+            let context =
+                fused_packed_attention(qkv, Some(bias), key_padding_mask, self.num_heads, dropout);
             return project_out(context);
         }
+        let qkv = linear(x, weight, Some(bias));
         let q = self.split_heads(qkv.clone().narrow(2, 0, d));
         let k = self.split_heads(qkv.clone().narrow(2, d, d));
         let v = self.split_heads(qkv.narrow(2, 2 * d, d));

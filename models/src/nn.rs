@@ -234,15 +234,7 @@ impl<B: AttentionBackend> LayerNorm<B> {
     /// # Shapes
     /// - input / output: `[..., d_model]`
     pub fn forward<const D: usize>(&self, input: Tensor<B, D>) -> Tensor<B, D> {
-        let dims = input.dims();
-        let rows = dims[..D - 1].iter().product::<usize>();
-        aam_kernels::layer_norm(
-            input.reshape([rows, dims[D - 1]]),
-            self.weight.val(),
-            Some(self.bias.val()),
-            self.eps,
-        )
-        .reshape(dims)
+        aam_kernels::layer_norm(input, self.weight.val(), Some(self.bias.val()), self.eps)
     }
 }
 

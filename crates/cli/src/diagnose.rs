@@ -716,7 +716,7 @@ fn attend<B: AttentionBackend>((q, k, v, mask): &AttentionInputs<B>, route: Rout
             let [n, h, t, dh] = q.dims();
             let merge = |x: &Tensor<B, 4>| x.clone().swap_dims(1, 2).reshape([n, t, h * dh]);
             let qkv = Tensor::cat(vec![merge(q), merge(k), merge(v)], 2);
-            return fused_packed_attention(qkv, mask.clone(), h, AttentionDropout::NONE)
+            return fused_packed_attention(qkv, None, mask.clone(), h, AttentionDropout::NONE)
                 .reshape([n, t, h, dh])
                 .swap_dims(1, 2);
         }
