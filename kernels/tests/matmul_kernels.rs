@@ -373,7 +373,11 @@ fn autotune_candidates_at_aam_shapes() {
             };
             candidates.push(pick(
                 Strategy::DoubleCyclicCmma(Inferred(a.clone())),
-                Strategy::DoubleCyclicMma(Inferred(a)),
+                Strategy::DoubleCyclicMma(Inferred(a.clone())),
+            ));
+            candidates.push(pick(
+                Strategy::DoubleTmaCmma(Inferred(a.clone())),
+                Strategy::DoubleTmaMma(Inferred(a)),
             ));
         }
         candidates.push(pick(
@@ -385,13 +389,16 @@ fn autotune_candidates_at_aam_shapes() {
             Strategy::SpecializedTmaMma(Inferred(().into())),
         ));
     }
-    // `AAM_MATMUL_BRIEF`: only the TMA kernels (the fastest at these shapes)
-    // beside `rows_matmul`.
+    // `AAM_MATMUL_BRIEF`: only the TMA kernels with `mma` tiles (the fastest
+    // at these shapes) beside `rows_matmul`.
     if std::env::var_os("AAM_MATMUL_BRIEF").is_some() {
         candidates.retain(|s| {
             matches!(
                 s,
-                Strategy::Naive | Strategy::SimpleTmaMma(_) | Strategy::SpecializedTmaMma(_)
+                Strategy::Naive
+                    | Strategy::SimpleTmaMma(_)
+                    | Strategy::SpecializedTmaMma(_)
+                    | Strategy::DoubleTmaMma(_)
             )
         });
     }
