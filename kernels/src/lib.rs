@@ -50,11 +50,14 @@
 //!   kernel launch per 32 parameters, which updates the moments in place.
 //! - `packed.rs`: self-attention on the packed projection `qkv` as one op
 //!   each way ([`fused_packed_attention`]), instead of the split into heads
-//!   and the merge as ~26 tensor ops a layer.
+//!   and the merge as ~26 tensor ops a layer; the projection's bias is added
+//!   by the kernels as they load q, k and v, not by a pass over `qkv`.
 //! - `slots.rs`: [`unpack_rows`], rows computed for the non-empty slots
 //!   only put back in their slots, one op each way (the backward gathers).
-//! - `norm.rs`: [`layer_norm`] on rows, whose autodiff node has the
-//!   closed-form backward (fewer ops a step than Burn's decomposition).
+//! - `norm.rs`: [`layer_norm`] over the last axis, whose autodiff node has
+//!   the closed-form backward (fewer ops a step than Burn's decomposition)
+//!   and adds the gradient its input already has (a pre-norm block's
+//!   residual path) as the kernel writes `dx`, not in a pass of its own.
 //! - `pool.rs`: [`attention_pool`], the pooling of a row's tokens with a
 //!   learned query, one op each way (on CubeCL one kernel that reads the
 //!   states once, where the tensor ops made seven passes a step).
