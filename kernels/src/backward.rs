@@ -102,31 +102,27 @@ impl PackedAttentionBackward {
     }
 }
 
-impl<B: AttentionBackend> Backward<B, 1> for PackedAttentionBackward {
-    type State = PackedState<B>;
+/// `Backward<B, N>` for each listed parent count `N`, by the node's own
+/// `run::<B, N>`: a node with an optional parent (a bias, β) is prepared
+/// with as many parents as it has.
+macro_rules! backward_for_parent_counts {
+    ($node:ty, $state:ident, $($n:literal),+) => {$(
+        impl<B: AttentionBackend> Backward<B, $n> for $node {
+            type State = $state<B>;
 
-    fn backward(
-        self,
-        ops: Ops<Self::State, 1>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 1>(ops, grads, checkpointer);
-    }
+            fn backward(
+                self,
+                ops: Ops<Self::State, $n>,
+                grads: &mut Gradients,
+                checkpointer: &mut Checkpointer,
+            ) {
+                Self::run::<B, $n>(ops, grads, checkpointer);
+            }
+        }
+    )+};
 }
 
-impl<B: AttentionBackend> Backward<B, 2> for PackedAttentionBackward {
-    type State = PackedState<B>;
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 2>(ops, grads, checkpointer);
-    }
-}
+backward_for_parent_counts!(PackedAttentionBackward, PackedState, 1, 2);
 
 /// Exact GELU's backward: `dx = dy · (Φ(x) + x·φ(x))` from the saved `x`.
 #[derive(Debug)]
@@ -563,31 +559,7 @@ fn layer_norm_tracked<B: AttentionBackend>(
     (B::float_reshape(y, shape), state)
 }
 
-impl<B: AttentionBackend> Backward<B, 3> for LayerNormBackward {
-    type State = LayerNormState<B>;
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 3>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 3>(ops, grads, checkpointer);
-    }
-}
-
-impl<B: AttentionBackend> Backward<B, 2> for LayerNormBackward {
-    type State = LayerNormState<B>;
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        Self::run::<B, 2>(ops, grads, checkpointer);
-    }
-}
+backward_for_parent_counts!(LayerNormBackward, LayerNormState, 2, 3);
 
 /// Attention pooling's closed-form backward (`pool.rs`).
 #[derive(Debug)]
