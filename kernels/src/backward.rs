@@ -17,7 +17,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Shape, TensorMetadata};
 
-use crate::{AttentionBackend, AttentionDropout, RowSlots};
+use crate::{as_rows, AttentionBackend, AttentionDropout, RowSlots};
 
 #[derive(Debug)]
 struct FusedAttentionBackward;
@@ -445,15 +445,6 @@ struct LayerNormState<B: AttentionBackend> {
     /// node between, whose gradient Burn would add to the residual's), and
     /// works on its rows.
     shape: Shape,
-}
-
-/// `t` as rows of its last axis, `[M, D]` (a reshape of the inner tensor,
-/// recorded by no autodiff node).
-fn as_rows<B: AttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
-    let shape = t.shape();
-    let width = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / width.max(1);
-    B::float_reshape(t, Shape::new([rows, width]))
 }
 
 /// An autodiff tensor whose node is an op's input and whose value is a

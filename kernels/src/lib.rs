@@ -1022,11 +1022,17 @@ pub fn with_row_bias<B: Backend, const D: usize>(
 /// `t [..., W]` summed over everything but its last axis, `[W]`: a
 /// per-column bias's gradient ([`AttentionBackend::column_sum`]).
 pub(crate) fn column_sum_last<B: AttentionBackend>(t: FloatTensor<B>) -> FloatTensor<B> {
+    B::column_sum(as_rows::<B>(t))
+}
+
+/// `t [..., W]` as rows of its last axis, `[M, W]` (a reshape of the
+/// tensor itself: under autodiff, of the inner tensor, recorded by no node).
+pub(crate) fn as_rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     use burn::tensor::TensorMetadata;
     let shape = t.shape();
     let width = shape[shape.num_dims() - 1];
     let rows = shape.num_elements() / width.max(1);
-    B::column_sum(B::float_reshape(t, Shape::new([rows, width])))
+    B::float_reshape(t, Shape::new([rows, width]))
 }
 
 /// `x + bias` with `bias [W]` broadcast over `x`'s rows (`x [..., W]`); `x`
