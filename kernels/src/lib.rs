@@ -106,7 +106,9 @@ pub use slots::{unpack_rows, RowSlots};
 #[cfg(feature = "cubecl")]
 mod forward;
 #[cfg(feature = "cubecl")]
-pub use forward::{dense_matmul_candidates, launch_matmul, rows_matmul, rows_matmul_tile};
+pub use forward::{
+    dense_matmul_candidates, launch_matmul, rows_matmul, rows_matmul_tile, DenseKernel,
+};
 #[cfg(feature = "fusion")]
 mod fusion;
 #[cfg(feature = "cubecl")]
@@ -115,6 +117,10 @@ mod kernel;
 mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;
+#[cfg(feature = "cubecl")]
+mod tma_tiling;
+#[cfg(feature = "cubecl")]
+pub use tma_tiling::TmaTiling;
 
 /// Keeps compiled CUDA/HIP kernels on disk between runs.
 ///

@@ -125,7 +125,7 @@ fn dense_products_equal_a_float64_product_in_every_layout() {
 /// these operands (CubeCL's own check: no tensor cores on lavapipe, no TMA
 /// before sm_90, strides TMA cannot take).
 fn launched(
-    strategy: &cubek::matmul::launch::Strategy,
+    strategy: &aam_kernels::DenseKernel,
     lhs: Tensor<B, 3>,
     rhs: Tensor<B, 3>,
 ) -> Option<Vec<f32>> {
@@ -193,7 +193,7 @@ fn listed_kernels_over_inner_sizes_modulo_64() {
                 )
             };
             let (a, b) = operands();
-            let want: Vec<f64> = launched(&Strategy::Naive, a, b)
+            let want: Vec<f64> = launched(&Strategy::Naive.into(), a, b)
                 .expect("naive runs")
                 .iter()
                 .map(|v| *v as f64)
@@ -402,8 +402,64 @@ fn autotune_candidates_at_aam_shapes() {
             )
         });
     }
+    let mut candidates: Vec<aam_kernels::DenseKernel> =
+        candidates.into_iter().map(Into::into).collect();
+    // `AAM_MATMUL_TILINGS`: CubeCL's TMA double-buffered kernel with other
+    // stage shapes than it infers (`aam_kernels::TmaTiling`: a stage of
+    // `16·p × 8·p` outputs, `r` 16-row tiles a plane, `8·k` deep), each
+    // `p,r,k,swizzled,specialized` (0/1) with `;` between, or `1` for a
+    // list of twelve.
+    let tiling = |p, r, k, swizzled, specialized| aam_kernels::TmaTiling {
+        planes: Some(p),
+        rows_per_plane: Some(r),
+        partition_k: Some(k),
+        swizzled,
+        specialized,
+    };
+    let listed = std::env::var("AAM_MATMUL_TILINGS").unwrap_or_default();
+    if !listed.is_empty() && listed != "1" {
+        for item in listed.split(';') {
+            let v: Vec<u32> = item
+                .split(',')
+                .map(|x| {
+                    x.trim()
+                        .parse()
+                        .expect("AAM_MATMUL_TILINGS: p,r,k,swizzled,specialized")
+                })
+                .collect();
+            assert_eq!(
+                v.len(),
+                5,
+                "AAM_MATMUL_TILINGS: p,r,k,swizzled,specialized, not {item:?}"
+            );
+            candidates.push(aam_kernels::DenseKernel::TmaDouble(tiling(
+                v[0],
+                v[1],
+                v[2],
+                v[3] == 1,
+                v[4] == 1,
+            )));
+        }
+    } else if listed == "1" {
+        for t in [
+            tiling(8, 2, 4, false, false),
+            tiling(8, 1, 4, true, false),
+            tiling(8, 1, 4, false, false),
+            tiling(8, 2, 2, false, false),
+            tiling(8, 2, 8, false, false),
+            tiling(4, 1, 4, false, false),
+            tiling(16, 1, 4, false, false),
+            tiling(16, 2, 4, false, false),
+            tiling(16, 2, 2, false, false),
+            tiling(16, 4, 2, false, false),
+            tiling(8, 1, 4, false, true),
+            tiling(16, 2, 4, false, true),
+        ] {
+            candidates.push(aam_kernels::DenseKernel::TmaDouble(t));
+        }
+    }
     // One candidate's output and mean time over 5 launches (µs), if it runs.
-    let run = |strategy: &Strategy, lhs: &Tensor<B, 3>, rhs: &Tensor<B, 3>| {
+    let run = |strategy: &aam_kernels::DenseKernel, lhs: &Tensor<B, 3>, rhs: &Tensor<B, 3>| {
         let [b, m, _] = lhs.dims();
         let n = rhs.dims()[2];
         let (lhs, rhs) = (
@@ -472,7 +528,9 @@ fn autotune_candidates_at_aam_shapes() {
                 let contiguous = wt.clone().reshape([n * k]).reshape([k, n]);
                 for (what, rhs) in [("x·wᵀ (view)", wt), ("x·w (contiguous)", contiguous)] {
                     let (lhs, rhs) = (x.clone().unsqueeze::<3>(), rhs.unsqueeze::<3>());
-                    let want = run(&Strategy::Naive, &lhs, &rhs).expect("naive runs").0;
+                    let want = run(&Strategy::Naive.into(), &lhs, &rhs)
+                        .expect("naive runs")
+                        .0;
                     let want: Vec<f64> = want.iter().map(|v| *v as f64).collect();
                     let validated = rel(&dense_matmul(lhs.clone(), rhs.clone()), &want);
                     let mut line =
@@ -526,7 +584,9 @@ fn autotune_candidates_at_aam_shapes() {
                 ),
             ];
             for (what, lhs, rhs) in products {
-                let want = run(&Strategy::Naive, &lhs, &rhs).expect("naive runs").0;
+                let want = run(&Strategy::Naive.into(), &lhs, &rhs)
+                    .expect("naive runs")
+                    .0;
                 let want: Vec<f64> = want.iter().map(|v| *v as f64).collect();
                 let validated = rel(&dense_matmul(lhs.clone(), rhs.clone()), &want);
                 let mut line = format!("rows {rows}, [{p}x{q}] {what}: validated {validated:.1e}");
