@@ -73,6 +73,9 @@
 //!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
 //!   best at AAM's shapes so far; the base for fusing element-wise passes
 //!   into a product).
+//! - `tma_tiling.rs`: CubeCL's TMA double-buffered matmul with a stage
+//!   shape chosen here (`TmaTiling`), one of the dense products'
+//!   autotune candidates.
 //! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
 //!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
 //!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
