@@ -409,54 +409,35 @@ fn autotune_candidates_at_aam_shapes() {
     // `16·p × 8·p` outputs, `r` 16-row tiles a plane, `8·k` deep), each
     // `p,r,k,swizzled,specialized` (0/1) with `;` between, or `1` for a
     // list of twelve.
-    let tiling = |p, r, k, swizzled, specialized| aam_kernels::TmaTiling {
-        planes: Some(p),
-        rows_per_plane: Some(r),
-        partition_k: Some(k),
-        swizzled,
-        specialized,
+    let listed = match std::env::var("AAM_MATMUL_TILINGS").unwrap_or_default() {
+        one if one == "1" => "8,2,4,0,0;8,1,4,1,0;8,1,4,0,0;8,2,2,0,0;8,2,8,0,0;4,1,4,0,0;\
+                              16,1,4,0,0;16,2,4,0,0;16,2,2,0,0;16,4,2,0,0;8,1,4,0,1;16,2,4,0,1"
+            .to_string(),
+        other => other,
     };
-    let listed = std::env::var("AAM_MATMUL_TILINGS").unwrap_or_default();
-    if !listed.is_empty() && listed != "1" {
-        for item in listed.split(';') {
-            let v: Vec<u32> = item
-                .split(',')
-                .map(|x| {
-                    x.trim()
-                        .parse()
-                        .expect("AAM_MATMUL_TILINGS: p,r,k,swizzled,specialized")
-                })
-                .collect();
-            assert_eq!(
-                v.len(),
-                5,
-                "AAM_MATMUL_TILINGS: p,r,k,swizzled,specialized, not {item:?}"
-            );
-            candidates.push(aam_kernels::DenseKernel::TmaDouble(tiling(
-                v[0],
-                v[1],
-                v[2],
-                v[3] == 1,
-                v[4] == 1,
-            )));
-        }
-    } else if listed == "1" {
-        for t in [
-            tiling(8, 2, 4, false, false),
-            tiling(8, 1, 4, true, false),
-            tiling(8, 1, 4, false, false),
-            tiling(8, 2, 2, false, false),
-            tiling(8, 2, 8, false, false),
-            tiling(4, 1, 4, false, false),
-            tiling(16, 1, 4, false, false),
-            tiling(16, 2, 4, false, false),
-            tiling(16, 2, 2, false, false),
-            tiling(16, 4, 2, false, false),
-            tiling(8, 1, 4, false, true),
-            tiling(16, 2, 4, false, true),
-        ] {
-            candidates.push(aam_kernels::DenseKernel::TmaDouble(t));
-        }
+    for item in listed.split(';').filter(|item| !item.is_empty()) {
+        let v: Vec<u32> = item
+            .split(',')
+            .map(|x| {
+                x.trim()
+                    .parse()
+                    .expect("AAM_MATMUL_TILINGS: p,r,k,swizzled,specialized")
+            })
+            .collect();
+        assert_eq!(
+            v.len(),
+            5,
+            "AAM_MATMUL_TILINGS: p,r,k,swizzled,specialized, not {item:?}"
+        );
+        candidates.push(aam_kernels::DenseKernel::TmaDouble(
+            aam_kernels::TmaTiling {
+                planes: Some(v[0]),
+                rows_per_plane: Some(v[1]),
+                partition_k: Some(v[2]),
+                swizzled: v[3] == 1,
+                specialized: v[4] == 1,
+            },
+        ));
     }
     // One candidate's output and mean time over 5 launches (µs), if it runs.
     let run = |strategy: &aam_kernels::DenseKernel, lhs: &Tensor<B, 3>, rhs: &Tensor<B, 3>| {
