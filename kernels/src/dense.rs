@@ -134,7 +134,7 @@ fn split_rows<B: Backend>(t: Tensor<B, 2>, split: usize) -> (Tensor<B, 2>, Optio
 /// Burn's autotuned matmul may pick CubeCL's `double_unit` kernel, which is
 /// wrong with a transposed view as its right operand (`[1000, 24]·[24, 16]`,
 /// 0.6 relative; `forward.rs`, `dense_matmul_candidates`;
-/// `kernels/tests/dense_validated_matmul.rs`).
+/// `kernels/tests/ops/dense_validated_matmul.rs`).
 ///
 /// # Shapes
 /// - x: `[M, K]`, weight: `[N, K]`, bias: `[N]`

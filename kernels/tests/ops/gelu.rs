@@ -14,13 +14,11 @@
 //! the kernels run as custom ops of Burn's fusion stream.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{AttentionBackend, AttentionDropout};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorPrimitive;
-use common::*;
 
 fn run<Ad: AutodiffBackend + AttentionBackend>(x: &[f32], dy: &[f32]) -> [Vec<f32>; 2] {
     let device = Default::default();

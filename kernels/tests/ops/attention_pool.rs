@@ -11,12 +11,10 @@
 //! the kernels run as custom ops of Burn's fusion stream.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{attention_pool, AttentionBackend};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use common::*;
 
 /// The pooled rows and the gradients of `Σ pooled ⊙ dy` on backend `Ad`.
 fn run<Ad: AutodiffBackend + AttentionBackend>(

@@ -14,12 +14,10 @@
 //! the kernels run as custom ops of Burn's fusion stream.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{dense, layer_norm, AttentionBackend};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use common::*;
 
 /// f32 sums over up to a few thousand rows, in another order than ndarray's.
 const RTOL: f32 = 1e-5;

@@ -9,12 +9,10 @@
 //! the kernel runs as a custom op of Burn's fusion stream.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{adam_step_ops, AdamStep, AttentionBackend};
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
-use common::*;
 
 fn tensor<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 1> {
     Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)

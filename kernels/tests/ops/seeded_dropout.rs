@@ -11,12 +11,10 @@
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{dropout, dropout_add, AttentionBackend, AttentionDropout};
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use common::*;
 
 /// `(x, dropout(x))` on the host for a fresh normal `x`.
 fn run(shape: [usize; 2], drop: AttentionDropout, data_seed: u64) -> (Vec<f32>, Vec<f32>) {

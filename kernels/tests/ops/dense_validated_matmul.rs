@@ -8,11 +8,9 @@
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{dense, ROWS_PER_PART};
 use burn::prelude::*;
-use common::*;
 
 /// `(y, dx, dw, db)` of `dense` on backend `B` for the given inputs, with
 /// a non-uniform output gradient `g` (the loss is `Σ y·g`).

@@ -9,12 +9,10 @@
 //! of Burn's fusion stream that uploads its indices when it runs.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{unpack_rows, AttentionBackend, RowSlots};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use common::*;
 
 /// `[out, dpacked, dfill]` for the loss `Σ out ⊙ weights` (`dpacked` empty
 /// without packed rows).

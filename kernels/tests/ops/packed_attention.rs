@@ -11,12 +11,10 @@
 //! ops of Burn's fusion stream.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{fused_attention, fused_packed_attention, reference_attention, AttentionDropout};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use common::*;
 
 /// A packed case: `qkv [n, t, 3·h·dh]`, its bias `[3·h·dh]`, output weights
 /// `w [n, t, h·dh]`, and the mask of [`Case`] (an all-padding sample, a
