@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks on the device machine (README, "GPU runs"): `aam-rs diagnose attention` on CUDA and
-# on wgpu (Vulkan), then the cross-backend parity suite (tests/backend_parity.rs) on both, from
+# on wgpu (Vulkan), then the cross-backend parity suite (tests/backend_parity.rs, module
+# `backend_parity` of the `parity` test binary) on both, from
 # binaries built on the build machine and carried:
 #   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli --features cuda,wgpu
 #   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-tests --features cuda,wgpu \
-#     --test backend_parity --no-run          # prints the test binary's path
-#   gzip -c <each> > .carry/gpu/{aam-rs,backend_parity}.gz
+#     --test parity --no-run          # prints the test binary's path
+#   gzip -c <each> > .carry/gpu/{aam-rs,parity}.gz
 # and the Vulkan loader debs in .gl/ (device README). Run from the repository root with
 # carry [".carry/gpu", ".gl"]; env BACKENDS (default "cuda wgpu") and PARITY (1: also run the
 # parity suite, 0: only the diagnostic). Writes diagnose_<backend>.{txt,json} and backend_parity.log to $OUT.
@@ -20,7 +21,7 @@ fi
 # JIT (the same convention as benches/step_device.sh and benches/pretrain_device.sh).
 source benches/kernel_cache.sh; restore_kernel_cache; trap save_kernel_cache EXIT
 mkdir -p /tmp/gpu
-bins=aam-rs; [ "${PARITY:-1}" = 1 ] && bins="aam-rs backend_parity"
+bins=aam-rs; [ "${PARITY:-1}" = 1 ] && bins="aam-rs parity"
 for b in $bins; do gunzip -c ".carry/gpu/$b.gz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 /tmp/gpu/aam-rs backends
@@ -36,7 +37,7 @@ for backend in ${BACKENDS-cuda wgpu}; do
 done
 if [ "${PARITY:-1}" = 1 ]; then
   echo "== backend_parity (cuda, wgpu)"
-  CARGO_MANIFEST_DIR="$PWD/tests" timeout "${PARITY_TIMEOUT:-400}" /tmp/gpu/backend_parity \
+  CARGO_MANIFEST_DIR="$PWD/tests" timeout "${PARITY_TIMEOUT:-400}" /tmp/gpu/parity backend_parity:: \
     --nocapture --test-threads 1 > "$OUT/backend_parity.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   grep -E "^test |max|result" "$OUT/backend_parity.log" | cut -c1-200 | tail -40

@@ -4,17 +4,17 @@
 #   LIBTORCH=<wheel>/torch LIBTORCH_BYPASS_VERSION_CHECK=1 \
 #   RUSTFLAGS="-C link-arg=-Wl,--allow-shlib-undefined" CARGO_TARGET_DIR=/work/tch-target
 #   cargo build --profile device -p aam-cli --features tch
-#   cargo test  --profile device -p aam-tests --features tch --test backend_parity --no-run
+#   cargo test  --profile device -p aam-tests --features tch --test parity --no-run
 # They link libtorch_cuda.so, libtorch_cpu.so and libc10.so (no version in the soname) and find them
 # through LD_LIBRARY_PATH = the device Python's torch/lib; those libraries find NVIDIA's own
 # (site-packages/nvidia/...) through their RPATH $ORIGIN/../../nvidia/*/lib.
 # Writes tch_backends.txt, diagnose_tch-gpu.{txt,json} and backend_parity_tch.log to $OUT.
-# Extra arguments go to the test binary. Binaries go gzipped to .carry/tch/{aam-rs,backend_parity}.gz.
+# Extra arguments go to the test binary. Binaries go gzipped to .carry/tch/{aam-rs,parity}.gz.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HERE=.carry/tch
 mkdir -p /tmp/tch
-for b in aam-rs backend_parity; do gunzip -c "$HERE/$b.gz" > "/tmp/tch/$b" && chmod +x "/tmp/tch/$b"; done
+for b in aam-rs parity; do gunzip -c "$HERE/$b.gz" > "/tmp/tch/$b" && chmod +x "/tmp/tch/$b"; done
 
 PY=${PYTHON:-python3}
 TORCH_DIR=$("$PY" -c 'import torch,os;print(os.path.dirname(torch.__file__))') || { echo "no torch in $PY"; exit 1; }
@@ -46,7 +46,7 @@ echo "rc=$rc"
 
 echo "== backend_parity (tch CPU and tch_gpu)"
 start=$(date +%s)
-CARGO_MANIFEST_DIR="$PWD/tests" /tmp/tch/backend_parity --include-ignored tch --nocapture --test-threads 1 "$@" \
+CARGO_MANIFEST_DIR="$PWD/tests" /tmp/tch/parity --include-ignored backend_parity::tch --nocapture --test-threads 1 "$@" \
   > "$OUT/backend_parity_tch.log" 2>&1
 rc=$?; [ $rc -eq 0 ] || status=1
 grep -E "^test |max|result|panicked|error" "$OUT/backend_parity_tch.log" | cut -c1-220 | tail -40

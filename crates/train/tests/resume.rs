@@ -117,12 +117,8 @@ impl Observer for StopAfter {
     }
 }
 
-/// Burn's backend RNG is process-global: runs in parallel test threads would
-/// draw from each other's stream, so the tests here train one at a time.
-static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 fn train(out: &Path, resume: Option<&Path>, observer: &mut dyn Observer) {
-    let _guard = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _guard = crate::one_run_at_a_time();
     let device = Default::default();
     let ckpt = resume.map(|p| read_checkpoint(p).unwrap());
     let config = model_config();

@@ -100,6 +100,7 @@ fn step(
     loader: &BatchLoader,
     slots: Slots,
 ) -> (Vec<(&'static str, f32)>, BTreeMap<String, Vec<f32>>) {
+    let _guard = crate::one_run_at_a_time();
     let device = Default::default();
     AB::seed(&device, 3);
     let model = config.init::<AB>(&device).unwrap();

@@ -1,0 +1,26 @@
+//! The workspace-level tests as one test binary, one module per file: each
+//! test binary builds and links the model on its backends again, so six of
+//! them took CI minutes that one does not (two cores).
+//!
+//! - `reference_parity`: 25 reference checkpoints, outputs and gradients vs PyTorch;
+//! - `loss_parity`: every loss and its gradients vs the reference's;
+//! - `state_dicts`: every reference state dict maps name for name;
+//! - `import_errors`: bad checkpoints are named and refused;
+//! - `backend_parity`: every compiled-in backend against ndarray f32;
+//! - `train_gradients`: the training step's gradients on wgpu/CUDA equal the CPU's.
+//!
+//! Run one file's tests with its module name as the filter, e.g.
+//! `cargo test -p aam-tests --features wgpu --test parity -- backend_parity::wgpu::`.
+
+#[path = "backend_parity.rs"]
+mod backend_parity;
+#[path = "import_errors.rs"]
+mod import_errors;
+#[path = "loss_parity.rs"]
+mod loss_parity;
+#[path = "reference_parity.rs"]
+mod reference_parity;
+#[path = "state_dicts.rs"]
+mod state_dicts;
+#[path = "train_gradients.rs"]
+mod train_gradients;
