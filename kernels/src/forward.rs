@@ -46,10 +46,12 @@ struct Layout {
 }
 
 /// Units (rows × lanes) a call should have: a call with fewer rows splits
-/// each row over up to 8 lanes until it has this many. On the H100 the
-/// sample level (8 × 4 heads × 1024 rows = 2^15) ran its forward in 0.143 ms
-/// with one lane per row in cubes of 256 and in 0.159 ms split over 8 lanes
-/// (its backward equal), so only smaller calls split.
+/// each row over up to 8 lanes until it has this many, and a call of at
+/// most this many rows over at least 2. On the H100 the sample level
+/// at 1,024 slots (8 × 4 heads × 1024 rows = 2^15) ran its forward in 0.143
+/// ms with one lane per row in cubes of 256, in 0.159 ms over 8 lanes, and
+/// in 0.117-0.126 ms over 2 (forward+backward 0.547 → 0.533-0.539 ms;
+/// twenty-ninth session). The ASV level (~10^6 rows) never splits.
 const UNITS_TO_FILL: usize = 1 << 15;
 
 /// Key sequences at least this long are taken for mostly padding (see
@@ -95,8 +97,8 @@ impl Layout {
     }
 
     /// Lanes per row for `rows` rows: the fixed setting, or the fewest (a
-    /// power of two up to 8) that give [`UNITS_TO_FILL`] units. Never more
-    /// than the tile's rows.
+    /// power of two up to 8) that give [`UNITS_TO_FILL`] units, and at least
+    /// two for up to that many rows. Never more than the tile's rows.
     fn lanes(&self, rows: usize) -> usize {
         let lanes = match self.lanes {
             LanesSetting::Fixed(lanes) => lanes,
@@ -104,6 +106,9 @@ impl Layout {
                 let mut lanes = 1;
                 while lanes < 8 && rows * lanes < UNITS_TO_FILL {
                     lanes *= 2;
+                }
+                if rows <= UNITS_TO_FILL {
+                    lanes = lanes.max(2);
                 }
                 lanes
             }

@@ -9,10 +9,10 @@
 //! shared memory and each lane of a group walks its share of every tile (the
 //! keys, or queries, `lane`, `lane + lanes`, ...) with an online softmax.
 //! At the end the lanes of a group merge their partial results with plane
-//! shuffles. `lanes > 1` gives a call with few rows (under 2^15, say a
-//! sample level of batch 4) enough units to fill a GPU; `lanes = 1` (the ASV
-//! and sample levels at batch 8, and every wgpu launch) needs no plane
-//! operations for them.
+//! shuffles. `lanes > 1` gives a call with few rows (at most 2^15, say a
+//! sample level of batch 8 or less) enough units to fill a GPU; `lanes = 1`
+//! (the ASV level, and every wgpu launch) needs no plane operations for
+//! them.
 //!
 //! With one lane, CUDA and HIP split each row's head dimensions over
 //! `parts = 2` adjacent units instead: each keeps half of the row and of its

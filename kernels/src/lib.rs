@@ -27,8 +27,8 @@
 //! without storing it.
 //!
 //! Work split: a row is handled by one unit, or, on CUDA/HIP when a call has
-//! too few rows to fill the GPU (fewer than 2^15: the sample level of a
-//! batch under 8), by up to 8 adjacent units of a plane, each taking its
+//! too few rows to fill the GPU (at most 2^15: the sample level of a
+//! batch of 8 or less), by up to 8 adjacent units of a plane, each taking its
 //! share of every tile, whose softmax states are merged by plane shuffles at
 //! the end (`AAM_KERNEL_LANES` overrides it; see `forward.rs`). Tiles live
 //! in shared memory as 16-byte quads (see `kernel.rs`).
