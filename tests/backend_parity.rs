@@ -13,7 +13,7 @@
 //! prints its worst forward and gradient error (`--nocapture`), which is how
 //! the README's backend matrix gets its measured numbers.
 //!
-//! `cargo test -p aam-tests --features wgpu --test backend_parity -- --nocapture wgpu::`
+//! `cargo test -p aam-tests --features wgpu --test parity -- --nocapture backend_parity::wgpu::`
 
 use aam_models::import::{infer_config, AamModel, ModelConfig, TorchCheckpoint};
 use aam_models::output::OutputTensor;
