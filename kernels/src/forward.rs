@@ -25,6 +25,9 @@ use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
 };
+use crate::tiled_backward::{
+    attention_backward_tiled, attention_forward_tiled, padded_key_quads, tiled_shared_bytes,
+};
 use crate::tma_tiling::{TmaTiling, TunedTmaDoubleBuffering};
 use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout};
 
@@ -42,6 +45,8 @@ struct Layout {
     parts: PartsSetting,
     /// CUDA or HIP (plane order follows unit order).
     native: bool,
+    /// CUDA (the tiled backward's shared memory).
+    cuda: bool,
     head_dim: usize,
 }
 
@@ -70,6 +75,7 @@ impl Layout {
     /// conflicts.
     fn new<R: CubeRuntime>(client: &cubecl::client::ComputeClient<R>, head_dim: usize) -> Self {
         let native = matches!(R::name(client), "cuda" | "hip");
+        let cuda = R::name(client) == "cuda";
         let lanes = match lanes_setting() {
             LanesSetting::Auto if native => LanesSetting::Auto,
             LanesSetting::Auto => LanesSetting::Fixed(1),
@@ -92,6 +98,7 @@ impl Layout {
             lanes,
             parts: parts_setting(),
             native,
+            cuda,
             head_dim,
         }
     }
@@ -213,6 +220,29 @@ impl Layout {
         })
     }
 
+    /// The register-tiled forward and backward ([`attention_forward_tiled`],
+    /// [`attention_backward_tiled`]) for `tk` keys: on CUDA, for head dims 16, 32 and 64, where a cube has a unit
+    /// for each (key quad, dimension quad) block of dK and dV (at most 1,024)
+    /// and the shared memory of a query tile of 32 rows, or 16, fits
+    /// [`TILED_SHARED_BYTES`].
+    fn tiled(&self, tk: usize) -> Option<Tiled> {
+        if !self.cuda || !matches!(self.head_dim, 16 | 32 | 64) {
+            return None;
+        }
+        let units = padded_key_quads(tk) * self.head_dim / 4;
+        if units > 1024 {
+            return None;
+        }
+        let tile = [32, 16]
+            .into_iter()
+            .filter(|&tile| tile_setting().is_none_or(|setting| setting == tile))
+            .find(|&tile| tiled_shared_bytes(tk, self.head_dim, tile) <= TILED_SHARED_BYTES)?;
+        Some(Tiled {
+            units: units.max(tile),
+            tile,
+        })
+    }
+
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
     /// each row taking `lanes` × `parts` units. Split into lanes: 128 units
     /// (64 for heads wider than 64, whose rows use more registers). One lane
@@ -231,6 +261,21 @@ impl Layout {
         let cubes = len.div_ceil(most).max(1);
         (len.div_ceil(cubes).next_multiple_of(32).min(most)) as u32
     }
+}
+
+/// Shared memory the tiled backward may use a cube: two cubes (and the
+/// 1 KiB each the driver reserves) fit an H100 SM's 228 KiB; the ASV
+/// level's 151 keys at head dim 32 take 112,512 bytes with query tiles of 32.
+const TILED_SHARED_BYTES: usize = 112 * 1024;
+
+/// How [`attention_forward_tiled`] and [`attention_backward_tiled`] run
+/// ([`Layout::tiled`]).
+#[derive(Clone, Copy, Debug)]
+struct Tiled {
+    /// Units in the one cube of an (n, h), in whole planes.
+    units: usize,
+    /// Query rows a tile.
+    tile: usize,
 }
 
 /// How [`attention_backward_merged`] runs ([`Layout::merged_backward`]).
@@ -317,6 +362,33 @@ fn merged_backward_setting() -> bool {
             Ok(other) => panic!("AAM_KERNEL_MERGED_BACKWARD must be 0 or 1, not {other:?}"),
         },
     )
+}
+
+/// Which passes run register-tiled where they can ([`Layout::tiled`]).
+#[derive(Clone, Copy, Debug)]
+struct TiledSetting {
+    forward: bool,
+    backward: bool,
+}
+
+/// `AAM_KERNEL_TILED`: unset or `1` runs both attention passes as
+/// register-tiled products where they can ([`Layout::tiled`]);
+/// `forward` or `backward` only that one; `0` neither (the scalar forward,
+/// and the merged backward or the dQ and dK/dV kernels).
+fn tiled_setting() -> TiledSetting {
+    static TILED: std::sync::OnceLock<TiledSetting> = std::sync::OnceLock::new();
+    *TILED.get_or_init(|| {
+        let (forward, backward) = match std::env::var("AAM_KERNEL_TILED").as_deref() {
+            Ok("1") | Err(_) => (true, true),
+            Ok("forward") => (true, false),
+            Ok("backward") => (false, true),
+            Ok("0") => (false, false),
+            Ok(other) => {
+                panic!("AAM_KERNEL_TILED must be 1, forward, backward or 0, not {other:?}")
+            }
+        };
+        TiledSetting { forward, backward }
+    })
 }
 
 /// Whether the kernels unroll their loops over the head dimension and a
@@ -1311,6 +1383,38 @@ where
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
     let rows_per_cube = units as usize / (lanes * parts);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
+    if let Some(tiled) = layout.tiled(tk).filter(|_| tiled_setting().forward) {
+        for (offset, count) in bh_chunks(n * h) {
+            attention_forward_tiled::launch::<R>(
+                &client,
+                CubeCount::Static(count, 1, 1),
+                CubeDim::new_1d(tiled.units as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                bias.unwrap_or(q).clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                k_offset,
+                v_offset,
+                threshold,
+                drop_scale,
+                seed,
+                dh,
+                tk,
+                tiled.tile,
+                tiled.units,
+                use_dropout,
+                bias.is_some(),
+                q.dtype.into(),
+            );
+        }
+        return lse;
+    }
     for (offset, count) in bh_chunks(n * h) {
         attention_forward::launch::<R>(
             &client,
@@ -1379,6 +1483,43 @@ fn scalar_backward<R, F, I, BT>(
     let parts_k = layout.parts(lanes_k);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
     let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
+    if let Some(tiled) = layout.tiled(tk).filter(|_| tiled_setting().backward) {
+        for (offset, count) in bh_chunks(n * h) {
+            attention_backward_tiled::launch::<R>(
+                &client,
+                CubeCount::Static(count, 1, 1),
+                CubeDim::new_1d(tiled.units as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                bias.unwrap_or(q).clone().into_tensor_arg(),
+                dout.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                dkv.clone().into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                k_offset,
+                v_offset,
+                dk_offset,
+                dv_offset,
+                threshold,
+                drop_scale,
+                seed,
+                dh,
+                tk,
+                tiled.tile,
+                tiled.units,
+                use_dropout,
+                bias.is_some(),
+                q.dtype.into(),
+            );
+        }
+        return;
+    }
     if let Some(merged) = layout.merged_backward(lanes_k, parts_k, tk) {
         for (offset, count) in bh_chunks(n * h) {
             attention_backward_merged::launch::<R>(

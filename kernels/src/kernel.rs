@@ -355,13 +355,19 @@ pub fn attention_forward<F: Float>(
 /// heads of a packed `qkv [N, T, 3D]` or `out [N, T, D]` are read and written
 /// in place this way, without splitting them into copies.
 #[cube]
-fn head_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize) -> usize {
+pub(crate) fn head_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize) -> usize {
     offset as usize + n * t.stride(0) + h * t.stride(1)
 }
 
 /// The element of row `row`, dimension 0 of head `(n, h)` (see [`head_start`]).
 #[cube]
-fn row_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize, row: usize) -> usize {
+pub(crate) fn row_start<F: Float>(
+    t: &Tensor<F>,
+    offset: u32,
+    n: usize,
+    h: usize,
+    row: usize,
+) -> usize {
     head_start(t, offset, n, h) + row * t.stride(2)
 }
 
@@ -373,7 +379,7 @@ fn row_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize, row: usiz
 /// head `h` of the part at column `offset` of `qkv` (0, D, 2D) has the bias
 /// at `offset + h·head_dim + d`.
 #[cube]
-fn bias_at<F: Float>(bias: &Tensor<F>, at: usize, #[comptime] with_bias: bool) -> f32 {
+pub(crate) fn bias_at<F: Float>(bias: &Tensor<F>, at: usize, #[comptime] with_bias: bool) -> f32 {
     let mut b = 0.0f32;
     if with_bias {
         b = f32::cast_from(bias[at]);

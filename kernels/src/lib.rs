@@ -69,6 +69,10 @@
 //!   Where one cube holds all of a head's keys (the ASV level's 151), dK/dV
 //!   and dQ are one kernel, so `P` and `dS` are computed once
 //!   (`AAM_KERNEL_MERGED_BACKWARD=0` runs the two kernels).
+//! - `tiled_backward.rs`: on CUDA, where a head's keys fit a cube, the
+//!   backward (and the forward) as register-tiled products: units own 4 × 4
+//!   blocks of `S`/`dP`, of dK/dV and of dQ, as a matmul's do, instead of
+//!   a key (or query) row each (`AAM_KERNEL_TILED=1|forward|backward|0`).
 //! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
 //!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
 //!   best at AAM's shapes so far; the base for fusing element-wise passes
@@ -120,6 +124,8 @@ mod kernel;
 mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;
+#[cfg(feature = "cubecl")]
+mod tiled_backward;
 #[cfg(feature = "cubecl")]
 mod tma_tiling;
 #[cfg(feature = "cubecl")]

@@ -1,0 +1,899 @@
+//! The attention backward as register-tiled products, for heads whose keys
+//! fit one cube (the ASV level's 151): dQ, dK and dV of one (n, h) in one
+//! cube, on CUDA cores, f32 arithmetic. No Burn imports here.
+//!
+//! Why a third backward: [`attention_backward_merged`](crate::kernel) gives
+//! each unit half of a key and walks the queries one at a time. Every
+//! (query, key) pair then costs its unit two dot products finished by plane
+//! shuffles, an exponential and a dropout hash per half, and four quad
+//! loads for 32 multiply-adds; Nsight Compute counted ~276 instructions a
+//! pair, 168 registers a unit and one cube an SM (twenty-ninth session).
+//! Here the work of a query tile is three small matrix products, and each
+//! unit owns a 4 × 4 block of one of them, as a matmul's units do:
+//!
+//! 1. `S = Q·Kᵀ` and `dP = dO·Vᵀ` (queries × keys): per four head
+//!    dimensions, a unit's block of four queries and four keys loads a quad
+//!    of each query's row and a quad of `Kᵀ` (or `Vᵀ`, stored dimension-
+//!    major) per dimension, for 64 multiply-adds; then `P = exp(S − lse)`,
+//!    the dropout mask and `dS = P·(dP − Δ)` once per pair, into shared
+//!    memory.
+//! 2. `dV += P̃ᵀ·dO` and `dK += dSᵀ·Q` (keys × head dims, summed over all
+//!    query tiles in registers): a unit owns four keys × four dims of each.
+//! 3. `dQ = scale · dS·K` (the tile's queries × head dims): a unit owns
+//!    four queries × four dims over a quarter of the keys; the four quarters
+//!    are four adjacent units, added by plane shuffles.
+//!
+//! Each product reads two quads per 16 multiply-adds, and a pair's
+//! exponential and hash are computed once. A plane's units are laid out so
+//! that a load touches few distinct quads (eight keys × four queries or
+//! dims). The next tile's q, dO and O are loaded into registers before a
+//! tile's steps 2-3 and stored after them (two copies of the q and dO
+//! tiles), which hides the loads and leaves two cube syncs a tile.
+//!
+//! Shared memory: `Kᵀ`, `Vᵀ` of the whole head, two copies of the tile's q
+//! and dO by row, `P̃` and `dS` of a tile (~103 KB at 151 keys, head dim 32,
+//! 32 queries a tile: two cubes an H100 SM, where 96 registers a unit also
+//! allow two). Rows are an odd number of quads apart, so that units
+//! reading rows 1, 2 or 4 apart fall in different banks. CUDA only: wgpu
+//! gives a cube 16 KiB by default, and HIP's 64 KiB would need smaller
+//! tiles, untested so far; elsewhere the merged kernel runs.
+//!
+//! Semantics are the merged kernel's: q is scaled (and biased) as loaded,
+//! a masked key's `P` is zero whatever its score, rows past the end have
+//! `lse = +1e30` (so `P = 0`) and zero q and dO, the dropout hash is that of
+//! `(seed, bh, query, key)`, and a masked key's dK and dV are written as 0.
+
+use cubecl::prelude::*;
+
+use crate::kernel::{bias_at, dropout_head_key, dropout_keep, row_start, Quad, FAST_EXP};
+
+/// Quads between two rows of a shared-memory matrix `quads` quads wide:
+/// the next odd number (see the module doc).
+pub const fn odd_stride(quads: usize) -> usize {
+    quads | 1
+}
+
+/// Quads of keys the kernel works on: `keys` in quads, rounded up to a
+/// multiple of 8 (a plane's eight columns of key quads; the quads past the
+/// keys are padding, masked).
+pub const fn padded_key_quads(keys: usize) -> usize {
+    keys.div_ceil(4).next_multiple_of(8)
+}
+
+/// Shared memory (bytes) of [`attention_backward_tiled`] for `keys` keys,
+/// head dim `head_dim` and `tile` queries a tile.
+pub fn tiled_shared_bytes(keys: usize, head_dim: usize, tile: usize) -> usize {
+    let key_stride = odd_stride(padded_key_quads(keys));
+    let row_stride = odd_stride(head_dim / 4);
+    let quads = 2 * head_dim * key_stride // Kᵀ, Vᵀ
+        + 2 * 2 * tile * row_stride // q, dO by row, two copies
+        + 2 * head_dim * odd_stride(tile / 4) // Qᵀ, dOᵀ
+        + 2 * tile * key_stride // P̃, dS
+        + padded_key_quads(keys); // key validity
+    quads * 16 + 2 * tile * 4
+}
+
+/// Backward of one (n, h) a cube: `dQ`, `dK`, `dV` (see the module doc).
+/// `keys` is the key count (`k.shape(2)`), `tile` the queries a tile (a
+/// multiple of 16), `head_dim` 16, 32 or 64, `units` the cube's units:
+/// [`padded_key_quads`]`(keys) · head_dim/4` (one (key quad, dim quad)
+/// block of dK and dV each, a multiple of 32), at least `tile`.
+///
+/// Launch: cube x: n·H + h − bh_offset; `units` units.
+#[cube(launch, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_tiled<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    dout: &Tensor<F>,
+    out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    key_valid: &Tensor<f32>,
+    dkv: &mut Tensor<F>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    heads: u32,
+    bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    dk_offset: u32,
+    dv_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    seed: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tq = q.shape(2);
+    let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head = TiledHead {
+        n: bh / heads as usize,
+        h: bh % heads as usize,
+        bh,
+        head_key: dropout_head_key(seed, bh as u32),
+    };
+    let unit = UNIT_POS_X as usize;
+    let key_quads = comptime!(padded_key_quads(keys));
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    let row_stride = comptime!(odd_stride(head_dim / 4));
+    let row_tile = comptime!(tile * odd_stride(head_dim / 4));
+
+    let mut shared = TiledShared {
+        qt: SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(tile / 4))),
+        dot: SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(tile / 4))),
+        kt: SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(padded_key_quads(keys)))),
+        vt: SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(padded_key_quads(keys)))),
+        q_rows: SharedMemory::<Quad>::new(comptime!(2 * tile * odd_stride(head_dim / 4))),
+        do_rows: SharedMemory::<Quad>::new(comptime!(2 * tile * odd_stride(head_dim / 4))),
+        p: SharedMemory::<Quad>::new(comptime!(tile * odd_stride(padded_key_quads(keys)))),
+        ds: SharedMemory::<Quad>::new(comptime!(tile * odd_stride(padded_key_quads(keys)))),
+        valid: SharedMemory::<Quad>::new(key_quads),
+        lse: SharedMemory::<f32>::new(tile),
+        delta: SharedMemory::<f32>::new(tile),
+    };
+
+    load_keys::<F>(
+        k,
+        v,
+        bias,
+        key_valid,
+        &head,
+        &mut shared.kt,
+        &mut shared.vt,
+        &mut shared.valid,
+        k_offset,
+        v_offset,
+        head_dim,
+        keys,
+        units,
+        with_bias,
+    );
+
+    // The unit's block of dK and dV: keys 4·kb.., dims 4·db.. (`dk[j]`: key
+    // 4·kb + j). A plane takes eight key quads × four dim quads, so that
+    // each of its loads reads at most eight distinct quads.
+    let lane = unit % 32;
+    let plane = unit / 32;
+    let dim_groups = comptime!(head_dim / 16);
+    let own_db = (plane % dim_groups) * 4 + lane / 8;
+    let own_kb = (plane / dim_groups) * 8 + lane % 8;
+    let mut dk = Array::<Quad>::new(4usize);
+    let mut dv = Array::<Quad>::new(4usize);
+    #[unroll]
+    for j in 0..4usize {
+        dk[j] = Quad::new(0.0f32);
+        dv[j] = Quad::new(0.0f32);
+    }
+
+    let n_tiles = tq.div_ceil(tile);
+    stage_query_tile::<F>(
+        q,
+        dout,
+        out,
+        lse,
+        bias,
+        &head,
+        &mut shared,
+        0,
+        0,
+        tq,
+        scale,
+        head_dim,
+        tile,
+        units,
+        with_bias,
+    );
+    sync_cube();
+    scores_and_gradients(
+        &mut shared,
+        &head,
+        0,
+        dropout_threshold,
+        dropout_scale,
+        keys,
+        tile,
+        head_dim,
+        units,
+        use_dropout,
+    );
+    sync_cube();
+
+    for t in 0..n_tiles {
+        let start = t * tile;
+        let buffer = (t % 2) * row_tile;
+        let next_buffer = ((t + 1) % 2) * row_tile;
+        // Step 3: dQ = scale · dS·K.
+        weights_times_keys::<F>(
+            &shared.ds,
+            &shared.kt,
+            &shared.valid,
+            dq,
+            &head,
+            start,
+            tq,
+            scale,
+            keys,
+            tile,
+            head_dim,
+            units,
+        );
+        let valid = shared.valid[own_kb];
+        if valid[0] + valid[1] + valid[2] + valid[3] > 0.0 {
+            for i4 in 0..comptime!(tile / 4) {
+                #[unroll]
+                for r in 0..4usize {
+                    let i = i4 * 4 + r;
+                    let p = shared.p[i * key_stride + own_kb];
+                    let ds = shared.ds[i * key_stride + own_kb];
+                    let o = shared.do_rows[buffer + i * row_stride + own_db];
+                    let x = shared.q_rows[buffer + i * row_stride + own_db];
+                    #[unroll]
+                    for j in 0..4usize {
+                        dv[j] = dv[j] + Quad::new(p[j]) * o;
+                        dk[j] = dk[j] + Quad::new(ds[j]) * x;
+                    }
+                }
+            }
+        }
+        // This tile's q and dO (read above) are done with: the next tile's
+        // take the other copy, `Qᵀ` and `dOᵀ` (read only by step 1).
+        if t + 1 < n_tiles {
+            stage_query_tile::<F>(
+                q,
+                dout,
+                out,
+                lse,
+                bias,
+                &head,
+                &mut shared,
+                start + tile,
+                next_buffer,
+                tq,
+                scale,
+                head_dim,
+                tile,
+                units,
+                with_bias,
+            );
+        }
+        sync_cube();
+        if t + 1 < n_tiles {
+            scores_and_gradients(
+                &mut shared,
+                &head,
+                start + tile,
+                dropout_threshold,
+                dropout_scale,
+                keys,
+                tile,
+                head_dim,
+                units,
+                use_dropout,
+            );
+        }
+        sync_cube();
+    }
+
+    let valid = shared.valid[own_kb];
+    #[unroll]
+    for j in 0..4usize {
+        let key = own_kb * 4 + j;
+        if key < keys {
+            let active = valid[j] > 0.0;
+            let dk_at = row_start(dkv, dk_offset, head.n, head.h, key) + own_db * 4;
+            let dv_at = row_start(dkv, dv_offset, head.n, head.h, key) + own_db * 4;
+            let dk_j = dk[j];
+            let dv_j = dv[j];
+            #[unroll]
+            for c in 0..4usize {
+                dkv[dk_at + c] = F::cast_from(select(active, dk_j[c], 0.0f32));
+                dkv[dv_at + c] = F::cast_from(select(active, dv_j[c], 0.0f32));
+            }
+        }
+    }
+}
+
+/// The (n, h) a cube of [`attention_backward_tiled`] works on, and its part
+/// of the dropout hash.
+#[derive(CubeType)]
+struct TiledHead {
+    n: usize,
+    h: usize,
+    bh: usize,
+    head_key: u32,
+}
+
+/// The shared memory of [`attention_backward_tiled`]: dimension-major `Kᵀ`,
+/// `Vᵀ` (quad `d·key_stride + kb` holds keys `4·kb..` of dimension `d`) and
+/// the tile's `Qᵀ`, `dOᵀ` (likewise by query); the tile's q and dO by row
+/// (`tile · head_dim/4` quads a copy, two copies); `P̃` and `dS` by query
+/// (quad `i·key_stride + kb`); key validity by quad; the tile's
+/// log-sum-exp and Δ.
+#[derive(CubeType)]
+struct TiledShared {
+    qt: SharedMemory<Quad>,
+    dot: SharedMemory<Quad>,
+    kt: SharedMemory<Quad>,
+    vt: SharedMemory<Quad>,
+    q_rows: SharedMemory<Quad>,
+    do_rows: SharedMemory<Quad>,
+    p: SharedMemory<Quad>,
+    ds: SharedMemory<Quad>,
+    valid: SharedMemory<Quad>,
+    lse: SharedMemory<f32>,
+    delta: SharedMemory<f32>,
+}
+
+/// Stages the query tile at row `start`: q (scaled, with its bias) and dO
+/// by row at quad `buffer` (rows `odd_stride(head_dim/4)` quads apart) and
+/// by dimension (`Qᵀ`, `dOᵀ`: one copy, read only by step 1; a unit loads
+/// one dimension of four rows), zeros past `tq`; the log-sum-exp (`+1e30`
+/// past `tq`, so that its probabilities are 0) and `Δ = rowsum(dO ⊙ O)`,
+/// whose quads' shares (adjacent units) meet by plane shuffles. Every unit
+/// must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_tile<F: Float>(
+    q: &Tensor<F>,
+    dout: &Tensor<F>,
+    out: &Tensor<F>,
+    lse: &Tensor<f32>,
+    bias: &Tensor<F>,
+    head: &TiledHead,
+    shared: &mut TiledShared,
+    start: usize,
+    buffer: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) {
+    let unit = UNIT_POS_X as usize;
+    let dim_quads = comptime!(head_dim / 4);
+    let row_stride = comptime!(odd_stride(head_dim / 4));
+    let query_stride = comptime!(odd_stride(tile / 4));
+    let q_bias = head.h * head_dim;
+    let mut item = unit;
+    while item < comptime!(tile / 4 * head_dim) {
+        let qb = item / head_dim;
+        let d = item % head_dim;
+        let mut xq = Quad::new(0.0f32);
+        let mut xdo = Quad::new(0.0f32);
+        #[unroll]
+        for i in 0..4usize {
+            let row = start + qb * 4 + i;
+            if row < tq {
+                let q_at = row_start(q, 0u32, head.n, head.h, row) + d;
+                let do_at = row_start(dout, 0u32, head.n, head.h, row) + d;
+                xq[i] = (f32::cast_from(q[q_at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
+                xdo[i] = f32::cast_from(dout[do_at]);
+            }
+        }
+        shared.qt[d * query_stride + qb] = xq;
+        shared.dot[d * query_stride + qb] = xdo;
+        item += units;
+    }
+    #[unroll]
+    for round in 0..comptime!((tile * (head_dim / 4)).div_ceil(units)) {
+        let item = unit + round * units;
+        let i = item / dim_quads;
+        let d4 = item % dim_quads;
+        let row = start + i;
+        let mut xq = Quad::new(0.0f32);
+        let mut xdo = Quad::new(0.0f32);
+        let mut share = 0.0f32;
+        if item < comptime!(tile * (head_dim / 4)) && row < tq {
+            let q_at = row_start(q, 0u32, head.n, head.h, row) + d4 * 4;
+            let do_at = row_start(dout, 0u32, head.n, head.h, row) + d4 * 4;
+            let o_at = row_start(out, 0u32, head.n, head.h, row) + d4 * 4;
+            #[unroll]
+            for c in 0..4usize {
+                let b = bias_at(bias, q_bias + d4 * 4 + c, with_bias);
+                xq[c] = (f32::cast_from(q[q_at + c]) + b) * scale;
+                xdo[c] = f32::cast_from(dout[do_at + c]);
+                share += xdo[c] * f32::cast_from(out[o_at + c]);
+            }
+        }
+        let mut offset = 1u32;
+        #[unroll]
+        for _ in 0..comptime!((head_dim / 4).ilog2() as usize) {
+            share += plane_shuffle_xor(share, offset);
+            offset *= 2;
+        }
+        if item < comptime!(tile * (head_dim / 4)) {
+            shared.q_rows[buffer + i * row_stride + d4] = xq;
+            shared.do_rows[buffer + i * row_stride + d4] = xdo;
+            if d4 == 0 {
+                shared.delta[i] = share;
+            }
+        }
+    }
+    if unit < tile {
+        let mut lse_row = 1.0e30f32;
+        if start + unit < tq {
+            lse_row = lse[head.bh * tq + start + unit];
+        }
+        shared.lse[unit] = lse_row;
+    }
+}
+
+/// Step 1 for the staged tile at row `start`: each unit's blocks of four
+/// queries × four keys get `P̃` (after dropout) and `dS = P·(dP − Δ)` into
+/// shared memory. A block of four masked keys is zero without products.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn scores_and_gradients(
+    shared: &mut TiledShared,
+    head: &TiledHead,
+    start: usize,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    #[comptime] keys: usize,
+    #[comptime] tile: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    let query_stride = comptime!(odd_stride(tile / 4));
+    // A plane takes four query quads × eight key quads (see `own_kb`).
+    let query_groups = comptime!(tile / 16);
+    let lane = UNIT_POS_X as usize % 32;
+    let mut plane = UNIT_POS_X as usize / 32;
+    while plane < comptime!(tile / 16 * (padded_key_quads(keys) / 8)) {
+        let qb = (plane % query_groups) * 4 + lane / 8;
+        let kb = (plane / query_groups) * 8 + lane % 8;
+        let valid = shared.valid[kb];
+        let any = valid[0] + valid[1] + valid[2] + valid[3] > 0.0;
+        // `acc[i]`: query 4·qb + i against the four keys: the scores, whose
+        // probabilities wait in `shared.p` (this unit's own quads) while the
+        // same registers sum dP, so that only 16 sums are live at a time.
+        let mut acc = Array::<Quad>::new(4usize);
+        #[unroll]
+        for i in 0..4usize {
+            acc[i] = Quad::new(0.0f32);
+        }
+        if any {
+            for d4 in 0..comptime!(head_dim / 4) {
+                #[unroll]
+                for c in 0..4usize {
+                    let d = d4 * 4 + c;
+                    let x = shared.qt[d * query_stride + qb];
+                    let y = shared.kt[d * key_stride + kb];
+                    #[unroll]
+                    for i in 0..4usize {
+                        acc[i] = acc[i] + Quad::new(x[i]) * y;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for i in 0..4usize {
+            let lse_i = shared.lse[qb * 4 + i];
+            let s = acc[i];
+            let mut e = Quad::new(0.0f32);
+            #[unroll]
+            for j in 0..4usize {
+                // 0 for a masked key: its exp(0 − lse) could overflow.
+                e[j] = select(valid[j] > 0.0, (s[j] - lse_i).exp(), 0.0f32);
+            }
+            shared.p[(qb * 4 + i) * key_stride + kb] = e;
+            acc[i] = Quad::new(0.0f32);
+        }
+        if any {
+            for d4 in 0..comptime!(head_dim / 4) {
+                #[unroll]
+                for c in 0..4usize {
+                    let d = d4 * 4 + c;
+                    let x = shared.dot[d * query_stride + qb];
+                    let y = shared.vt[d * key_stride + kb];
+                    #[unroll]
+                    for i in 0..4usize {
+                        acc[i] = acc[i] + Quad::new(x[i]) * y;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for i in 0..4usize {
+            let row = qb * 4 + i;
+            let delta_i = shared.delta[row];
+            let p_i = shared.p[row * key_stride + kb];
+            let dp_i = acc[i];
+            let mut kept = p_i;
+            let mut ds = Quad::new(0.0f32);
+            #[unroll]
+            for j in 0..4usize {
+                let mut dp_ij = dp_i[j];
+                if use_dropout {
+                    let keep = dropout_keep(
+                        head.head_key,
+                        (start + row) as u32,
+                        (kb * 4 + j) as u32,
+                        dropout_threshold,
+                    );
+                    kept[j] = select(keep, p_i[j] * dropout_scale, 0.0f32);
+                    dp_ij = select(keep, dp_ij * dropout_scale, 0.0f32);
+                }
+                ds[j] = p_i[j] * (dp_ij - delta_i);
+            }
+            shared.p[row * key_stride + kb] = kept;
+            shared.ds[row * key_stride + kb] = ds;
+        }
+        plane += comptime!(units / 32);
+    }
+}
+
+/// `factor · W·K` for a tile's rows into `dst` (rows `start..` of head
+/// (n, h), up to `tq`), where `W` (`weights`, by row, quads of four keys)
+/// is the tile's `dS` or `P̃` and `K` the keys' `Kᵀ` or `Vᵀ` (by
+/// dimension): the backward's `dQ = scale · dS·K` and the forward's
+/// `O = P̃·V`. Four adjacent units share a block of four rows × four dims,
+/// each taking every fourth quad of keys, and add their sums by shuffles;
+/// unit `s` of the four writes the block's row `s`. A plane takes four row
+/// quads × two dim quads (at most eight distinct quads a load of `K`,
+/// sixteen of `W`). Every unit must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn weights_times_keys<F: Float>(
+    weights: &SharedMemory<Quad>,
+    keys_t: &SharedMemory<Quad>,
+    valid: &SharedMemory<Quad>,
+    dst: &mut Tensor<F>,
+    head: &TiledHead,
+    start: usize,
+    tq: usize,
+    factor: f32,
+    #[comptime] keys: usize,
+    #[comptime] tile: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+) {
+    let key_quads = comptime!(padded_key_quads(keys));
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    let dim_pairs = comptime!(head_dim / 8);
+    let planes = comptime!(tile / 16 * (head_dim / 8));
+    let lane = UNIT_POS_X as usize % 32;
+    let share = lane % 4;
+    #[unroll]
+    for round in 0..comptime!((tile / 16 * (head_dim / 8)).div_ceil(units / 32)) {
+        // Uniform over a plane, whose units all shuffle.
+        let plane = UNIT_POS_X as usize / 32 + round * comptime!(units / 32);
+        let qb = (plane / dim_pairs) * 4 + lane / 8;
+        let db = (plane % dim_pairs) * 2 + (lane / 4) % 2;
+        // `acc[i]`: row 4·qb + i, dims 4·db..
+        let mut acc = Array::<Quad>::new(4usize);
+        #[unroll]
+        for i in 0..4usize {
+            acc[i] = Quad::new(0.0f32);
+        }
+        if plane < planes {
+            let mut kb = share;
+            while kb < key_quads {
+                let valid_kb = valid[kb];
+                if valid_kb[0] + valid_kb[1] + valid_kb[2] + valid_kb[3] > 0.0 {
+                    // `kk[c]`: dimension 4·db + c of the four keys.
+                    let mut kk = Array::<Quad>::new(4usize);
+                    #[unroll]
+                    for c in 0..4usize {
+                        kk[c] = keys_t[(db * 4 + c) * key_stride + kb];
+                    }
+                    #[unroll]
+                    for i in 0..4usize {
+                        let w = weights[(qb * 4 + i) * key_stride + kb];
+                        let mut sum = acc[i];
+                        #[unroll]
+                        for c in 0..4usize {
+                            let y = kk[c];
+                            #[unroll]
+                            for j in 0..4usize {
+                                sum[c] += w[j] * y[j];
+                            }
+                        }
+                        acc[i] = sum;
+                    }
+                }
+                kb += 4;
+            }
+        }
+        #[unroll]
+        for i in 0..4usize {
+            let mut sum = acc[i];
+            #[unroll]
+            for c in 0..4usize {
+                sum[c] += plane_shuffle_xor(sum[c], 1u32);
+                sum[c] += plane_shuffle_xor(sum[c], 2u32);
+            }
+            acc[i] = sum;
+        }
+        let row = start + qb * 4 + share;
+        if plane < planes && row < tq {
+            let at = row_start(dst, 0u32, head.n, head.h, row) + db * 4;
+            #[unroll]
+            for i in 0..4usize {
+                if i == share {
+                    let x = acc[i];
+                    #[unroll]
+                    for c in 0..4usize {
+                        dst[at + c] = F::cast_from(x[c] * factor);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Loads a head's key validity (by quad of keys, 0 past `keys`) and `Kᵀ`,
+/// `Vᵀ` with their biases (quad `d·key_stride + kb` holds dimension `d` of
+/// keys `4·kb..`; zero for a masked key).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_keys<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    kt: &mut SharedMemory<Quad>,
+    vt: &mut SharedMemory<Quad>,
+    valid: &mut SharedMemory<Quad>,
+    k_offset: u32,
+    v_offset: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) {
+    let key_quads = comptime!(padded_key_quads(keys));
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    let unit = UNIT_POS_X as usize;
+    let mut kb = unit;
+    while kb < key_quads {
+        let mut x = Quad::new(0.0f32);
+        #[unroll]
+        for j in 0..4usize {
+            let key = kb * 4 + j;
+            if key < keys {
+                x[j] = key_valid[head.n * keys + key];
+            }
+        }
+        valid[kb] = x;
+        kb += units;
+    }
+    let k_bias = k_offset as usize + head.h * head_dim;
+    let v_bias = v_offset as usize + head.h * head_dim;
+    let mut item = unit;
+    while item < key_quads * head_dim {
+        let kb = item / head_dim;
+        let d = item % head_dim;
+        let mut xk = Quad::new(0.0f32);
+        let mut xv = Quad::new(0.0f32);
+        #[unroll]
+        for j in 0..4usize {
+            let key = kb * 4 + j;
+            if key < keys {
+                if key_valid[head.n * keys + key] > 0.0 {
+                    let k_at = row_start(k, k_offset, head.n, head.h, key) + d;
+                    let v_at = row_start(v, v_offset, head.n, head.h, key) + d;
+                    xk[j] = f32::cast_from(k[k_at]) + bias_at(bias, k_bias + d, with_bias);
+                    xv[j] = f32::cast_from(v[v_at]) + bias_at(bias, v_bias + d, with_bias);
+                }
+            }
+        }
+        kt[d * key_stride + kb] = xk;
+        vt[d * key_stride + kb] = xv;
+        item += units;
+    }
+}
+
+/// Forward of one (n, h) a cube, on the same tiles as
+/// [`attention_backward_tiled`]: `out = softmax(q·kᵀ·scale, masked)·v` and
+/// the row log-sum-exp. All of a head's keys are in the cube, so a row's
+/// softmax needs no running maximum: per query tile, (1) units compute
+/// blocks of four queries × four keys of `S` into shared memory (masked
+/// scores `-1e30`), (2) eight units a row take its maximum and sum (plane
+/// shuffles) and turn the row into `P̃` (dropout applied), writing the
+/// log-sum-exp, (3) `O = P̃·V` as the backward's dQ product. A row with no
+/// valid key gets zeros and log-sum-exp 0, as from `attention_forward`.
+/// Parameters as [`attention_backward_tiled`].
+///
+/// Launch: cube x: n·H + h − bh_offset; `units` units.
+#[cube(launch, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_tiled<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    heads: u32,
+    bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    seed: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tq = q.shape(2);
+    let bh = (CUBE_POS_X + bh_offset) as usize;
+    let head = TiledHead {
+        n: bh / heads as usize,
+        h: bh % heads as usize,
+        bh,
+        head_key: dropout_head_key(seed, bh as u32),
+    };
+    let unit = UNIT_POS_X as usize;
+    let key_quads = comptime!(padded_key_quads(keys));
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    let query_stride = comptime!(odd_stride(tile / 4));
+    let mut kt =
+        SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(padded_key_quads(keys))));
+    let mut vt =
+        SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(padded_key_quads(keys))));
+    let mut valid = SharedMemory::<Quad>::new(key_quads);
+    let mut qt = SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(tile / 4)));
+    let mut p = SharedMemory::<Quad>::new(comptime!(tile * odd_stride(padded_key_quads(keys))));
+    load_keys::<F>(
+        k, v, bias, key_valid, &head, &mut kt, &mut vt, &mut valid, k_offset, v_offset, head_dim,
+        keys, units, with_bias,
+    );
+    let q_bias = head.h * head_dim;
+    let query_groups = comptime!(tile / 16);
+    let lane = unit % 32;
+
+    for t in 0..tq.div_ceil(tile) {
+        let start = t * tile;
+        // Qᵀ of the tile: a unit loads one dimension of four rows.
+        let mut item = unit;
+        while item < comptime!(tile / 4 * head_dim) {
+            let qb = item / head_dim;
+            let d = item % head_dim;
+            let mut x = Quad::new(0.0f32);
+            #[unroll]
+            for i in 0..4usize {
+                let row = start + qb * 4 + i;
+                if row < tq {
+                    let at = row_start(q, 0u32, head.n, head.h, row) + d;
+                    x[i] = (f32::cast_from(q[at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
+                }
+            }
+            qt[d * query_stride + qb] = x;
+            item += units;
+        }
+        sync_cube();
+
+        // (1) Scores, a plane taking four query quads × eight key quads.
+        let mut plane = unit / 32;
+        while plane < comptime!(tile / 16 * (padded_key_quads(keys) / 8)) {
+            let qb = (plane % query_groups) * 4 + lane / 8;
+            let kb = (plane / query_groups) * 8 + lane % 8;
+            let valid_kb = valid[kb];
+            let mut acc = Array::<Quad>::new(4usize);
+            #[unroll]
+            for i in 0..4usize {
+                acc[i] = Quad::new(0.0f32);
+            }
+            if valid_kb[0] + valid_kb[1] + valid_kb[2] + valid_kb[3] > 0.0 {
+                for d4 in 0..comptime!(head_dim / 4) {
+                    #[unroll]
+                    for c in 0..4usize {
+                        let d = d4 * 4 + c;
+                        let x = qt[d * query_stride + qb];
+                        let y = kt[d * key_stride + kb];
+                        #[unroll]
+                        for i in 0..4usize {
+                            acc[i] = acc[i] + Quad::new(x[i]) * y;
+                        }
+                    }
+                }
+            }
+            #[unroll]
+            for i in 0..4usize {
+                let s = acc[i];
+                let mut masked = Quad::new(0.0f32);
+                #[unroll]
+                for j in 0..4usize {
+                    masked[j] = select(valid_kb[j] > 0.0, s[j], -1.0e30f32);
+                }
+                p[(qb * 4 + i) * key_stride + kb] = masked;
+            }
+            plane += comptime!(units / 32);
+        }
+        sync_cube();
+
+        // (2) Softmax of each row by eight adjacent units (every unit of a
+        // plane runs every round: they shuffle).
+        #[unroll]
+        for round in 0..comptime!((tile * 8).div_ceil(units)) {
+            let item = unit + round * units;
+            let row = item / 8;
+            let part = item % 8;
+            let in_tile = item < comptime!(tile * 8);
+            let mut m = 0.0f32;
+            m -= 1.0e30;
+            if in_tile {
+                let mut kb = part;
+                while kb < key_quads {
+                    let s = p[row * key_stride + kb];
+                    m = f32::max(m, f32::max(f32::max(s[0], s[1]), f32::max(s[2], s[3])));
+                    kb += 8;
+                }
+            }
+            m = f32::max(m, plane_shuffle_xor(m, 1u32));
+            m = f32::max(m, plane_shuffle_xor(m, 2u32));
+            m = f32::max(m, plane_shuffle_xor(m, 4u32));
+            let mut l = 0.0f32;
+            if in_tile {
+                let mut kb = part;
+                while kb < key_quads {
+                    let s = p[row * key_stride + kb];
+                    let valid_kb = valid[kb];
+                    #[unroll]
+                    for j in 0..4usize {
+                        l += select(valid_kb[j] > 0.0, (s[j] - m).exp(), 0.0f32);
+                    }
+                    kb += 8;
+                }
+            }
+            l += plane_shuffle_xor(l, 1u32);
+            l += plane_shuffle_xor(l, 2u32);
+            l += plane_shuffle_xor(l, 4u32);
+            // l ≥ 1 once any key is valid (the maximum gives exp(0)).
+            let seen = l > 0.0;
+            let inv = select(seen, 1.0f32 / l, 0.0f32);
+            if in_tile {
+                let mut kb = part;
+                while kb < key_quads {
+                    let s = p[row * key_stride + kb];
+                    let valid_kb = valid[kb];
+                    let mut weight = Quad::new(0.0f32);
+                    #[unroll]
+                    for j in 0..4usize {
+                        let prob = select(valid_kb[j] > 0.0, (s[j] - m).exp() * inv, 0.0f32);
+                        weight[j] = prob;
+                        if use_dropout {
+                            let keep = dropout_keep(
+                                head.head_key,
+                                (start + row) as u32,
+                                (kb * 4 + j) as u32,
+                                dropout_threshold,
+                            );
+                            weight[j] = select(keep, prob * dropout_scale, 0.0f32);
+                        }
+                    }
+                    p[row * key_stride + kb] = weight;
+                    kb += 8;
+                }
+                if part == 0 && start + row < tq {
+                    lse[head.bh * tq + start + row] = select(seen, m + l.ln(), 0.0f32);
+                }
+            }
+        }
+        sync_cube();
+
+        // (3) O = P̃·V. The next tile's Qᵀ may then replace this one (read
+        // in (1) only); its scores wait for the sync after that.
+        weights_times_keys::<F>(
+            &p, &vt, &valid, out, &head, start, tq, 1.0f32, keys, tile, head_dim, units,
+        );
+    }
+}
