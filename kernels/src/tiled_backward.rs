@@ -112,13 +112,7 @@ pub fn attention_backward_tiled<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let tq = q.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head = TiledHead {
-        n: bh / heads as usize,
-        h: bh % heads as usize,
-        bh,
-        head_key: dropout_head_key(seed, bh as u32),
-    };
+    let head = cube_head(heads, bh_offset, seed);
     let unit = UNIT_POS_X as usize;
     let key_quads = comptime!(padded_key_quads(keys));
     let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
@@ -300,14 +294,27 @@ pub fn attention_backward_tiled<F: Float>(
     }
 }
 
-/// The (n, h) a cube of [`attention_backward_tiled`] works on, and its part
-/// of the dropout hash.
+/// The (n, h) a cube of [`attention_backward_tiled`] or
+/// [`attention_forward_tiled`] works on, and its part of the dropout hash.
 #[derive(CubeType)]
 struct TiledHead {
     n: usize,
     h: usize,
     bh: usize,
     head_key: u32,
+}
+
+/// This cube's [`TiledHead`]: `bh = n·H + h` is the cube's x plus
+/// `bh_offset` (launches of more than 65,535 heads come in chunks).
+#[cube]
+fn cube_head(heads: u32, bh_offset: u32, seed: u32) -> TiledHead {
+    let bh = (CUBE_POS_X + bh_offset) as usize;
+    TiledHead {
+        n: bh / heads as usize,
+        h: bh % heads as usize,
+        bh,
+        head_key: dropout_head_key(seed, bh as u32),
+    }
 }
 
 /// The shared memory of [`attention_backward_tiled`]: dimension-major `Kᵀ`,
@@ -734,13 +741,7 @@ pub fn attention_forward_tiled<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let tq = q.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head = TiledHead {
-        n: bh / heads as usize,
-        h: bh % heads as usize,
-        bh,
-        head_key: dropout_head_key(seed, bh as u32),
-    };
+    let head = cube_head(heads, bh_offset, seed);
     let unit = UNIT_POS_X as usize;
     let key_quads = comptime!(padded_key_quads(keys));
     let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
