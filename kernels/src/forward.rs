@@ -25,7 +25,7 @@ use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
 };
-use crate::tiled_backward::{
+use crate::tiled::{
     attention_backward_tiled, attention_forward_tiled, padded_key_quads, tiled_shared_bytes,
 };
 use crate::tma_tiling::{TmaTiling, TunedTmaDoubleBuffering};
@@ -45,7 +45,7 @@ struct Layout {
     parts: PartsSetting,
     /// CUDA or HIP (plane order follows unit order).
     native: bool,
-    /// CUDA (the tiled backward's shared memory).
+    /// CUDA (the tiled kernels: their shared memory, see [`Layout::tiled`]).
     cuda: bool,
     head_dim: usize,
 }
@@ -221,10 +221,12 @@ impl Layout {
     }
 
     /// The register-tiled forward and backward ([`attention_forward_tiled`],
-    /// [`attention_backward_tiled`]) for `tk` keys: on CUDA, for head dims 16, 32 and 64, where a cube has a unit
-    /// for each (key quad, dimension quad) block of dK and dV (at most 1,024)
-    /// and the shared memory of a query tile of 32 rows, or 16, fits
-    /// [`TILED_SHARED_BYTES`].
+    /// [`attention_backward_tiled`]) for `tk` keys: on CUDA, for head dims
+    /// 16, 32 and 64, where a cube has a unit for each (key quad, dimension
+    /// quad) block of dK and dV (at most 1,024) and the backward's shared
+    /// memory for a query tile of 32 rows, or 16, fits [`TILED_SHARED_BYTES`]
+    /// (the forward needs less). The ASV level (151 keys, head dim 32): 320
+    /// units, tiles of 32.
     fn tiled(&self, tk: usize) -> Option<Tiled> {
         if !self.cuda || !matches!(self.head_dim, 16 | 32 | 64) {
             return None;
@@ -237,10 +239,7 @@ impl Layout {
             .into_iter()
             .filter(|&tile| tile_setting().is_none_or(|setting| setting == tile))
             .find(|&tile| tiled_shared_bytes(tk, self.head_dim, tile) <= TILED_SHARED_BYTES)?;
-        Some(Tiled {
-            units: units.max(tile),
-            tile,
-        })
+        Some(Tiled { units, tile })
     }
 
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
@@ -272,7 +271,8 @@ const TILED_SHARED_BYTES: usize = 112 * 1024;
 /// ([`Layout::tiled`]).
 #[derive(Clone, Copy, Debug)]
 struct Tiled {
-    /// Units in the one cube of an (n, h), in whole planes.
+    /// Units in the one cube of an (n, h): one a (key quad, dimension
+    /// quad) block, whole planes since key quads are padded to eights.
     units: usize,
     /// Query rows a tile.
     tile: usize,

@@ -69,7 +69,7 @@
 //!   Where one cube holds all of a head's keys (the ASV level's 151), dK/dV
 //!   and dQ are one kernel, so `P` and `dS` are computed once
 //!   (`AAM_KERNEL_MERGED_BACKWARD=0` runs the two kernels).
-//! - `tiled_backward.rs`: on CUDA, where a head's keys fit a cube, the
+//! - `tiled.rs`: on CUDA, where a head's keys fit a cube, the
 //!   backward (and the forward) as register-tiled products: units own 4 × 4
 //!   blocks of `S`/`dP`, of dK/dV and of dQ, as a matmul's do, instead of
 //!   a key (or query) row each (`AAM_KERNEL_TILED=1|forward|backward|0`).
@@ -125,7 +125,7 @@ mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;
 #[cfg(feature = "cubecl")]
-mod tiled_backward;
+mod tiled;
 #[cfg(feature = "cubecl")]
 mod tma_tiling;
 #[cfg(feature = "cubecl")]

@@ -1,6 +1,8 @@
-//! The attention backward as register-tiled products, for heads whose keys
-//! fit one cube (the ASV level's 151): dQ, dK and dV of one (n, h) in one
-//! cube, on CUDA cores, f32 arithmetic. No Burn imports here.
+//! Attention as register-tiled products, for heads whose keys fit one cube
+//! (the ASV level's 151): the backward's dQ, dK and dV of one (n, h) in one
+//! cube ([`attention_backward_tiled`]), and the forward on the same tiles
+//! ([`attention_forward_tiled`]); on CUDA cores, f32 arithmetic. No Burn
+//! imports here.
 //!
 //! Why a third backward: [`attention_backward_merged`](crate::kernel) gives
 //! each unit half of a key and walks the queries one at a time. Every
@@ -11,12 +13,12 @@
 //! Here the work of a query tile is three small matrix products, and each
 //! unit owns a 4 × 4 block of one of them, as a matmul's units do:
 //!
-//! 1. `S = Q·Kᵀ` and `dP = dO·Vᵀ` (queries × keys): per four head
-//!    dimensions, a unit's block of four queries and four keys loads a quad
-//!    of each query's row and a quad of `Kᵀ` (or `Vᵀ`, stored dimension-
-//!    major) per dimension, for 64 multiply-adds; then `P = exp(S − lse)`,
-//!    the dropout mask and `dS = P·(dP − Δ)` once per pair, into shared
-//!    memory.
+//! 1. `S = Q·Kᵀ` and `dP = dO·Vᵀ` (queries × keys): per head dimension, a
+//!    unit's block of four queries and four keys loads one quad of `Qᵀ` and
+//!    one of `Kᵀ` (both stored dimension-major) for 16 multiply-adds; then
+//!    `P = exp(S − lse)`, parked in shared memory while the same registers
+//!    sum `dP` (so 16 sums are live, not 32), the dropout mask and
+//!    `dS = P·(dP − Δ)` once per pair, into shared memory.
 //! 2. `dV += P̃ᵀ·dO` and `dK += dSᵀ·Q` (keys × head dims, summed over all
 //!    query tiles in registers): a unit owns four keys × four dims of each.
 //! 3. `dQ = scale · dS·K` (the tile's queries × head dims): a unit owns
@@ -25,18 +27,21 @@
 //!
 //! Each product reads two quads per 16 multiply-adds, and a pair's
 //! exponential and hash are computed once. A plane's units are laid out so
-//! that a load touches few distinct quads (eight keys × four queries or
-//! dims). The next tile's q, dO and O are loaded into registers before a
-//! tile's steps 2-3 and stored after them (two copies of the q and dO
-//! tiles), which hides the loads and leaves two cube syncs a tile.
+//! that a load touches few distinct quads (eight key quads × four query or
+//! dim quads; a plane over 32 key quads of one query quad needed 135
+//! registers and was slower than the merged kernel). The next tile is
+//! staged after a tile's steps 2-3 (two copies of the row-major q and dO
+//! tiles), which leaves two cube syncs a tile. Holding it in registers
+//! across those steps instead took the kernel past 96 registers, to one cube
+//! an SM, and was slower (`benches/RESULTS.md`, thirtieth session).
 //!
-//! Shared memory: `Kᵀ`, `Vᵀ` of the whole head, two copies of the tile's q
-//! and dO by row, `P̃` and `dS` of a tile (~103 KB at 151 keys, head dim 32,
-//! 32 queries a tile: two cubes an H100 SM, where 96 registers a unit also
-//! allow two). Rows are an odd number of quads apart, so that units
-//! reading rows 1, 2 or 4 apart fall in different banks. CUDA only: wgpu
-//! gives a cube 16 KiB by default, and HIP's 64 KiB would need smaller
-//! tiles, untested so far; elsewhere the merged kernel runs.
+//! Shared memory: `Kᵀ`, `Vᵀ` of the whole head, `Qᵀ` and `dOᵀ` of a tile,
+//! two copies of the tile's q and dO by row, `P̃` and `dS` of a tile
+//! (112,512 bytes at 151 keys, head dim 32, 32 queries a tile): with 96
+//! registers a unit, two cubes an H100 SM. Rows are an odd number of quads
+//! apart, so that units reading rows four apart fall in different banks.
+//! CUDA only: wgpu gives a cube 16 KiB by default, and HIP's 64 KiB would
+//! need smaller tiles, untested so far; elsewhere the merged kernel runs.
 //!
 //! Semantics are the merged kernel's: q is scaled (and biased) as loaded,
 //! a masked key's `P` is zero whatever its score, rows past the end have
