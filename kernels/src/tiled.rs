@@ -374,6 +374,9 @@ fn stage_query_tile<F: Float>(
     let row_stride = comptime!(odd_stride(head_dim / 4));
     let query_stride = comptime!(odd_stride(tile / 4));
     let q_bias = head.h * head_dim;
+    // `Qᵀ` and `dOᵀ` come from global memory, not from the row quads below:
+    // CubeCL 0.10 compiles `shared[i][c] = x` (one float of a quad in shared
+    // memory) to a write into a copy of the quad, which is lost.
     let mut item = unit;
     while item < comptime!(tile / 4 * head_dim) {
         let qb = item / head_dim;
