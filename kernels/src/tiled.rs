@@ -459,7 +459,6 @@ fn scores_and_gradients(
     #[comptime] use_dropout: bool,
 ) {
     let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
-    let query_stride = comptime!(odd_stride(tile / 4));
     // A plane takes four query quads × eight key quads (see `own_kb`).
     let query_groups = comptime!(tile / 16);
     let lane = UNIT_POS_X as usize % 32;
@@ -478,18 +477,9 @@ fn scores_and_gradients(
             acc[i] = Quad::new(0.0f32);
         }
         if any {
-            for d4 in 0..comptime!(head_dim / 4) {
-                #[unroll]
-                for c in 0..4usize {
-                    let d = d4 * 4 + c;
-                    let x = shared.qt[d * query_stride + qb];
-                    let y = shared.kt[d * key_stride + kb];
-                    #[unroll]
-                    for i in 0..4usize {
-                        acc[i] = acc[i] + Quad::new(x[i]) * y;
-                    }
-                }
-            }
+            add_block_product(
+                &mut acc, &shared.qt, &shared.kt, qb, kb, head_dim, tile, keys,
+            );
         }
         #[unroll]
         for i in 0..4usize {
@@ -505,18 +495,16 @@ fn scores_and_gradients(
             acc[i] = Quad::new(0.0f32);
         }
         if any {
-            for d4 in 0..comptime!(head_dim / 4) {
-                #[unroll]
-                for c in 0..4usize {
-                    let d = d4 * 4 + c;
-                    let x = shared.dot[d * query_stride + qb];
-                    let y = shared.vt[d * key_stride + kb];
-                    #[unroll]
-                    for i in 0..4usize {
-                        acc[i] = acc[i] + Quad::new(x[i]) * y;
-                    }
-                }
-            }
+            add_block_product(
+                &mut acc,
+                &shared.dot,
+                &shared.vt,
+                qb,
+                kb,
+                head_dim,
+                tile,
+                keys,
+            );
         }
         #[unroll]
         for i in 0..4usize {
@@ -545,6 +533,38 @@ fn scores_and_gradients(
             shared.ds[row * key_stride + kb] = ds;
         }
         plane += comptime!(units / 32);
+    }
+}
+
+/// `acc[i] += Σ_d xt[d][4·qb + i] · yt[d][4·kb..]`: a block of four rows
+/// (queries) × four keys of `X·Yᵀ` from dimension-major `Xᵀ` (`tile` rows,
+/// `Qᵀ` or `dOᵀ`) and `Yᵀ` (the keys, `Kᵀ` or `Vᵀ`): one quad of each per
+/// dimension for 16 multiply-adds.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_block_product(
+    acc: &mut Array<Quad>,
+    xt: &SharedMemory<Quad>,
+    yt: &SharedMemory<Quad>,
+    qb: usize,
+    kb: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] tile: usize,
+    #[comptime] keys: usize,
+) {
+    let query_stride = comptime!(odd_stride(tile / 4));
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    for d4 in 0..comptime!(head_dim / 4) {
+        #[unroll]
+        for c in 0..4usize {
+            let d = d4 * 4 + c;
+            let x = xt[d * query_stride + qb];
+            let y = yt[d * key_stride + kb];
+            #[unroll]
+            for i in 0..4usize {
+                acc[i] = acc[i] + Quad::new(x[i]) * y;
+            }
+        }
     }
 }
 
@@ -802,18 +822,7 @@ pub fn attention_forward_tiled<F: Float>(
                 acc[i] = Quad::new(0.0f32);
             }
             if valid_kb[0] + valid_kb[1] + valid_kb[2] + valid_kb[3] > 0.0 {
-                for d4 in 0..comptime!(head_dim / 4) {
-                    #[unroll]
-                    for c in 0..4usize {
-                        let d = d4 * 4 + c;
-                        let x = qt[d * query_stride + qb];
-                        let y = kt[d * key_stride + kb];
-                        #[unroll]
-                        for i in 0..4usize {
-                            acc[i] = acc[i] + Quad::new(x[i]) * y;
-                        }
-                    }
-                }
+                add_block_product(&mut acc, &qt, &kt, qb, kb, head_dim, tile, keys);
             }
             #[unroll]
             for i in 0..4usize {
