@@ -355,7 +355,7 @@ pub fn attention_forward<F: Float>(
 /// heads of a packed `qkv [N, T, 3D]` or `out [N, T, D]` are read and written
 /// in place this way, without splitting them into copies.
 #[cube]
-pub(crate) fn head_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize) -> usize {
+fn head_start<F: Float>(t: &Tensor<F>, offset: u32, n: usize, h: usize) -> usize {
     offset as usize + n * t.stride(0) + h * t.stride(1)
 }
 

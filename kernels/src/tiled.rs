@@ -325,7 +325,7 @@ fn cube_head(heads: u32, bh_offset: u32, seed: u32) -> TiledHead {
 /// The shared memory of [`attention_backward_tiled`]: dimension-major `Kᵀ`,
 /// `Vᵀ` (quad `d·key_stride + kb` holds keys `4·kb..` of dimension `d`) and
 /// the tile's `Qᵀ`, `dOᵀ` (likewise by query); the tile's q and dO by row
-/// (`tile · head_dim/4` quads a copy, two copies); `P̃` and `dS` by query
+/// (rows `odd_stride(head_dim/4)` quads apart, two copies); `P̃` and `dS` by query
 /// (quad `i·key_stride + kb`); key validity by quad; the tile's
 /// log-sum-exp and Δ.
 #[derive(CubeType)]
