@@ -11,7 +11,7 @@
 #     fused_separate_backward,half_precision}.xz
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_LANES ("default 1": the default layout (on CUDA the register-tiled kernels
-# wherever a head's keys fit a cube), and AAM_KERNEL_LANES=1 AAM_KERNEL_TILED=0, the scalar
+# wherever a head's keys fit a cube), and AAM_KERNEL_LANES=1 AAM_KERNEL_TILED=0 AAM_KERNEL_MMA=0, the scalar
 # forward and merged backward at the ASV level's layout), PARITY_TIMEOUT (s per
 # run, default 280: NVRTC compiles a kernel per shape, dtype and dropout setting), BENCH (1:
 # run the timings), LANES_COMPARE (1: also time with AAM_KERNEL_LANES=1), MERGED_COMPARE (1: also
@@ -40,7 +40,7 @@ status=0
 if [ "${PARITY:-1}" = 1 ]; then
   for lanes in ${PARITY_LANES:-default 1}; do
     log="$OUT/fused_parity.log"; env=""
-    [ "$lanes" = 1 ] && { log="$OUT/fused_parity_lanes1.log"; env="AAM_KERNEL_LANES=1 AAM_KERNEL_TILED=0"; }
+    [ "$lanes" = 1 ] && { log="$OUT/fused_parity_lanes1.log"; env="AAM_KERNEL_LANES=1 AAM_KERNEL_TILED=0 AAM_KERNEL_MMA=0"; }
     echo "== fused_parity (cuda, lanes $lanes)"
     env $env timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_parity ${PARITY_FILTER:-} --nocapture --test-threads "${PARITY_THREADS:-8}" > "$log" 2>&1
     rc=$?; [ $rc -eq 0 ] || status=1

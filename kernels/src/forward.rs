@@ -25,6 +25,7 @@ use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
 };
+use crate::mma::{attention_forward_mma, mma_shared_bytes, CHUNK_TILES};
 use crate::tiled::{
     attention_backward_tiled, attention_forward_tiled, padded_key_quads, tiled_shared_bytes,
 };
@@ -242,6 +243,26 @@ impl Layout {
         Some(Tiled { units, tile })
     }
 
+    /// The split-TF32 tensor-core forward ([`attention_forward_mma`]) for
+    /// `tq` queries and `tk` keys: on CUDA, for head dims 16, 32 and 64,
+    /// where a head's split keys and values fit [`TILED_SHARED_BYTES`] (up
+    /// to ~190 keys at head dim 32); `AAM_KERNEL_MMA=0` turns it off. Its
+    /// units: a plane per 16 queries, at most 16 planes (planes then take
+    /// several blocks of queries).
+    fn mma_forward(&self, tq: usize, tk: usize) -> Option<MmaForward> {
+        if !self.cuda || !matches!(self.head_dim, 16 | 32 | 64) || !mma_setting() {
+            return None;
+        }
+        if mma_shared_bytes(tk, self.head_dim) > TILED_SHARED_BYTES {
+            return None;
+        }
+        let planes = env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(16);
+        Some(MmaForward {
+            units: tq.div_ceil(16).clamp(1, planes) * 32,
+            chunk_tiles: env_usize("AAM_KERNEL_MMA_CHUNK").unwrap_or(CHUNK_TILES),
+        })
+    }
+
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
     /// each row taking `lanes` × `parts` units. Split into lanes: 128 units
     /// (64 for heads wider than 64, whose rows use more registers). One lane
@@ -276,6 +297,24 @@ struct Tiled {
     units: usize,
     /// Query rows a tile.
     tile: usize,
+}
+
+/// How [`attention_forward_mma`] runs ([`Layout::mma_forward`]).
+#[derive(Clone, Copy, Debug)]
+struct MmaForward {
+    /// Units in the one cube of an (n, h): a plane per 16 queries.
+    units: usize,
+    /// Key tiles (of 8) a step of the online softmax.
+    chunk_tiles: usize,
+}
+
+/// A positive integer from the environment variable `name`, if set.
+fn env_usize(name: &str) -> Option<usize> {
+    let value = std::env::var(name).ok()?;
+    match value.parse() {
+        Ok(n) if n > 0 => Some(n),
+        _ => panic!("{name} must be a positive integer, not {value:?}"),
+    }
 }
 
 /// How [`attention_backward_merged`] runs ([`Layout::merged_backward`]).
@@ -369,6 +408,18 @@ fn merged_backward_setting() -> bool {
 struct TiledSetting {
     forward: bool,
     backward: bool,
+}
+
+/// `AAM_KERNEL_MMA`: unset or `1` runs the f32 forward on tensor cores as
+/// split TF32 where it can ([`Layout::mma_forward`]); `0` leaves it to the
+/// CUDA-core kernels.
+fn mma_setting() -> bool {
+    static MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MMA.get_or_init(|| match std::env::var("AAM_KERNEL_MMA").as_deref() {
+        Err(_) | Ok("1") => true,
+        Ok("0") => false,
+        Ok(other) => panic!("AAM_KERNEL_MMA must be 1 or 0, not {other:?}"),
+    })
 }
 
 /// `AAM_KERNEL_TILED`: unset or `1` runs both attention passes as
@@ -1383,6 +1434,38 @@ where
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
     let rows_per_cube = units as usize / (lanes * parts);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
+    if let Some(mma) = layout.mma_forward(tq, tk).filter(|_| q.dtype == DType::F32) {
+        for (offset, count) in bh_chunks(n * h) {
+            attention_forward_mma::launch::<R>(
+                &client,
+                CubeCount::Static(count, 1, 1),
+                CubeDim::new_1d(mma.units as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                bias.unwrap_or(q).clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                k_offset,
+                v_offset,
+                threshold,
+                drop_scale,
+                seed,
+                dh,
+                tk,
+                mma.units,
+                mma.chunk_tiles,
+                use_dropout,
+                bias.is_some(),
+                q.dtype.into(),
+            );
+        }
+        return lse;
+    }
     if let Some(tiled) = layout.tiled(tk).filter(|_| tiled_setting().forward) {
         for (offset, count) in bh_chunks(n * h) {
             attention_forward_tiled::launch::<R>(

@@ -121,6 +121,8 @@ mod fusion;
 #[cfg(feature = "cubecl")]
 mod kernel;
 #[cfg(feature = "cubecl")]
+mod mma;
+#[cfg(feature = "cubecl")]
 mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;

@@ -302,17 +302,17 @@ pub fn attention_backward_tiled<F: Float>(
 /// The (n, h) a cube of [`attention_backward_tiled`] or
 /// [`attention_forward_tiled`] works on, and its part of the dropout hash.
 #[derive(CubeType)]
-struct TiledHead {
-    n: usize,
-    h: usize,
-    bh: usize,
-    head_key: u32,
+pub(crate) struct TiledHead {
+    pub(crate) n: usize,
+    pub(crate) h: usize,
+    pub(crate) bh: usize,
+    pub(crate) head_key: u32,
 }
 
 /// This cube's [`TiledHead`]: `bh = n·H + h` is the cube's x plus
 /// `bh_offset` (launches of more than 65,535 heads come in chunks).
 #[cube]
-fn cube_head(heads: u32, bh_offset: u32, seed: u32) -> TiledHead {
+pub(crate) fn cube_head(heads: u32, bh_offset: u32, seed: u32) -> TiledHead {
     let bh = (CUBE_POS_X + bh_offset) as usize;
     TiledHead {
         n: bh / heads as usize,
