@@ -25,7 +25,9 @@ use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
 };
-use crate::mma::{attention_forward_mma, mma_shared_bytes, CHUNK_TILES};
+use crate::mma::{
+    attention_forward_mma, attention_forward_mma_half, mma_shared_bytes, CHUNK_TILES,
+};
 use crate::tiled::{
     attention_backward_tiled, attention_forward_tiled, padded_key_quads, tiled_shared_bytes,
 };
@@ -243,26 +245,6 @@ impl Layout {
         Some(Tiled { units, tile })
     }
 
-    /// The split-TF32 tensor-core forward ([`attention_forward_mma`]) for
-    /// `tq` queries and `tk` keys: on CUDA, for head dims 16, 32 and 64,
-    /// where a head's split keys and values fit [`TILED_SHARED_BYTES`] (up
-    /// to ~190 keys at head dim 32); `AAM_KERNEL_MMA=0` turns it off. Its
-    /// units: a plane per 16 queries, at most 16 planes (planes then take
-    /// several blocks of queries).
-    fn mma_forward(&self, tq: usize, tk: usize) -> Option<MmaForward> {
-        if !self.cuda || !matches!(self.head_dim, 16 | 32 | 64) || !mma_setting() {
-            return None;
-        }
-        if mma_shared_bytes(tk, self.head_dim) > TILED_SHARED_BYTES {
-            return None;
-        }
-        let planes = env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(16);
-        Some(MmaForward {
-            units: tq.div_ceil(16).clamp(1, planes) * 32,
-            chunk_tiles: env_usize("AAM_KERNEL_MMA_CHUNK").unwrap_or(CHUNK_TILES),
-        })
-    }
-
     /// Units per cube for rows of length `len` (the rows of one (n, h)),
     /// each row taking `lanes` × `parts` units. Split into lanes: 128 units
     /// (64 for heads wider than 64, whose rows use more registers). One lane
@@ -299,13 +281,79 @@ struct Tiled {
     tile: usize,
 }
 
-/// How [`attention_forward_mma`] runs ([`Layout::mma_forward`]).
+/// How [`attention_forward_mma`] (f32) or [`attention_forward_mma_half`]
+/// (f16/bf16) runs a call ([`MmaForward::new`]).
 #[derive(Clone, Copy, Debug)]
 struct MmaForward {
     /// Units in the one cube of an (n, h): a plane per 16 queries.
     units: usize,
     /// Key tiles (of 8) a step of the online softmax.
     chunk_tiles: usize,
+    /// f16/bf16 (`m16n8k16` products), not f32 (split TF32).
+    half: bool,
+}
+
+impl MmaForward {
+    /// The plan for `tq` queries and `tk` keys of head dim `head_dim`: on
+    /// CUDA with `mma.sync` for the type (sm_80 on), head dims 16, 32 and
+    /// 64 (f16/bf16: 16 and 32 and 64), where a head's keys and values fit
+    /// [`TILED_SHARED_BYTES`] (the ASV level's 151 keys: 88 KB in f32, 27 KB
+    /// in bf16); `AAM_KERNEL_MMA=0` turns it off. A plane per 16 queries,
+    /// at most 16 planes (`AAM_KERNEL_MMA_PLANES`), planes taking several
+    /// blocks of queries beyond; [`CHUNK_TILES`] key tiles a softmax step
+    /// (`AAM_KERNEL_MMA_CHUNK`).
+    fn new<R: CubeRuntime>(
+        client: &cubecl::client::ComputeClient<R>,
+        dtype: DType,
+        head_dim: usize,
+        tq: usize,
+        tk: usize,
+    ) -> Option<Self> {
+        let half = matches!(dtype, DType::F16 | DType::BF16);
+        if R::name(client) != "cuda" || !mma_setting() || !(half || dtype == DType::F32) {
+            return None;
+        }
+        if !matches!(head_dim, 16 | 32 | 64) || tk == 0 {
+            return None;
+        }
+        let (operand, k) = if half {
+            (dtype.into(), 16)
+        } else {
+            (
+                cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(
+                    cubecl::ir::FloatKind::TF32,
+                )),
+                8,
+            )
+        };
+        let config = cubecl::features::MmaConfig {
+            a_type: operand,
+            b_type: operand,
+            cd_type: cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(
+                cubecl::ir::FloatKind::F32,
+            )),
+            m: 16,
+            n: 8,
+            k,
+        };
+        if !client.features().matmul.mma.contains(&config) {
+            return None;
+        }
+        if mma_shared_bytes(tk, head_dim, half) > TILED_SHARED_BYTES {
+            return None;
+        }
+        let planes = env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(16);
+        let chunk_tiles = env_usize("AAM_KERNEL_MMA_CHUNK").unwrap_or(CHUNK_TILES);
+        assert!(
+            !half || chunk_tiles.is_multiple_of(2),
+            "AAM_KERNEL_MMA_CHUNK must be even for f16/bf16"
+        );
+        Some(MmaForward {
+            units: tq.div_ceil(16).clamp(1, planes) * 32,
+            chunk_tiles,
+            half,
+        })
+    }
 }
 
 /// A positive integer from the environment variable `name`, if set.
@@ -411,8 +459,8 @@ struct TiledSetting {
 }
 
 /// `AAM_KERNEL_MMA`: unset or `1` runs the f32 forward on tensor cores as
-/// split TF32 where it can ([`Layout::mma_forward`]); `0` leaves it to the
-/// CUDA-core kernels.
+/// split TF32, and f16/bf16 likewise, where it can ([`MmaForward::new`]);
+/// `0` leaves them to the CUDA-core (f32) and `cmma` (f16/bf16) kernels.
 fn mma_setting() -> bool {
     static MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *MMA.get_or_init(|| match std::env::var("AAM_KERNEL_MMA").as_deref() {
@@ -1185,8 +1233,11 @@ where
         let k = into_contiguous(k);
         let v = into_contiguous(v);
         let [n, h, tq, dh] = dims4(&q);
+        let mma = MmaForward::new(&q.client, q.dtype, dh, tq, dims4(&k)[2]).is_some();
         if let Some(plan) = TensorCorePlan::new(&q.client, q.dtype, dh, tq, Pass::Forward) {
-            return plan.launch::<R, F, I, BT>(q, k, v, key_padding_mask, scale, dropout);
+            if !mma {
+                return plan.launch::<R, F, I, BT>(q, k, v, key_padding_mask, scale, dropout);
+            }
         }
         // The kernels write their outputs at the strides they are given.
         // CubeCL's plain `empty` may hand out a pitched layout (rows padded
@@ -1275,7 +1326,9 @@ where
         let qkv = into_contiguous(qkv);
         let [n, t, d3] = dims3(&qkv);
         let (d, dh) = (d3 / 3, d3 / 3 / heads);
-        if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Forward).is_some() {
+        if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Forward).is_some()
+            && MmaForward::new(&qkv.client, qkv.dtype, dh, t, t).is_none()
+        {
             return crate::packed::packed_forward_ops::<Self>(
                 qkv,
                 bias,
@@ -1434,9 +1487,14 @@ where
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
     let rows_per_cube = units as usize / (lanes * parts);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
-    if let Some(mma) = layout.mma_forward(tq, tk).filter(|_| q.dtype == DType::F32) {
+    if let Some(mma) = MmaForward::new(&client, q.dtype, dh, tq, tk) {
+        let launch = if mma.half {
+            attention_forward_mma_half::launch::<R>
+        } else {
+            attention_forward_mma::launch::<R>
+        };
         for (offset, count) in bh_chunks(n * h) {
-            attention_forward_mma::launch::<R>(
+            launch(
                 &client,
                 CubeCount::Static(count, 1, 1),
                 CubeDim::new_1d(mma.units as u32),

@@ -1,7 +1,8 @@
-//! The f32 attention forward on tensor cores as split TF32 ("3xTF32"), with
-//! the products' operands and results in registers (`mma.sync`, whose
-//! register layout PTX defines), for heads whose keys fit one cube (the ASV
-//! level's 151). CUDA only. No Burn imports here.
+//! The attention forward on tensor cores with the products' operands and
+//! results in registers (`mma.sync`, whose register layout PTX defines), for
+//! heads whose keys fit one cube (the ASV level's 151): f32 as split TF32
+//! ("3xTF32", [`attention_forward_mma`]) and f16/bf16 as they are
+//! ([`attention_forward_mma_half`]). CUDA only. No Burn imports here.
 //!
 //! Why: the CUDA-core forwards (`kernel.rs`, `tiled.rs`) are bound by issue
 //! slots at 64 multiply-adds a (query, key) pair (1.50 ms at the ASV shape on
@@ -35,17 +36,24 @@
 //!   rows are 64 bytes (mod 128) apart, so that the eight units of a
 //!   quarter plane hit different banks.
 //!
+//! The f16/bf16 kernel is the same with `m16n8k16` products and no split:
+//! there a pair of 8-key tiles' scores is `P̃·V`'s `A` operand in PTX's own
+//! order (FlashAttention-2's layout), and `K`, `V` quads hold the four
+//! elements of a unit's `B` operand. It replaces `tensor_core.rs`'s `cmma`
+//! forward where it applies (0.81 ms at the ASV shape, whose scores went
+//! through shared memory).
+//!
 //! Semantics are `attention_forward`'s: q scaled (and biased) as loaded, a
 //! masked key's probability 0, zero output and log-sum-exp for a row with
 //! no valid key, the dropout hash of `(seed, bh, row, key)` (the row sum
 //! counts undropped probabilities), so the CUDA-core backwards follow it.
-//! Chunks whose 32 keys are all masked are skipped.
+//! Chunks whose keys are all masked are skipped.
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
 use crate::kernel::{bias_at, dropout_keep, row_start, FAST_EXP};
-use crate::tiled::cube_head;
+use crate::tiled::{cube_head, TiledHead};
 
 /// One TF32 operand element of `mma.sync.m16n8k8` (a unit's register).
 type Tf32One = Vector<tf32, Const<1>>;
@@ -56,7 +64,8 @@ type SplitQuad = Vector<tf32, Const<4>>;
 /// The validity (1 or 0) of two adjacent keys.
 type ValidPair = Vector<f32, Const<2>>;
 
-/// Key tiles (of 8) a chunk of the online softmax takes by default.
+/// Key tiles (of 8) a chunk of the online softmax takes by default (the
+/// f16/bf16 kernel needs an even number: its `k = 16` steps).
 pub const CHUNK_TILES: usize = 2;
 
 /// Quads between two rows of `quads` quads, so that rows are 64 bytes apart
@@ -65,17 +74,33 @@ pub const fn split_stride(quads: usize) -> usize {
     quads + (12 - quads % 8) % 8
 }
 
-/// Keys the kernel stores: `keys` rounded up to whole tiles of 8.
-pub const fn mma_key_rows(keys: usize) -> usize {
-    keys.div_ceil(8) * 8
+/// Vectors of 4 halves (8 bytes) between two rows of `units` of them, so
+/// that rows are 32 bytes apart modulo 128 (units `g·stride + t` of a half
+/// plane's 16-unit wavefront fall in different banks).
+pub const fn half_stride(units: usize) -> usize {
+    units + (12 - units % 8) % 8
 }
 
-/// Shared memory (bytes) of [`attention_forward_mma`].
-pub fn mma_shared_bytes(keys: usize, head_dim: usize) -> usize {
-    let rows = mma_key_rows(keys);
-    let k_quads = rows * split_stride(head_dim / 2);
-    let v_quads = head_dim * split_stride(rows / 2);
-    (k_quads + v_quads) * 16 + rows * 4 + keys.div_ceil(8) * 4
+/// Keys the kernels store: `keys` rounded up to whole tiles of 8 (f32) or
+/// pairs of them (f16/bf16: one `k = 16` step of `P̃·V`).
+pub const fn mma_key_rows(keys: usize, half: bool) -> usize {
+    if half {
+        keys.div_ceil(16) * 16
+    } else {
+        keys.div_ceil(8) * 8
+    }
+}
+
+/// Shared memory (bytes) of [`attention_forward_mma`] (`half`: of
+/// [`attention_forward_mma_half`]).
+pub fn mma_shared_bytes(keys: usize, head_dim: usize, half: bool) -> usize {
+    let rows = mma_key_rows(keys, half);
+    let operands = if half {
+        (rows * half_stride(head_dim / 4) + head_dim * half_stride(rows / 4)) * 8
+    } else {
+        (rows * split_stride(head_dim / 2) + head_dim * split_stride(rows / 2)) * 16
+    };
+    operands + rows * 4 + keys.div_ceil(8) * 4
 }
 
 /// A plane's `Q` operand for one `k = 8` step: hi and lo.
@@ -89,10 +114,21 @@ struct QOperand {
 /// l(g+8)]` (`l` is the unit's share of the row sum until the end).
 type RowState = Array<f32>;
 
+/// The work of one plane's 16 queries that does not depend on the operand
+/// type: the output accumulators (`o[dn]`: dims `8·dn..`, rows `g`, `g+8`),
+/// the softmax state, and the unit's rows.
+#[derive(CubeType)]
+struct PlaneRows {
+    o: Sequence<Array<AccPair>>,
+    state: RowState,
+    row0: usize,
+}
+
 /// Forward of one (n, h) a cube: `out = softmax(q·kᵀ·scale, masked)·v` and
-/// the row log-sum-exp, on tensor cores (see the module doc). `keys` is
-/// `k.shape(2)`, `head_dim` 16, 32 or 64; `units` is 32 a plane, each plane
-/// taking blocks of 16 queries in turn.
+/// the row log-sum-exp, on tensor cores as split TF32 (see the module doc).
+/// `keys` is `k.shape(2)`, `head_dim` 16, 32 or 64; `units` is 32 a plane,
+/// each plane taking blocks of 16 queries in turn; `chunk_tiles` key tiles
+/// of 8 a step of the online softmax.
 ///
 /// Launch: cube x: n·H + h − bh_offset; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
@@ -125,47 +161,30 @@ pub fn attention_forward_mma<F: Float>(
     let head = cube_head(heads, bh_offset, seed);
     let unit = UNIT_POS_X as usize;
     let k_stride = comptime!(split_stride(head_dim / 2));
-    let v_stride = comptime!(split_stride(mma_key_rows(keys) / 2));
-    let chunk_keys = comptime!(chunk_tiles * 8);
-    let chunks = comptime!(keys.div_ceil(chunk_tiles * 8));
+    let v_stride = comptime!(split_stride(mma_key_rows(keys, false) / 2));
     let mut kt = SharedMemory::<SplitQuad>::new(comptime!(
-        mma_key_rows(keys) * split_stride(head_dim / 2)
+        mma_key_rows(keys, false) * split_stride(head_dim / 2)
     ));
     let mut vt = SharedMemory::<SplitQuad>::new(comptime!(
-        head_dim * split_stride(mma_key_rows(keys) / 2)
+        head_dim * split_stride(mma_key_rows(keys, false) / 2)
     ));
-    let mut valid = SharedMemory::<ValidPair>::new(comptime!(mma_key_rows(keys) / 2));
-    let mut chunk_valid = SharedMemory::<f32>::new(chunks);
-
-    // Key validity by pair, and each chunk's count of valid keys.
-    let mut pair = unit;
-    while pair < comptime!(mma_key_rows(keys) / 2) {
-        let mut x = ValidPair::new(0.0f32);
-        #[unroll]
-        for e in 0..2usize {
-            let key = pair * 2 + e;
-            if key < keys {
-                x[e] = key_valid[head.n * keys + key];
-            }
-        }
-        valid[pair] = x;
-        pair += units;
-    }
-    if unit < chunks {
-        let mut count = 0.0f32;
-        let mut key = unit * chunk_keys;
-        while key < keys && key < (unit + 1) * chunk_keys {
-            count += key_valid[head.n * keys + key];
-            key += 1;
-        }
-        chunk_valid[unit] = count;
-    }
-    sync_cube();
+    let mut valid = SharedMemory::<ValidPair>::new(comptime!(mma_key_rows(keys, false) / 2));
+    let mut chunk_valid = SharedMemory::<f32>::new(comptime!(keys.div_ceil(chunk_tiles * 8)));
+    load_validity(
+        key_valid,
+        &head,
+        &mut valid,
+        &mut chunk_valid,
+        keys,
+        comptime!(mma_key_rows(keys, false)),
+        chunk_tiles,
+        units,
+    );
     // K by key: quad `key·k_stride + 4·s + t` holds dims `d = 8s + t` and
-    // `d + 4` (the two of a `B` operand), hi and lo each; zero if masked.
+    // `d + 4` (the two of a `B` operand), his then los; zero if masked.
     let k_bias = k_offset as usize + head.h * head_dim;
     let mut item = unit;
-    while item < comptime!(mma_key_rows(keys) * head_dim / 2) {
+    while item < comptime!(mma_key_rows(keys, false) * head_dim / 2) {
         let key = item / comptime!(head_dim / 2);
         let slot = item % comptime!(head_dim / 2);
         let d = (slot / 4) * 8 + slot % 4;
@@ -189,7 +208,7 @@ pub fn attention_forward_mma<F: Float>(
     // V by dim: quad `d·v_stride + p` holds keys `2p`, `2p + 1` of dim `d`.
     let v_bias = v_offset as usize + head.h * head_dim;
     let mut item = unit;
-    while item < comptime!(mma_key_rows(keys) / 2 * head_dim) {
+    while item < comptime!(mma_key_rows(keys, false) / 2 * head_dim) {
         let p = item / head_dim;
         let d = item % head_dim;
         let mut x = SplitQuad::new(to_tf32(0.0f32));
@@ -211,15 +230,13 @@ pub fn attention_forward_mma<F: Float>(
     }
     sync_cube();
 
-    let lane = unit % 32;
-    let g = lane / 4;
-    let t = lane % 4;
+    let t = unit % 4;
     let q_bias = head.h * head_dim;
-    let blocks = tq.div_ceil(16);
+    let full_chunks = comptime!(keys / (chunk_tiles * 8));
+    let last_tiles = comptime!(mma_key_rows(keys, false) / 8 - keys / (chunk_tiles * 8) * chunk_tiles);
     let mut block = unit / 32;
-    while block < blocks {
-        let row0 = block * 16 + g;
-        let row1 = row0 + 8;
+    while block < tq.div_ceil(16) {
+        let mut rows = plane_rows(block, head_dim);
         // Q's operands: rows g, g+8 × dims t, t+4 of each step of 8.
         let mut q_ops = Sequence::<QOperand>::new();
         #[unroll]
@@ -229,7 +246,7 @@ pub fn attention_forward_mma<F: Float>(
             #[unroll]
             for r in 0..4usize {
                 // PTX's A layout: element r at row g + 8·(r % 2), col t + 4·(r / 2).
-                let row = row0 + (r % 2) * 8;
+                let row = rows.row0 + (r % 2) * 8;
                 let d = s * 8 + t + (r / 2) * 4;
                 let mut value = 0.0f32;
                 if row < tq {
@@ -242,147 +259,281 @@ pub fn attention_forward_mma<F: Float>(
             }
             q_ops.push(QOperand { hi, lo });
         }
-        let mut o = Sequence::<Array<AccPair>>::new();
-        #[unroll]
-        for _ in 0..comptime!(head_dim / 8) {
-            let mut acc = Array::<AccPair>::new(2usize);
-            acc[0] = AccPair::new(0.0f32);
-            acc[1] = AccPair::new(0.0f32);
-            o.push(acc);
-        }
-        let mut state = RowState::new(4usize);
-        state[0] = -1.0e30f32;
-        state[1] = -1.0e30f32;
-        state[2] = 0.0f32;
-        state[3] = 0.0f32;
-
-        for c in 0..comptime!(keys / (chunk_tiles * 8)) {
+        for c in 0..full_chunks {
             if chunk_valid[c] > 0.0 {
-                attend_chunk(
-                    &kt,
-                    &vt,
-                    &valid,
-                    &q_ops,
-                    &mut o,
-                    &mut state,
-                    c * chunk_tiles,
-                    row0 as u32,
-                    head.head_key,
-                    dropout_threshold,
-                    dropout_scale,
-                    chunk_tiles,
-                    head_dim,
-                    k_stride,
-                    v_stride,
-                    use_dropout,
+                let first = c * chunk_tiles;
+                let mut scores = scores_tf32(&kt, &q_ops, first, chunk_tiles, head_dim, k_stride);
+                softmax_step(
+                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
+                    dropout_scale, chunk_tiles, head_dim, use_dropout,
                 );
+                add_weights_times_values_tf32(&scores, &vt, &mut rows, first, chunk_tiles, head_dim, v_stride);
             }
         }
-        if comptime!(keys % (chunk_tiles * 8) > 0) {
-            let c = comptime!(keys / (chunk_tiles * 8));
-            if chunk_valid[c] > 0.0 {
-                attend_chunk(
-                    &kt,
-                    &vt,
-                    &valid,
-                    &q_ops,
-                    &mut o,
-                    &mut state,
-                    c * chunk_tiles,
-                    row0 as u32,
-                    head.head_key,
-                    dropout_threshold,
-                    dropout_scale,
-                    comptime!(mma_key_rows(keys) / 8 - (keys / (chunk_tiles * 8)) * chunk_tiles),
-                    head_dim,
-                    k_stride,
-                    v_stride,
-                    use_dropout,
+        if comptime!(last_tiles > 0) {
+            if chunk_valid[full_chunks] > 0.0 {
+                let first = full_chunks * chunk_tiles;
+                let mut scores = scores_tf32(&kt, &q_ops, first, last_tiles, head_dim, k_stride);
+                softmax_step(
+                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
+                    dropout_scale, last_tiles, head_dim, use_dropout,
                 );
+                add_weights_times_values_tf32(&scores, &vt, &mut rows, first, last_tiles, head_dim, v_stride);
             }
         }
-
-        // The rows' sums over their four units; l ≥ 1 once a key is valid.
-        let mut l0 = state[2];
-        let mut l1 = state[3];
-        l0 += plane_shuffle_xor(l0, 1u32);
-        l0 += plane_shuffle_xor(l0, 2u32);
-        l1 += plane_shuffle_xor(l1, 1u32);
-        l1 += plane_shuffle_xor(l1, 2u32);
-        let inv0 = select(l0 > 0.0, 1.0f32 / l0, 0.0f32);
-        let inv1 = select(l1 > 0.0, 1.0f32 / l1, 0.0f32);
-        // Accumulator layout: element e of pair r at row g + 8·r, col 2t + e.
-        #[unroll]
-        for dn in 0..comptime!(head_dim / 8) {
-            let acc = o.index(dn);
-            let d = dn * 8 + t * 2;
-            if row0 < tq {
-                let at = row_start(out, 0u32, head.n, head.h, row0) + d;
-                let x = acc[0];
-                out[at] = F::cast_from(x[0] * inv0);
-                out[at + 1] = F::cast_from(x[1] * inv0);
-            }
-            if row1 < tq {
-                let at = row_start(out, 0u32, head.n, head.h, row1) + d;
-                let x = acc[1];
-                out[at] = F::cast_from(x[0] * inv1);
-                out[at + 1] = F::cast_from(x[1] * inv1);
-            }
-        }
-        if t == 0 {
-            if row0 < tq {
-                lse[head.bh * tq + row0] = select(l0 > 0.0, state[0] + l0.ln(), 0.0f32);
-            }
-            if row1 < tq {
-                lse[head.bh * tq + row1] = select(l1 > 0.0, state[1] + l1.ln(), 0.0f32);
-            }
-        }
+        write_rows::<F>(out, lse, &rows, &head, tq, head_dim);
         block += comptime!(units / 32);
     }
 }
 
-/// One chunk of `tiles` key tiles (8 keys each, from tile `first_tile`) for
-/// a plane's 16 queries: scores, the online softmax's update of `state` and
-/// `o`, and `o += P̃·V` (see the module doc). `row0` is the unit's first
-/// query row (for the dropout hash). Every unit of the plane must call it.
-#[cube]
+/// [`attention_forward_mma`] for f16/bf16: `m16n8k16` products of the
+/// storage type into f32, no split (see the module doc). `chunk_tiles` must
+/// be even.
+///
+/// Launch: cube x: n·H + h − bh_offset; `units` units.
+#[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-fn attend_chunk(
-    kt: &SharedMemory<SplitQuad>,
-    vt: &SharedMemory<SplitQuad>,
-    valid: &SharedMemory<ValidPair>,
-    q_ops: &Sequence<QOperand>,
-    o: &mut Sequence<Array<AccPair>>,
-    state: &mut RowState,
-    first_tile: usize,
-    row0: u32,
-    head_key: u32,
+pub fn attention_forward_mma_half<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    heads: u32,
+    bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
     dropout_threshold: u32,
     dropout_scale: f32,
+    seed: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] units: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tq = q.shape(2);
+    let head = cube_head(heads, bh_offset, seed);
+    let unit = UNIT_POS_X as usize;
+    let k_stride = comptime!(half_stride(head_dim / 4));
+    let v_stride = comptime!(half_stride(mma_key_rows(keys, true) / 4));
+    let mut kt = SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
+        mma_key_rows(keys, true) * half_stride(head_dim / 4)
+    ));
+    let mut vt = SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
+        head_dim * half_stride(mma_key_rows(keys, true) / 4)
+    ));
+    let mut valid = SharedMemory::<ValidPair>::new(comptime!(mma_key_rows(keys, true) / 2));
+    let mut chunk_valid = SharedMemory::<f32>::new(comptime!(keys.div_ceil(chunk_tiles * 8)));
+    load_validity(
+        key_valid,
+        &head,
+        &mut valid,
+        &mut chunk_valid,
+        keys,
+        comptime!(mma_key_rows(keys, true)),
+        chunk_tiles,
+        units,
+    );
+    // K by key: unit `key·k_stride + 4·s + t` holds dims `16s + 2t`, `+1`,
+    // `+8`, `+9` (a `B` operand's four); zero if masked.
+    let k_bias = k_offset as usize + head.h * head_dim;
+    let mut item = unit;
+    while item < comptime!(mma_key_rows(keys, true) * head_dim / 4) {
+        let key = item / comptime!(head_dim / 4);
+        let slot = item % comptime!(head_dim / 4);
+        let d = (slot / 4) * 16 + (slot % 4) * 2;
+        let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
+        if key < keys {
+            if valid[key / 2][key % 2] > 0.0 {
+                let at = row_start(k, k_offset, head.n, head.h, key);
+                #[unroll]
+                for e in 0..4usize {
+                    let dim = d + (e / 2) * 8 + e % 2;
+                    x[e] = F::cast_from(
+                        f32::cast_from(k[at + dim]) + bias_at(bias, k_bias + dim, with_bias),
+                    );
+                }
+            }
+        }
+        kt[key * k_stride + slot] = x;
+        item += units;
+    }
+    // V by dim: unit `d·v_stride + 4·p + t` holds keys `16p + 2t`, `+1`,
+    // `+8`, `+9` of dim `d`.
+    let v_bias = v_offset as usize + head.h * head_dim;
+    let mut item = unit;
+    while item < comptime!(mma_key_rows(keys, true) / 4 * head_dim) {
+        let slot = item / head_dim;
+        let d = item % head_dim;
+        let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
+        #[unroll]
+        for e in 0..4usize {
+            let key = (slot / 4) * 16 + (slot % 4) * 2 + (e / 2) * 8 + e % 2;
+            if key < keys {
+                if valid[key / 2][e % 2] > 0.0 {
+                    let at = row_start(v, v_offset, head.n, head.h, key) + d;
+                    x[e] = F::cast_from(f32::cast_from(v[at]) + bias_at(bias, v_bias + d, with_bias));
+                }
+            }
+        }
+        vt[d * v_stride + slot] = x;
+        item += units;
+    }
+    sync_cube();
+
+    let lane = unit % 32;
+    let t = lane % 4;
+    let q_bias = head.h * head_dim;
+    let full_chunks = comptime!(keys / (chunk_tiles * 8));
+    let last_tiles = comptime!(mma_key_rows(keys, true) / 8 - keys / (chunk_tiles * 8) * chunk_tiles);
+    let mut block = unit / 32;
+    while block < tq.div_ceil(16) {
+        let mut rows = plane_rows(block, head_dim);
+        // Q's operands (PTX's A layout for 16-bit types): pair r holds row
+        // g + 8·(r % 2), dims 16s + 2t + 8·(r / 2) and the next.
+        let mut q_ops = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for s in 0..comptime!(head_dim / 16) {
+            let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
+            #[unroll]
+            for r in 0..4usize {
+                let row = rows.row0 + (r % 2) * 8;
+                let d = s * 16 + t * 2 + (r / 2) * 8;
+                let mut x = AccPair::new(0.0f32);
+                if row < tq {
+                    let at = row_start(q, 0u32, head.n, head.h, row) + d;
+                    #[unroll]
+                    for e in 0..2usize {
+                        x[e] = (f32::cast_from(q[at + e]) + bias_at(bias, q_bias + d + e, with_bias))
+                            * scale;
+                    }
+                }
+                a[r] = Vector::<F, Const<2>>::cast_from(x);
+            }
+            q_ops.push(a);
+        }
+        for c in 0..full_chunks {
+            if chunk_valid[c] > 0.0 {
+                let first = c * chunk_tiles;
+                let mut scores = scores_half::<F>(&kt, &q_ops, first, chunk_tiles, head_dim, k_stride);
+                softmax_step(
+                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
+                    dropout_scale, chunk_tiles, head_dim, use_dropout,
+                );
+                add_weights_times_values_half::<F>(&scores, &vt, &mut rows, first, chunk_tiles, head_dim, v_stride);
+            }
+        }
+        if comptime!(last_tiles > 0) {
+            if chunk_valid[full_chunks] > 0.0 {
+                let first = full_chunks * chunk_tiles;
+                let mut scores = scores_half::<F>(&kt, &q_ops, first, last_tiles, head_dim, k_stride);
+                softmax_step(
+                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
+                    dropout_scale, last_tiles, head_dim, use_dropout,
+                );
+                add_weights_times_values_half::<F>(&scores, &vt, &mut rows, first, last_tiles, head_dim, v_stride);
+            }
+        }
+        write_rows::<F>(out, lse, &rows, &head, tq, head_dim);
+        block += comptime!(units / 32);
+    }
+}
+
+/// Loads a head's key validity by pair (0 past `keys`, up to `rows` keys)
+/// and each chunk's count of valid keys, then syncs the cube. Every unit
+/// must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_validity(
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    valid: &mut SharedMemory<ValidPair>,
+    chunk_valid: &mut SharedMemory<f32>,
+    #[comptime] keys: usize,
+    #[comptime] rows: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS_X as usize;
+    let chunk_keys = comptime!(chunk_tiles * 8);
+    let mut pair = unit;
+    while pair < comptime!(rows / 2) {
+        let mut x = ValidPair::new(0.0f32);
+        #[unroll]
+        for e in 0..2usize {
+            let key = pair * 2 + e;
+            if key < keys {
+                x[e] = key_valid[head.n * keys + key];
+            }
+        }
+        valid[pair] = x;
+        pair += units;
+    }
+    if unit < comptime!(keys.div_ceil(chunk_tiles * 8)) {
+        let mut count = 0.0f32;
+        let mut key = unit * chunk_keys;
+        while key < keys && key < (unit + 1) * chunk_keys {
+            count += key_valid[head.n * keys + key];
+            key += 1;
+        }
+        chunk_valid[unit] = count;
+    }
+    sync_cube();
+}
+
+/// A plane's [`PlaneRows`] for query block `block`, zeroed.
+#[cube]
+fn plane_rows(block: usize, #[comptime] head_dim: usize) -> PlaneRows {
+    let lane = UNIT_POS_X as usize % 32;
+    let mut o = Sequence::<Array<AccPair>>::new();
+    #[unroll]
+    for _ in 0..comptime!(head_dim / 8) {
+        let mut acc = Array::<AccPair>::new(2usize);
+        acc[0] = AccPair::new(0.0f32);
+        acc[1] = AccPair::new(0.0f32);
+        o.push(acc);
+    }
+    let mut state = RowState::new(4usize);
+    state[0] = -1.0e30f32;
+    state[1] = -1.0e30f32;
+    state[2] = 0.0f32;
+    state[3] = 0.0f32;
+    PlaneRows {
+        o,
+        state,
+        row0: block * 16 + lane / 4,
+    }
+}
+
+/// `S = Q·Kᵀ` of `tiles` key tiles from tile `first`, split TF32: tile j's
+/// `B` operand is K[key 8j + g][dims t, t + 4] of each step.
+#[cube]
+fn scores_tf32(
+    kt: &SharedMemory<SplitQuad>,
+    q_ops: &Sequence<QOperand>,
+    first: usize,
     #[comptime] tiles: usize,
     #[comptime] head_dim: usize,
     #[comptime] k_stride: usize,
-    #[comptime] v_stride: usize,
-    #[comptime] use_dropout: bool,
-) {
+) -> Sequence<Array<AccPair>> {
     let def = MmaDefinition::<tf32, tf32, f32>::new(16usize, 8usize, 8usize);
     let lane = UNIT_POS_X as usize % 32;
-    let g = lane / 4;
-    let t = lane % 4;
-
-    // S = Q·Kᵀ: tile j's B operand is K[key 8j + g][dims t, t + 4].
     let mut scores = Sequence::<Array<AccPair>>::new();
-    let mut m0 = state[0];
-    let mut m1 = state[1];
     #[unroll]
     for j in 0..tiles {
         let mut s = Array::<AccPair>::new(2usize);
         s[0] = AccPair::new(0.0f32);
         s[1] = AccPair::new(0.0f32);
-        let key = (first_tile + j) * 8 + g;
+        let key = (first + j) * 8 + lane / 4;
         #[unroll]
         for step in 0..comptime!(head_dim / 8) {
-            let x = kt[key * k_stride + step * 4 + t];
+            let x = kt[key * k_stride + step * 4 + lane % 4];
             let mut b_hi = Array::<Tf32One>::new(2usize);
             let mut b_lo = Array::<Tf32One>::new(2usize);
             b_hi[0] = Tf32One::new(x[0]);
@@ -394,8 +545,80 @@ fn attend_chunk(
             def.execute_inplace(&a.hi, &b_lo, &mut s);
             def.execute_inplace(&a.hi, &b_hi, &mut s);
         }
-        // Masked keys: -1e30, below any real score.
-        let ok = valid[(first_tile + j) * 4 + t];
+        scores.push(s);
+    }
+    scores
+}
+
+/// `S = Q·Kᵀ` of `tiles` key tiles from tile `first`, f16/bf16: tile j's
+/// `B` operand is the unit `4·s + t` of key 8j + g (see the kernel).
+#[cube]
+fn scores_half<F: Float>(
+    kt: &SharedMemory<Vector<F, Const<4>>>,
+    q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
+    first: usize,
+    #[comptime] tiles: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] k_stride: usize,
+) -> Sequence<Array<AccPair>> {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_X as usize % 32;
+    let mut scores = Sequence::<Array<AccPair>>::new();
+    #[unroll]
+    for j in 0..tiles {
+        let mut s = Array::<AccPair>::new(2usize);
+        s[0] = AccPair::new(0.0f32);
+        s[1] = AccPair::new(0.0f32);
+        let key = (first + j) * 8 + lane / 4;
+        #[unroll]
+        for step in 0..comptime!(head_dim / 16) {
+            let b = half_operand::<F>(kt[key * k_stride + step * 4 + lane % 4]);
+            def.execute_inplace(q_ops.index(step), &b, &mut s);
+        }
+        scores.push(s);
+    }
+    scores
+}
+
+/// The two pairs of a unit's f16/bf16 `B` operand from one 8-byte unit.
+#[cube]
+fn half_operand<F: Float>(x: Vector<F, Const<4>>) -> Array<Vector<F, Const<2>>> {
+    let mut b = Array::<Vector<F, Const<2>>>::new(2usize);
+    #[unroll]
+    for r in 0..2usize {
+        let mut pair = Vector::<F, Const<2>>::new(x[2 * r]);
+        pair[1] = x[2 * r + 1];
+        b[r] = pair;
+    }
+    b
+}
+
+/// One step of the online softmax over `tiles` tiles of scores from tile
+/// `first`: masks them (-1e30), moves the rows' maximum (four units a row:
+/// two plane shuffles), rescales the output and the unit's share of the
+/// row sums, and turns the scores into the weights `P̃` of `P̃·V` (dropout
+/// applied; the sums count undropped probabilities).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn softmax_step(
+    scores: &mut Sequence<Array<AccPair>>,
+    valid: &SharedMemory<ValidPair>,
+    rows: &mut PlaneRows,
+    first: usize,
+    head: &TiledHead,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    #[comptime] tiles: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    let mut m0 = rows.state[0];
+    let mut m1 = rows.state[1];
+    #[unroll]
+    for j in 0..tiles {
+        let s = scores.index_mut(j);
+        let ok = valid[(first + j) * 4 + t];
         let mut s0 = s[0];
         let mut s1 = s[1];
         #[unroll]
@@ -407,74 +630,186 @@ fn attend_chunk(
         }
         s[0] = s0;
         s[1] = s1;
-        scores.push(s);
     }
     m0 = f32::max(m0, plane_shuffle_xor(m0, 1u32));
     m0 = f32::max(m0, plane_shuffle_xor(m0, 2u32));
     m1 = f32::max(m1, plane_shuffle_xor(m1, 1u32));
     m1 = f32::max(m1, plane_shuffle_xor(m1, 2u32));
-    let corr0 = (state[0] - m0).exp();
-    let corr1 = (state[1] - m1).exp();
-    let mut l0 = state[2] * corr0;
-    let mut l1 = state[3] * corr1;
-    state[0] = m0;
-    state[1] = m1;
+    let corr0 = (rows.state[0] - m0).exp();
+    let corr1 = (rows.state[1] - m1).exp();
+    let mut l0 = rows.state[2] * corr0;
+    let mut l1 = rows.state[3] * corr1;
     #[unroll]
     for dn in 0..comptime!(head_dim / 8) {
-        let acc = o.index_mut(dn);
+        let acc = rows.o.index_mut(dn);
         acc[0] = acc[0] * AccPair::new(corr0);
         acc[1] = acc[1] * AccPair::new(corr1);
     }
-
-    // O += P̃·V, tile by tile: the A operand's element r is (row g + 8·(r % 2),
-    // key 2t + r / 2), the B operand's element e (key 2t + e, dim g).
+    let row0 = rows.row0 as u32;
     #[unroll]
     for j in 0..tiles {
-        let s = scores.index(j);
-        let ok = valid[(first_tile + j) * 4 + t];
-        let s0 = s[0];
-        let s1 = s[1];
+        let s = scores.index_mut(j);
+        let ok = valid[(first + j) * 4 + t];
+        let mut w0 = s[0];
+        let mut w1 = s[1];
+        #[unroll]
+        for e in 0..2usize {
+            let p0 = select(ok[e] > 0.0, (w0[e] - m0).exp(), 0.0f32);
+            let p1 = select(ok[e] > 0.0, (w1[e] - m1).exp(), 0.0f32);
+            l0 += p0;
+            l1 += p1;
+            w0[e] = p0;
+            w1[e] = p1;
+            if use_dropout {
+                let key = ((first + j) * 8 + t * 2 + e) as u32;
+                let keep0 = dropout_keep(head.head_key, row0, key, dropout_threshold);
+                let keep1 = dropout_keep(head.head_key, row0 + 8, key, dropout_threshold);
+                w0[e] = select(keep0, p0 * dropout_scale, 0.0f32);
+                w1[e] = select(keep1, p1 * dropout_scale, 0.0f32);
+            }
+        }
+        s[0] = w0;
+        s[1] = w1;
+    }
+    rows.state[0] = m0;
+    rows.state[1] = m1;
+    rows.state[2] = l0;
+    rows.state[3] = l1;
+}
+
+/// `o += P̃·V` over `tiles` tiles from tile `first`, split TF32: a tile's
+/// `A` operand element r is (row g + 8·(r % 2), key 2t + r / 2), the `B`
+/// operand's element e (key 2t + e, dim g) (see the module doc).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_weights_times_values_tf32(
+    weights: &Sequence<Array<AccPair>>,
+    vt: &SharedMemory<SplitQuad>,
+    rows: &mut PlaneRows,
+    first: usize,
+    #[comptime] tiles: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] v_stride: usize,
+) {
+    let def = MmaDefinition::<tf32, tf32, f32>::new(16usize, 8usize, 8usize);
+    let lane = UNIT_POS_X as usize % 32;
+    #[unroll]
+    for j in 0..tiles {
+        let w = weights.index(j);
+        let w0 = w[0];
+        let w1 = w[1];
         let mut a_hi = Array::<Tf32One>::new(4usize);
         let mut a_lo = Array::<Tf32One>::new(4usize);
         #[unroll]
         for e in 0..2usize {
-            let p0 = select(ok[e] > 0.0, (s0[e] - m0).exp(), 0.0f32);
-            let p1 = select(ok[e] > 0.0, (s1[e] - m1).exp(), 0.0f32);
-            l0 += p0;
-            l1 += p1;
-            let mut w0 = p0;
-            let mut w1 = p1;
-            if use_dropout {
-                let key = ((first_tile + j) * 8 + t * 2 + e) as u32;
-                let keep0 = dropout_keep(head_key, row0, key, dropout_threshold);
-                let keep1 = dropout_keep(head_key, row0 + 8, key, dropout_threshold);
-                w0 = select(keep0, p0 * dropout_scale, 0.0f32);
-                w1 = select(keep1, p1 * dropout_scale, 0.0f32);
-            }
-            let h0 = to_tf32(w0);
-            let h1 = to_tf32(w1);
+            let h0 = to_tf32(w0[e]);
+            let h1 = to_tf32(w1[e]);
             a_hi[2 * e] = Tf32One::new(h0);
             a_hi[2 * e + 1] = Tf32One::new(h1);
-            a_lo[2 * e] = Tf32One::new(to_tf32(w0 - f32::cast_from(h0)));
-            a_lo[2 * e + 1] = Tf32One::new(to_tf32(w1 - f32::cast_from(h1)));
+            a_lo[2 * e] = Tf32One::new(to_tf32(w0[e] - f32::cast_from(h0)));
+            a_lo[2 * e + 1] = Tf32One::new(to_tf32(w1[e] - f32::cast_from(h1)));
         }
         #[unroll]
         for dn in 0..comptime!(head_dim / 8) {
-            let x = vt[(dn * 8 + g) * v_stride + (first_tile + j) * 4 + t];
+            let x = vt[(dn * 8 + lane / 4) * v_stride + (first + j) * 4 + lane % 4];
             let mut b_hi = Array::<Tf32One>::new(2usize);
             let mut b_lo = Array::<Tf32One>::new(2usize);
             b_hi[0] = Tf32One::new(x[0]);
             b_hi[1] = Tf32One::new(x[1]);
             b_lo[0] = Tf32One::new(x[2]);
             b_lo[1] = Tf32One::new(x[3]);
-            let acc = o.index_mut(dn);
+            let acc = rows.o.index_mut(dn);
             def.execute_inplace(&a_lo, &b_hi, acc);
             def.execute_inplace(&a_hi, &b_lo, acc);
             def.execute_inplace(&a_hi, &b_hi, acc);
         }
     }
-    state[2] = l0;
-    state[3] = l1;
+}
+
+/// `o += P̃·V` over `tiles` tiles (an even number) from tile `first`,
+/// f16/bf16: tiles `2i`, `2i + 1` are one `k = 16` step, whose `A` operand
+/// is their weights in accumulator order (see the module doc).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_weights_times_values_half<F: Float>(
+    weights: &Sequence<Array<AccPair>>,
+    vt: &SharedMemory<Vector<F, Const<4>>>,
+    rows: &mut PlaneRows,
+    first: usize,
+    #[comptime] tiles: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] v_stride: usize,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_X as usize % 32;
+    #[unroll]
+    for i in 0..comptime!(tiles / 2) {
+        let low = weights.index(2 * i);
+        let high = weights.index(2 * i + 1);
+        let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
+        a[0] = Vector::<F, Const<2>>::cast_from(low[0]);
+        a[1] = Vector::<F, Const<2>>::cast_from(low[1]);
+        a[2] = Vector::<F, Const<2>>::cast_from(high[0]);
+        a[3] = Vector::<F, Const<2>>::cast_from(high[1]);
+        #[unroll]
+        for dn in 0..comptime!(head_dim / 8) {
+            let b = half_operand::<F>(
+                vt[(dn * 8 + lane / 4) * v_stride + (first / 2 + i) * 4 + lane % 4],
+            );
+            def.execute_inplace(&a, &b, rows.o.index_mut(dn));
+        }
+    }
+}
+
+/// Writes a plane's rows: `o / l` and the log-sum-exp (zeros for a row with
+/// no valid key). Accumulator layout: element e of pair r at row g + 8·r,
+/// column 2t + e.
+#[cube]
+fn write_rows<F: Float>(
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    rows: &PlaneRows,
+    head: &TiledHead,
+    tq: usize,
+    #[comptime] head_dim: usize,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    let row0 = rows.row0;
+    let row1 = row0 + 8;
+    // The rows' sums over their four units; l ≥ 1 once a key is valid.
+    let mut l0 = rows.state[2];
+    let mut l1 = rows.state[3];
+    l0 += plane_shuffle_xor(l0, 1u32);
+    l0 += plane_shuffle_xor(l0, 2u32);
+    l1 += plane_shuffle_xor(l1, 1u32);
+    l1 += plane_shuffle_xor(l1, 2u32);
+    let inv0 = select(l0 > 0.0, 1.0f32 / l0, 0.0f32);
+    let inv1 = select(l1 > 0.0, 1.0f32 / l1, 0.0f32);
+    #[unroll]
+    for dn in 0..comptime!(head_dim / 8) {
+        let acc = rows.o.index(dn);
+        let d = dn * 8 + t * 2;
+        if row0 < tq {
+            let at = row_start(out, 0u32, head.n, head.h, row0) + d;
+            let x = acc[0];
+            out[at] = F::cast_from(x[0] * inv0);
+            out[at + 1] = F::cast_from(x[1] * inv0);
+        }
+        if row1 < tq {
+            let at = row_start(out, 0u32, head.n, head.h, row1) + d;
+            let x = acc[1];
+            out[at] = F::cast_from(x[0] * inv1);
+            out[at + 1] = F::cast_from(x[1] * inv1);
+        }
+    }
+    if t == 0 {
+        if row0 < tq {
+            lse[head.bh * tq + row0] = select(l0 > 0.0, rows.state[0] + l0.ln(), 0.0f32);
+        }
+        if row1 < tq {
+            lse[head.bh * tq + row1] = select(l1 > 0.0, rows.state[1] + l1.ln(), 0.0f32);
+        }
+    }
 }
 
 /// `x` rounded to TF32 (`cvt.rna.tf32.f32`).
