@@ -22,7 +22,8 @@
 #      separate = AAM_KERNEL_MERGED_BACKWARD=0: the f32 attention backward as two kernels (dQ,
 #      then dK/dV) where one merged kernel would run,
 #      tiled0 = AAM_KERNEL_TILED=0: no register-tiled attention (the scalar forward and the
-#      merged backward); tiledbwd = AAM_KERNEL_TILED=backward: the tiled backward only,
+#      merged backward); tiledbwd = AAM_KERNEL_TILED=backward: the tiled backward only;
+#      mma0 = AAM_KERNEL_MMA=0: no tensor-core (mma.sync) forward (f32 on CUDA cores),
 #      linearfwd = AAM_DENSE_FORWARD=linear: the dense layers' forward product on Burn's
 #      `linear` (a copy of each transposed weight) instead of the validated kernels,
 #      rowsmm = AAM_ROWS_MATMUL=1: the dense products on aam-kernels' TF32 kernel where it applies,
@@ -73,6 +74,7 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       separate) vars="$vars AAM_KERNEL_MERGED_BACKWARD=0" ;;
       tiled0) vars="$vars AAM_KERNEL_TILED=0" ;;
       tiledbwd) vars="$vars AAM_KERNEL_TILED=backward" ;;
+      mma0) vars="$vars AAM_KERNEL_MMA=0" ;;
       linearfwd) vars="$vars AAM_DENSE_FORWARD=linear" ;;
       rowsmm) vars="$vars AAM_ROWS_MATMUL=1" ;;
       allslots) flags="$flags --all-slots" ;;
