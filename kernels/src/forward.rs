@@ -20,13 +20,14 @@ use crate::kernel::{
     key_validity, layer_norm_backward_rows, layer_norm_backward_rows_sums, layer_norm_rows,
     sum_partials, SUM_PARTIALS_COLUMNS,
 };
+use crate::mma::{
+    attention_forward_mma, attention_forward_mma_half, mma_key_rows, mma_shared_bytes, BLOCK_KEYS,
+    CHUNK_TILES,
+};
 use crate::rows_matmul::rows_matmul_tf32;
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
     TC_TILE,
-};
-use crate::mma::{
-    attention_forward_mma, attention_forward_mma_half, mma_shared_bytes, CHUNK_TILES,
 };
 use crate::tiled::{
     attention_backward_tiled, attention_forward_tiled, padded_key_quads, tiled_shared_bytes,
@@ -285,8 +286,13 @@ struct Tiled {
 /// (f16/bf16) runs a call ([`MmaForward::new`]).
 #[derive(Clone, Copy, Debug)]
 struct MmaForward {
-    /// Units in the one cube of an (n, h): a plane per 16 queries.
+    /// Units in a cube: 32 a plane, each plane 16 queries at a time.
     units: usize,
+    /// Cubes an (n, h): 1 where a cube holds all keys, else one a group of
+    /// `units / 32` blocks of queries.
+    groups: usize,
+    /// Keys in shared memory at a time (`≥ tk`: all of them, once).
+    block_keys: usize,
     /// Key tiles (of 8) a step of the online softmax.
     chunk_tiles: usize,
     /// f16/bf16 (`m16n8k16` products), not f32 (split TF32).
@@ -296,11 +302,12 @@ struct MmaForward {
 impl MmaForward {
     /// The plan for `tq` queries and `tk` keys of head dim `head_dim`: on
     /// CUDA with `mma.sync` for the type (sm_80 on), head dims 16, 32 and
-    /// 64, where a head's keys and values fit
-    /// [`TILED_SHARED_BYTES`] (the ASV level's 151 keys: 88 KB in f32, 27 KB
-    /// in bf16); `AAM_KERNEL_MMA=0` turns it off. Planes (16 queries at a
-    /// time each) as below, or `AAM_KERNEL_MMA_PLANES`; [`CHUNK_TILES`] key
-    /// tiles a softmax step, or `AAM_KERNEL_MMA_CHUNK`.
+    /// 64; `AAM_KERNEL_MMA=0` turns it off. Where a head's keys and values
+    /// fit [`TILED_SHARED_BYTES`] (the ASV level's 151 keys: 88 KB in f32, 27
+    /// KB in bf16) a cube holds them all; else ([`BLOCK_KEYS`] at a time, or
+    /// `AAM_KERNEL_MMA_BLOCK`) it streams them past sixteen planes of
+    /// queries (the sample level). Planes as below, or `AAM_KERNEL_MMA_PLANES`;
+    /// [`CHUNK_TILES`] key tiles a softmax step, or `AAM_KERNEL_MMA_CHUNK`.
     fn new<R: CubeRuntime>(
         client: &cubecl::client::ComputeClient<R>,
         dtype: DType,
@@ -338,27 +345,50 @@ impl MmaForward {
         if !client.features().matmul.mma.contains(&config) {
             return None;
         }
-        if mma_shared_bytes(tk, head_dim, half) > TILED_SHARED_BYTES {
-            return None;
-        }
-        // f32 (88 KB of split keys and values at the ASV level: two cubes an
-        // SM) takes a plane per block of 16 queries; f16/bf16 (27 KB) half as
-        // many planes, two blocks each, so that more, smaller cubes share an
-        // SM and one's loading overlaps another's products (H100, ASV level:
-        // 0.513 against 0.541 ms; f32 with five planes: 1.65 against 1.09).
-        let blocks = tq.div_ceil(16).max(1);
-        let planes = env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(if half {
-            blocks.div_ceil(2)
-        } else {
-            16
-        });
         let chunk_tiles = env_usize("AAM_KERNEL_MMA_CHUNK").unwrap_or(CHUNK_TILES);
         assert!(
             !half || chunk_tiles.is_multiple_of(2),
             "AAM_KERNEL_MMA_CHUNK must be even for f16/bf16"
         );
+        let blocks = tq.div_ceil(16).max(1);
+        if mma_shared_bytes(mma_key_rows(tk, half), head_dim, half) <= TILED_SHARED_BYTES {
+            // All keys in the cube. f32 (88 KB of split keys and values at
+            // the ASV level: two cubes an SM) takes a plane per block of 16
+            // queries; f16/bf16 (27 KB) half as many planes, two blocks
+            // each, so that more, smaller cubes share an SM and one's
+            // loading overlaps another's products (H100, ASV level: 0.513
+            // against 0.541 ms; f32 with five planes: 1.65 against 1.09).
+            let planes = env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(if half {
+                blocks.div_ceil(2)
+            } else {
+                16
+            });
+            return Some(MmaForward {
+                units: blocks.min(planes) * 32,
+                groups: 1,
+                block_keys: tk,
+                chunk_tiles,
+                half,
+            });
+        }
+        // Keys streamed a block at a time, a plane per block of queries.
+        let block_keys = env_usize("AAM_KERNEL_MMA_BLOCK").unwrap_or(BLOCK_KEYS);
+        assert!(
+            block_keys.is_multiple_of(16) && block_keys.is_multiple_of(chunk_tiles * 8),
+            "AAM_KERNEL_MMA_BLOCK must be a multiple of 16 and of the chunk's keys"
+        );
+        if mma_shared_bytes(block_keys, head_dim, half) > TILED_SHARED_BYTES {
+            return None;
+        }
+        // Sixteen planes (256 queries) a cube: at the sample level (1,024
+        // queries and keys) on the H100, f32 forward 0.090 ms with 16
+        // planes and blocks of 128 keys, 0.100 with 8, 0.129 with 4 and
+        // blocks of 64, 0.257 with 2; the CUDA-core kernel 0.125.
+        let planes = blocks.min(env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(16));
         Some(MmaForward {
-            units: blocks.min(planes) * 32,
+            units: planes * 32,
+            groups: blocks.div_ceil(planes),
+            block_keys,
             chunk_tiles,
             half,
         })
@@ -517,8 +547,10 @@ fn unroll_loops() -> bool {
 /// bf16 storage, a head dim that is a multiple of 16, a runtime with
 /// 16×16×16 `cmma` for that type into f32 and one plane size of 32 or 64
 /// (CUDA, HIP; wgpu's WGSL has no cooperative matrices), and `AAM_KERNEL_TC`
-/// allowing the pass (see [`tensor_core_setting`]). f32 stays on the CUDA-core kernel: TF32 tiles
-/// would lose the f32 precision the parity tests hold it to.
+/// allowing the pass (see [`tensor_core_setting`]). f32 stays off `cmma`: its TF32 tiles
+/// would lose the f32 precision the parity tests hold it to (the forward of
+/// [`MmaForward`] splits f32 into TF32 pairs instead). Where [`MmaForward`] applies it
+/// runs the f16/bf16 forward in place of these.
 #[derive(Clone, Copy, Debug)]
 struct TensorCorePlan {
     head_dim: usize,
@@ -1505,7 +1537,7 @@ where
         for (offset, count) in bh_chunks(n * h) {
             launch(
                 &client,
-                CubeCount::Static(count, 1, 1),
+                CubeCount::Static(count, mma.groups as u32, 1),
                 CubeDim::new_1d(mma.units as u32),
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
@@ -1524,6 +1556,7 @@ where
                 seed,
                 dh,
                 tk,
+                mma.block_keys,
                 mma.units,
                 mma.chunk_tiles,
                 use_dropout,

@@ -73,6 +73,11 @@
 //!   backward (and the forward) as register-tiled products: units own 4 × 4
 //!   blocks of `S`/`dP`, of dK/dV and of dQ, as a matmul's do, instead of
 //!   a key (or query) row each (`AAM_KERNEL_TILED=1|forward|backward|0`).
+//! - `mma.rs`: on CUDA, where a head's keys fit a cube, the forward on
+//!   tensor cores with operands and scores in registers (`mma.sync`,
+//!   whose layout PTX defines, so the softmax runs on the products'
+//!   registers): f32 as split TF32, f16/bf16 as they are
+//!   (`AAM_KERNEL_MMA=1|0`).
 //! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
 //!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
 //!   best at AAM's shapes so far; the base for fusing element-wise passes

@@ -1,8 +1,7 @@
 //! The attention forward on tensor cores with the products' operands and
-//! results in registers (`mma.sync`, whose register layout PTX defines), for
-//! heads whose keys fit one cube (the ASV level's 151): f32 as split TF32
-//! ("3xTF32", [`attention_forward_mma`]) and f16/bf16 as they are
-//! ([`attention_forward_mma_half`]). CUDA only. No Burn imports here.
+//! results in registers (`mma.sync`, whose register layout PTX defines): f32
+//! as split TF32 ("3xTF32", [`attention_forward_mma`]) and f16/bf16 as they
+//! are ([`attention_forward_mma_half`]). CUDA only. No Burn imports here.
 //!
 //! Why: the CUDA-core forwards (`kernel.rs`, `tiled.rs`) are bound by issue
 //! slots at 64 multiply-adds a (query, key) pair (1.50 ms at the ASV shape on
@@ -35,6 +34,11 @@
 //!   operand needs, with no moves);
 //!   rows are 64 bytes (mod 128) apart, so that the eight units of a
 //!   quarter plane hit different banks.
+//! - Where a head's keys fit a cube (the ASV level's 151: 88 KB split) the
+//!   cube loads them once and its planes take blocks of queries in turn;
+//!   else (the sample level's 1,024) each plane keeps one block of queries
+//!   and the cube streams the keys past sixteen planes [`BLOCK_KEYS`] at a
+//!   time, skipping blocks of padding whole ([`block_rows`]).
 //!
 //! The f16/bf16 kernel is the same with `m16n8k16` products and no split:
 //! there a pair of 8-key tiles' scores is `P̃·V`'s `A` operand in PTX's own
@@ -47,7 +51,7 @@
 //! masked key's probability 0, zero output and log-sum-exp for a row with
 //! no valid key, the dropout hash of `(seed, bh, row, key)` (the row sum
 //! counts undropped probabilities), so the CUDA-core backwards follow it.
-//! Chunks whose keys are all masked are skipped.
+//! Chunks (and streamed blocks) whose keys are all masked are skipped.
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
@@ -91,16 +95,32 @@ pub const fn mma_key_rows(keys: usize, half: bool) -> usize {
     }
 }
 
+/// Keys a block of the streamed kernels takes by default (see
+/// [`block_rows`]): 76 KB of split f32 keys and values at head dim 32 (256
+/// did not fit; 64 was slower at the sample level, `benches/RESULTS.md`).
+pub const BLOCK_KEYS: usize = 128;
+
+/// Key rows a cube holds in shared memory at a time: all of a head's keys
+/// (rounded up to whole tiles) where `keys ≤ block_keys`, else blocks of
+/// `block_keys` (a multiple of 16 and of the chunk's keys), loaded in turn.
+pub const fn block_rows(keys: usize, block_keys: usize, half: bool) -> usize {
+    if keys <= block_keys {
+        mma_key_rows(keys, half)
+    } else {
+        block_keys
+    }
+}
+
 /// Shared memory (bytes) of [`attention_forward_mma`] (`half`: of
-/// [`attention_forward_mma_half`]).
-pub fn mma_shared_bytes(keys: usize, head_dim: usize, half: bool) -> usize {
-    let rows = mma_key_rows(keys, half);
+/// [`attention_forward_mma_half`]) holding `rows` key rows (see
+/// [`block_rows`]).
+pub fn mma_shared_bytes(rows: usize, head_dim: usize, half: bool) -> usize {
     let operands = if half {
         (rows * half_stride(head_dim / 4) + head_dim * half_stride(rows / 4)) * 8
     } else {
         (rows * split_stride(head_dim / 2) + head_dim * split_stride(rows / 2)) * 16
     };
-    operands + rows * 4 + keys.div_ceil(8) * 4
+    operands + rows * 4 + rows.div_ceil(8) * 4
 }
 
 /// A plane's `Q` operand for one `k = 8` step: hi and lo.
@@ -126,11 +146,15 @@ struct PlaneRows {
 
 /// Forward of one (n, h) a cube: `out = softmax(q·kᵀ·scale, masked)·v` and
 /// the row log-sum-exp, on tensor cores as split TF32 (see the module doc).
-/// `keys` is `k.shape(2)`, `head_dim` 16, 32 or 64; `units` is 32 a plane,
-/// each plane taking blocks of 16 queries in turn; `chunk_tiles` key tiles
-/// of 8 a step of the online softmax.
+/// `keys` is `k.shape(2)`, `head_dim` 16, 32 or 64; `units` is 32 a plane;
+/// `chunk_tiles` key tiles of 8 a step of the online softmax. Where `keys ≤
+/// block_keys` the cube loads all of the head's keys once and its planes
+/// take blocks of 16 queries in turn; else each plane owns one block of
+/// queries (cube y: which `units / 32` blocks) and the cube streams the
+/// keys through shared memory `block_keys` at a time, skipping blocks that
+/// are all padding.
 ///
-/// Launch: cube x: n·H + h − bh_offset; `units` units.
+/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_mma<F: Float>(
@@ -151,6 +175,7 @@ pub fn attention_forward_mma<F: Float>(
     seed: u32,
     #[comptime] head_dim: usize,
     #[comptime] keys: usize,
+    #[comptime] block_keys: usize,
     #[comptime] units: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] use_dropout: bool,
@@ -159,130 +184,359 @@ pub fn attention_forward_mma<F: Float>(
 ) {
     let tq = q.shape(2);
     let head = cube_head(heads, bh_offset, seed);
-    let unit = UNIT_POS_X as usize;
-    let k_stride = comptime!(split_stride(head_dim / 2));
-    let v_stride = comptime!(split_stride(mma_key_rows(keys, false) / 2));
-    let mut kt = SharedMemory::<SplitQuad>::new(comptime!(
-        mma_key_rows(keys, false) * split_stride(head_dim / 2)
-    ));
-    let mut vt = SharedMemory::<SplitQuad>::new(comptime!(
-        head_dim * split_stride(mma_key_rows(keys, false) / 2)
-    ));
-    let mut valid = SharedMemory::<ValidPair>::new(comptime!(mma_key_rows(keys, false) / 2));
-    let mut chunk_valid = SharedMemory::<f32>::new(comptime!(keys.div_ceil(chunk_tiles * 8)));
-    load_validity(
+    let rows = comptime!(block_rows(keys, block_keys, false));
+    let mut stage = SplitStage {
+        kt: SharedMemory::<SplitQuad>::new(comptime!(
+            block_rows(keys, block_keys, false) * split_stride(head_dim / 2)
+        )),
+        vt: SharedMemory::<SplitQuad>::new(comptime!(
+            head_dim * split_stride(block_rows(keys, block_keys, false) / 2)
+        )),
+        valid: SharedMemory::<ValidPair>::new(comptime!(block_rows(keys, block_keys, false) / 2)),
+        chunk_valid: SharedMemory::<f32>::new(comptime!(
+            block_rows(keys, block_keys, false).div_ceil(8)
+        )),
+    };
+    let args = KeyArgs {
+        k_offset,
+        v_offset,
+        dropout_threshold,
+        dropout_scale,
+    };
+    let planes = comptime!(units / 32);
+    if comptime!(keys <= block_keys) {
+        load_block_tf32(
+            k,
+            v,
+            bias,
+            key_valid,
+            &head,
+            &mut stage,
+            &args,
+            0,
+            keys,
+            rows,
+            head_dim,
+            keys,
+            chunk_tiles,
+            units,
+            with_bias,
+        );
+        let mut block = UNIT_POS_X as usize / 32;
+        while block < tq.div_ceil(16) {
+            let q_ops = q_operands_tf32(q, bias, &head, block, tq, scale, head_dim, with_bias);
+            let mut plane = plane_rows(block, head_dim);
+            attend_block_tf32(
+                &stage,
+                &q_ops,
+                &mut plane,
+                &head,
+                &args,
+                0,
+                keys,
+                rows,
+                head_dim,
+                chunk_tiles,
+                use_dropout,
+            );
+            write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+            block += planes;
+        }
+    } else {
+        let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
+        let q_ops = q_operands_tf32(q, bias, &head, block, tq, scale, head_dim, with_bias);
+        let mut plane = plane_rows(block, head_dim);
+        for b in 0..comptime!(keys / block_keys) {
+            let start = b * block_keys;
+            if load_block_tf32(
+                k,
+                v,
+                bias,
+                key_valid,
+                &head,
+                &mut stage,
+                &args,
+                start,
+                block_keys,
+                rows,
+                head_dim,
+                keys,
+                chunk_tiles,
+                units,
+                with_bias,
+            ) {
+                attend_block_tf32(
+                    &stage,
+                    &q_ops,
+                    &mut plane,
+                    &head,
+                    &args,
+                    start,
+                    block_keys,
+                    rows,
+                    head_dim,
+                    chunk_tiles,
+                    use_dropout,
+                );
+            }
+        }
+        if comptime!(keys % block_keys > 0) {
+            let start = comptime!(keys / block_keys * block_keys);
+            if load_block_tf32(
+                k,
+                v,
+                bias,
+                key_valid,
+                &head,
+                &mut stage,
+                &args,
+                start,
+                comptime!(keys % block_keys),
+                rows,
+                head_dim,
+                keys,
+                chunk_tiles,
+                units,
+                with_bias,
+            ) {
+                attend_block_tf32(
+                    &stage,
+                    &q_ops,
+                    &mut plane,
+                    &head,
+                    &args,
+                    start,
+                    comptime!(keys % block_keys),
+                    rows,
+                    head_dim,
+                    chunk_tiles,
+                    use_dropout,
+                );
+            }
+        }
+        write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+    }
+}
+
+/// A cube's shared memory of split keys and values (see the kernel), their
+/// validity by pair and each chunk's count of valid keys.
+#[derive(CubeType)]
+struct SplitStage {
+    kt: SharedMemory<SplitQuad>,
+    vt: SharedMemory<SplitQuad>,
+    valid: SharedMemory<ValidPair>,
+    chunk_valid: SharedMemory<f32>,
+}
+
+/// The scalar arguments the key blocks need.
+#[derive(CubeType)]
+struct KeyArgs {
+    k_offset: u32,
+    v_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+}
+
+/// Loads keys `[start, start + count)` of the head into `stage` (K by key:
+/// quad `key·stride + 4·s + t` holds dims `d = 8s + t` and `d + 4`, the two
+/// of a `B` operand, his then los; V by dim: quad `d·stride + p` holds keys
+/// `2p`, `2p + 1`; zero where masked or past `count`), after a cube sync
+/// (the last block's readers are done) and with one after. Returns whether
+/// any key of the block is valid (the same in every unit: the cube skips
+/// the block otherwise). Every unit must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_block_tf32<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    stage: &mut SplitStage,
+    args: &KeyArgs,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) -> bool {
+    let any = load_validity(
         key_valid,
-        &head,
-        &mut valid,
-        &mut chunk_valid,
+        head,
+        &mut stage.valid,
+        &mut stage.chunk_valid,
+        start,
+        count,
+        rows,
         keys,
-        comptime!(mma_key_rows(keys, false)),
         chunk_tiles,
         units,
     );
-    // K by key: quad `key·k_stride + 4·s + t` holds dims `d = 8s + t` and
-    // `d + 4` (the two of a `B` operand), his then los; zero if masked.
-    let k_bias = k_offset as usize + head.h * head_dim;
-    let mut item = unit;
-    while item < comptime!(mma_key_rows(keys, false) * head_dim / 2) {
-        let key = item / comptime!(head_dim / 2);
-        let slot = item % comptime!(head_dim / 2);
-        let d = (slot / 4) * 8 + slot % 4;
-        let mut x = SplitQuad::new(to_tf32(0.0f32));
-        if key < keys {
-            if valid[key / 2][key % 2] > 0.0 {
-                let at = row_start(k, k_offset, head.n, head.h, key);
+    if any {
+        let unit = UNIT_POS_X as usize;
+        let k_stride = comptime!(split_stride(head_dim / 2));
+        let v_stride = comptime!(split_stride(rows / 2));
+        let k_bias = args.k_offset as usize + head.h * head_dim;
+        let mut item = unit;
+        while item < comptime!(rows * head_dim / 2) {
+            let key = item / comptime!(head_dim / 2);
+            let slot = item % comptime!(head_dim / 2);
+            let d = (slot / 4) * 8 + slot % 4;
+            let mut x = SplitQuad::new(to_tf32(0.0f32));
+            if stage.valid[key / 2][key % 2] > 0.0 {
+                let at = row_start(k, args.k_offset, head.n, head.h, start + key);
                 #[unroll]
                 for e in 0..2usize {
                     let dim = d + e * 4;
-                    let value = f32::cast_from(k[at + dim]) + bias_at(bias, k_bias + dim, with_bias);
+                    let value =
+                        f32::cast_from(k[at + dim]) + bias_at(bias, k_bias + dim, with_bias);
                     let hi = to_tf32(value);
                     x[e] = hi;
                     x[e + 2] = to_tf32(value - f32::cast_from(hi));
                 }
             }
+            stage.kt[key * k_stride + slot] = x;
+            item += units;
         }
-        kt[key * k_stride + slot] = x;
-        item += units;
-    }
-    // V by dim: quad `d·v_stride + p` holds keys `2p`, `2p + 1` of dim `d`.
-    let v_bias = v_offset as usize + head.h * head_dim;
-    let mut item = unit;
-    while item < comptime!(mma_key_rows(keys, false) / 2 * head_dim) {
-        let p = item / head_dim;
-        let d = item % head_dim;
-        let mut x = SplitQuad::new(to_tf32(0.0f32));
-        #[unroll]
-        for e in 0..2usize {
-            let key = p * 2 + e;
-            if key < keys {
-                if valid[p][e] > 0.0 {
-                    let at = row_start(v, v_offset, head.n, head.h, key) + d;
+        let v_bias = args.v_offset as usize + head.h * head_dim;
+        let mut item = unit;
+        while item < comptime!(rows / 2 * head_dim) {
+            let p = item / head_dim;
+            let d = item % head_dim;
+            let mut x = SplitQuad::new(to_tf32(0.0f32));
+            #[unroll]
+            for e in 0..2usize {
+                if stage.valid[p][e] > 0.0 {
+                    let at = row_start(v, args.v_offset, head.n, head.h, start + p * 2 + e) + d;
                     let value = f32::cast_from(v[at]) + bias_at(bias, v_bias + d, with_bias);
                     let hi = to_tf32(value);
                     x[e] = hi;
                     x[e + 2] = to_tf32(value - f32::cast_from(hi));
                 }
             }
+            stage.vt[d * v_stride + p] = x;
+            item += units;
         }
-        vt[d * v_stride + p] = x;
-        item += units;
     }
     sync_cube();
+    any
+}
 
-    let t = unit % 4;
+/// Q's split operands for a plane's query block (rows g, g+8 × dims t,
+/// t+4 of each step of 8; zero past `tq`): PTX's A layout, element r at
+/// row g + 8·(r % 2), col t + 4·(r / 2).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn q_operands_tf32<F: Float>(
+    q: &Tensor<F>,
+    bias: &Tensor<F>,
+    head: &TiledHead,
+    block: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] with_bias: bool,
+) -> Sequence<QOperand> {
+    let lane = UNIT_POS_X as usize % 32;
     let q_bias = head.h * head_dim;
-    let full_chunks = comptime!(keys / (chunk_tiles * 8));
-    let last_tiles = comptime!(mma_key_rows(keys, false) / 8 - keys / (chunk_tiles * 8) * chunk_tiles);
-    let mut block = unit / 32;
-    while block < tq.div_ceil(16) {
-        let mut rows = plane_rows(block, head_dim);
-        // Q's operands: rows g, g+8 × dims t, t+4 of each step of 8.
-        let mut q_ops = Sequence::<QOperand>::new();
+    let mut q_ops = Sequence::<QOperand>::new();
+    #[unroll]
+    for s in 0..comptime!(head_dim / 8) {
+        let mut hi = Array::<Tf32One>::new(4usize);
+        let mut lo = Array::<Tf32One>::new(4usize);
         #[unroll]
-        for s in 0..comptime!(head_dim / 8) {
-            let mut hi = Array::<Tf32One>::new(4usize);
-            let mut lo = Array::<Tf32One>::new(4usize);
-            #[unroll]
-            for r in 0..4usize {
-                // PTX's A layout: element r at row g + 8·(r % 2), col t + 4·(r / 2).
-                let row = rows.row0 + (r % 2) * 8;
-                let d = s * 8 + t + (r / 2) * 4;
-                let mut value = 0.0f32;
-                if row < tq {
-                    let at = row_start(q, 0u32, head.n, head.h, row) + d;
-                    value = (f32::cast_from(q[at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
-                }
-                let h = to_tf32(value);
-                hi[r] = Tf32One::new(h);
-                lo[r] = Tf32One::new(to_tf32(value - f32::cast_from(h)));
+        for r in 0..4usize {
+            let row = block * 16 + lane / 4 + (r % 2) * 8;
+            let d = s * 8 + lane % 4 + (r / 2) * 4;
+            let mut value = 0.0f32;
+            if row < tq {
+                let at = row_start(q, 0u32, head.n, head.h, row) + d;
+                value = (f32::cast_from(q[at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
             }
-            q_ops.push(QOperand { hi, lo });
+            let h = to_tf32(value);
+            hi[r] = Tf32One::new(h);
+            lo[r] = Tf32One::new(to_tf32(value - f32::cast_from(h)));
         }
-        for c in 0..full_chunks {
-            if chunk_valid[c] > 0.0 {
-                let first = c * chunk_tiles;
-                let mut scores = scores_tf32(&kt, &q_ops, first, chunk_tiles, head_dim, k_stride);
-                softmax_step(
-                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
-                    dropout_scale, chunk_tiles, head_dim, use_dropout,
-                );
-                add_weights_times_values_tf32(&scores, &vt, &mut rows, first, chunk_tiles, head_dim, v_stride);
-            }
+        q_ops.push(QOperand { hi, lo });
+    }
+    q_ops
+}
+
+/// A plane's online softmax and `P̃·V` over a loaded block of `count` keys
+/// from key `start` (`rows` rows in `stage`), chunk by chunk, skipping
+/// chunks with no valid key.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_block_tf32(
+    stage: &SplitStage,
+    q_ops: &Sequence<QOperand>,
+    plane: &mut PlaneRows,
+    head: &TiledHead,
+    args: &KeyArgs,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let k_stride = comptime!(split_stride(head_dim / 2));
+    let v_stride = comptime!(split_stride(rows / 2));
+    let full_chunks = comptime!(count / (chunk_tiles * 8));
+    let last_tiles =
+        comptime!(mma_key_rows(count, false) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
+    for c in 0..full_chunks {
+        if stage.chunk_valid[c] > 0.0 {
+            let first = c * chunk_tiles;
+            let mut scores = scores_tf32(&stage.kt, q_ops, first, chunk_tiles, head_dim, k_stride);
+            softmax_step(
+                &mut scores,
+                &stage.valid,
+                plane,
+                first,
+                start,
+                head,
+                args.dropout_threshold,
+                args.dropout_scale,
+                chunk_tiles,
+                head_dim,
+                use_dropout,
+            );
+            add_weights_times_values_tf32(
+                &scores,
+                &stage.vt,
+                plane,
+                first,
+                chunk_tiles,
+                head_dim,
+                v_stride,
+            );
         }
-        if comptime!(last_tiles > 0) {
-            if chunk_valid[full_chunks] > 0.0 {
-                let first = full_chunks * chunk_tiles;
-                let mut scores = scores_tf32(&kt, &q_ops, first, last_tiles, head_dim, k_stride);
-                softmax_step(
-                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
-                    dropout_scale, last_tiles, head_dim, use_dropout,
-                );
-                add_weights_times_values_tf32(&scores, &vt, &mut rows, first, last_tiles, head_dim, v_stride);
-            }
+    }
+    if comptime!(last_tiles > 0) {
+        if stage.chunk_valid[full_chunks] > 0.0 {
+            let first = full_chunks * chunk_tiles;
+            let mut scores = scores_tf32(&stage.kt, q_ops, first, last_tiles, head_dim, k_stride);
+            softmax_step(
+                &mut scores,
+                &stage.valid,
+                plane,
+                first,
+                start,
+                head,
+                args.dropout_threshold,
+                args.dropout_scale,
+                last_tiles,
+                head_dim,
+                use_dropout,
+            );
+            add_weights_times_values_tf32(
+                &scores, &stage.vt, plane, first, last_tiles, head_dim, v_stride,
+            );
         }
-        write_rows::<F>(out, lse, &rows, &head, tq, head_dim);
-        block += comptime!(units / 32);
     }
 }
 
@@ -290,7 +544,7 @@ pub fn attention_forward_mma<F: Float>(
 /// storage type into f32, no split (see the module doc). `chunk_tiles` must
 /// be even.
 ///
-/// Launch: cube x: n·H + h − bh_offset; `units` units.
+/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_mma_half<F: Float>(
@@ -311,6 +565,7 @@ pub fn attention_forward_mma_half<F: Float>(
     seed: u32,
     #[comptime] head_dim: usize,
     #[comptime] keys: usize,
+    #[comptime] block_keys: usize,
     #[comptime] units: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] use_dropout: bool,
@@ -319,39 +574,196 @@ pub fn attention_forward_mma_half<F: Float>(
 ) {
     let tq = q.shape(2);
     let head = cube_head(heads, bh_offset, seed);
-    let unit = UNIT_POS_X as usize;
-    let k_stride = comptime!(half_stride(head_dim / 4));
-    let v_stride = comptime!(half_stride(mma_key_rows(keys, true) / 4));
-    let mut kt = SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
-        mma_key_rows(keys, true) * half_stride(head_dim / 4)
-    ));
-    let mut vt = SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
-        head_dim * half_stride(mma_key_rows(keys, true) / 4)
-    ));
-    let mut valid = SharedMemory::<ValidPair>::new(comptime!(mma_key_rows(keys, true) / 2));
-    let mut chunk_valid = SharedMemory::<f32>::new(comptime!(keys.div_ceil(chunk_tiles * 8)));
-    load_validity(
+    let rows = comptime!(block_rows(keys, block_keys, true));
+    let mut stage = HalfStage::<F> {
+        kt: SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
+            block_rows(keys, block_keys, true) * half_stride(head_dim / 4)
+        )),
+        vt: SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
+            head_dim * half_stride(block_rows(keys, block_keys, true) / 4)
+        )),
+        valid: SharedMemory::<ValidPair>::new(comptime!(block_rows(keys, block_keys, true) / 2)),
+        chunk_valid: SharedMemory::<f32>::new(comptime!(
+            block_rows(keys, block_keys, true).div_ceil(8)
+        )),
+    };
+    let args = KeyArgs {
+        k_offset,
+        v_offset,
+        dropout_threshold,
+        dropout_scale,
+    };
+    let planes = comptime!(units / 32);
+    if comptime!(keys <= block_keys) {
+        load_block_half::<F>(
+            k,
+            v,
+            bias,
+            key_valid,
+            &head,
+            &mut stage,
+            &args,
+            0,
+            keys,
+            rows,
+            head_dim,
+            keys,
+            chunk_tiles,
+            units,
+            with_bias,
+        );
+        let mut block = UNIT_POS_X as usize / 32;
+        while block < tq.div_ceil(16) {
+            let q_ops = q_operands_half::<F>(q, bias, &head, block, tq, scale, head_dim, with_bias);
+            let mut plane = plane_rows(block, head_dim);
+            attend_block_half::<F>(
+                &stage,
+                &q_ops,
+                &mut plane,
+                &head,
+                &args,
+                0,
+                keys,
+                rows,
+                head_dim,
+                chunk_tiles,
+                use_dropout,
+            );
+            write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+            block += planes;
+        }
+    } else {
+        let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
+        let q_ops = q_operands_half::<F>(q, bias, &head, block, tq, scale, head_dim, with_bias);
+        let mut plane = plane_rows(block, head_dim);
+        for b in 0..comptime!(keys / block_keys) {
+            let start = b * block_keys;
+            if load_block_half::<F>(
+                k,
+                v,
+                bias,
+                key_valid,
+                &head,
+                &mut stage,
+                &args,
+                start,
+                block_keys,
+                rows,
+                head_dim,
+                keys,
+                chunk_tiles,
+                units,
+                with_bias,
+            ) {
+                attend_block_half::<F>(
+                    &stage,
+                    &q_ops,
+                    &mut plane,
+                    &head,
+                    &args,
+                    start,
+                    block_keys,
+                    rows,
+                    head_dim,
+                    chunk_tiles,
+                    use_dropout,
+                );
+            }
+        }
+        if comptime!(keys % block_keys > 0) {
+            let start = comptime!(keys / block_keys * block_keys);
+            if load_block_half::<F>(
+                k,
+                v,
+                bias,
+                key_valid,
+                &head,
+                &mut stage,
+                &args,
+                start,
+                comptime!(keys % block_keys),
+                rows,
+                head_dim,
+                keys,
+                chunk_tiles,
+                units,
+                with_bias,
+            ) {
+                attend_block_half::<F>(
+                    &stage,
+                    &q_ops,
+                    &mut plane,
+                    &head,
+                    &args,
+                    start,
+                    comptime!(keys % block_keys),
+                    rows,
+                    head_dim,
+                    chunk_tiles,
+                    use_dropout,
+                );
+            }
+        }
+        write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+    }
+}
+
+/// [`SplitStage`] for f16/bf16: K by key (unit `key·stride + 4·s + t` holds
+/// dims `16s + 2t`, `+1`, `+8`, `+9`, a `B` operand's four), V by dim (unit
+/// `d·stride + 4·p + t` holds keys `16p + 2t`, `+1`, `+8`, `+9`).
+#[derive(CubeType)]
+struct HalfStage<F: Float> {
+    kt: SharedMemory<Vector<F, Const<4>>>,
+    vt: SharedMemory<Vector<F, Const<4>>>,
+    valid: SharedMemory<ValidPair>,
+    chunk_valid: SharedMemory<f32>,
+}
+
+/// [`load_block_tf32`] for f16/bf16 ([`HalfStage`]'s layout).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_block_half<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    stage: &mut HalfStage<F>,
+    args: &KeyArgs,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) -> bool {
+    let any = load_validity(
         key_valid,
-        &head,
-        &mut valid,
-        &mut chunk_valid,
+        head,
+        &mut stage.valid,
+        &mut stage.chunk_valid,
+        start,
+        count,
+        rows,
         keys,
-        comptime!(mma_key_rows(keys, true)),
         chunk_tiles,
         units,
     );
-    // K by key: unit `key·k_stride + 4·s + t` holds dims `16s + 2t`, `+1`,
-    // `+8`, `+9` (a `B` operand's four); zero if masked.
-    let k_bias = k_offset as usize + head.h * head_dim;
-    let mut item = unit;
-    while item < comptime!(mma_key_rows(keys, true) * head_dim / 4) {
-        let key = item / comptime!(head_dim / 4);
-        let slot = item % comptime!(head_dim / 4);
-        let d = (slot / 4) * 16 + (slot % 4) * 2;
-        let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
-        if key < keys {
-            if valid[key / 2][key % 2] > 0.0 {
-                let at = row_start(k, k_offset, head.n, head.h, key);
+    if any {
+        let unit = UNIT_POS_X as usize;
+        let k_stride = comptime!(half_stride(head_dim / 4));
+        let v_stride = comptime!(half_stride(rows / 4));
+        let k_bias = args.k_offset as usize + head.h * head_dim;
+        let mut item = unit;
+        while item < comptime!(rows * head_dim / 4) {
+            let key = item / comptime!(head_dim / 4);
+            let slot = item % comptime!(head_dim / 4);
+            let d = (slot / 4) * 16 + (slot % 4) * 2;
+            let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
+            if stage.valid[key / 2][key % 2] > 0.0 {
+                let at = row_start(k, args.k_offset, head.n, head.h, start + key);
                 #[unroll]
                 for e in 0..4usize {
                     let dim = d + (e / 2) * 8 + e % 2;
@@ -360,94 +772,152 @@ pub fn attention_forward_mma_half<F: Float>(
                     );
                 }
             }
+            stage.kt[key * k_stride + slot] = x;
+            item += units;
         }
-        kt[key * k_stride + slot] = x;
-        item += units;
-    }
-    // V by dim: unit `d·v_stride + 4·p + t` holds keys `16p + 2t`, `+1`,
-    // `+8`, `+9` of dim `d`.
-    let v_bias = v_offset as usize + head.h * head_dim;
-    let mut item = unit;
-    while item < comptime!(mma_key_rows(keys, true) / 4 * head_dim) {
-        let slot = item / head_dim;
-        let d = item % head_dim;
-        let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
-        #[unroll]
-        for e in 0..4usize {
-            let key = (slot / 4) * 16 + (slot % 4) * 2 + (e / 2) * 8 + e % 2;
-            if key < keys {
-                if valid[key / 2][e % 2] > 0.0 {
-                    let at = row_start(v, v_offset, head.n, head.h, key) + d;
-                    x[e] = F::cast_from(f32::cast_from(v[at]) + bias_at(bias, v_bias + d, with_bias));
+        let v_bias = args.v_offset as usize + head.h * head_dim;
+        let mut item = unit;
+        while item < comptime!(rows / 4 * head_dim) {
+            let slot = item / head_dim;
+            let d = item % head_dim;
+            let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
+            #[unroll]
+            for e in 0..4usize {
+                let key = (slot / 4) * 16 + (slot % 4) * 2 + (e / 2) * 8 + e % 2;
+                if stage.valid[key / 2][e % 2] > 0.0 {
+                    let at = row_start(v, args.v_offset, head.n, head.h, start + key) + d;
+                    x[e] =
+                        F::cast_from(f32::cast_from(v[at]) + bias_at(bias, v_bias + d, with_bias));
                 }
             }
+            stage.vt[d * v_stride + slot] = x;
+            item += units;
         }
-        vt[d * v_stride + slot] = x;
-        item += units;
     }
     sync_cube();
+    any
+}
 
-    let lane = unit % 32;
-    let t = lane % 4;
+/// Q's operands for a plane's query block, f16/bf16 (PTX's A layout for
+/// 16-bit types: pair r holds row g + 8·(r % 2), dims 16s + 2t + 8·(r / 2)
+/// and the next; zero past `tq`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn q_operands_half<F: Float>(
+    q: &Tensor<F>,
+    bias: &Tensor<F>,
+    head: &TiledHead,
+    block: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] with_bias: bool,
+) -> Sequence<Array<Vector<F, Const<2>>>> {
+    let lane = UNIT_POS_X as usize % 32;
     let q_bias = head.h * head_dim;
-    let full_chunks = comptime!(keys / (chunk_tiles * 8));
-    let last_tiles = comptime!(mma_key_rows(keys, true) / 8 - keys / (chunk_tiles * 8) * chunk_tiles);
-    let mut block = unit / 32;
-    while block < tq.div_ceil(16) {
-        let mut rows = plane_rows(block, head_dim);
-        // Q's operands (PTX's A layout for 16-bit types): pair r holds row
-        // g + 8·(r % 2), dims 16s + 2t + 8·(r / 2) and the next.
-        let mut q_ops = Sequence::<Array<Vector<F, Const<2>>>>::new();
+    let mut q_ops = Sequence::<Array<Vector<F, Const<2>>>>::new();
+    #[unroll]
+    for s in 0..comptime!(head_dim / 16) {
+        let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
         #[unroll]
-        for s in 0..comptime!(head_dim / 16) {
-            let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
-            #[unroll]
-            for r in 0..4usize {
-                let row = rows.row0 + (r % 2) * 8;
-                let d = s * 16 + t * 2 + (r / 2) * 8;
-                let mut x = AccPair::new(0.0f32);
-                if row < tq {
-                    let at = row_start(q, 0u32, head.n, head.h, row) + d;
-                    #[unroll]
-                    for e in 0..2usize {
-                        x[e] = (f32::cast_from(q[at + e]) + bias_at(bias, q_bias + d + e, with_bias))
-                            * scale;
-                    }
+        for r in 0..4usize {
+            let row = block * 16 + lane / 4 + (r % 2) * 8;
+            let d = s * 16 + (lane % 4) * 2 + (r / 2) * 8;
+            let mut x = AccPair::new(0.0f32);
+            if row < tq {
+                let at = row_start(q, 0u32, head.n, head.h, row) + d;
+                #[unroll]
+                for e in 0..2usize {
+                    x[e] = (f32::cast_from(q[at + e]) + bias_at(bias, q_bias + d + e, with_bias))
+                        * scale;
                 }
-                a[r] = Vector::<F, Const<2>>::cast_from(x);
             }
-            q_ops.push(a);
+            a[r] = Vector::<F, Const<2>>::cast_from(x);
         }
-        for c in 0..full_chunks {
-            if chunk_valid[c] > 0.0 {
-                let first = c * chunk_tiles;
-                let mut scores = scores_half::<F>(&kt, &q_ops, first, chunk_tiles, head_dim, k_stride);
-                softmax_step(
-                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
-                    dropout_scale, chunk_tiles, head_dim, use_dropout,
-                );
-                add_weights_times_values_half::<F>(&scores, &vt, &mut rows, first, chunk_tiles, head_dim, v_stride);
-            }
+        q_ops.push(a);
+    }
+    q_ops
+}
+
+/// [`attend_block_tf32`] for f16/bf16.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_block_half<F: Float>(
+    stage: &HalfStage<F>,
+    q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
+    plane: &mut PlaneRows,
+    head: &TiledHead,
+    args: &KeyArgs,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let k_stride = comptime!(half_stride(head_dim / 4));
+    let v_stride = comptime!(half_stride(rows / 4));
+    let full_chunks = comptime!(count / (chunk_tiles * 8));
+    let last_tiles =
+        comptime!(mma_key_rows(count, true) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
+    for c in 0..full_chunks {
+        if stage.chunk_valid[c] > 0.0 {
+            let first = c * chunk_tiles;
+            let mut scores =
+                scores_half::<F>(&stage.kt, q_ops, first, chunk_tiles, head_dim, k_stride);
+            softmax_step(
+                &mut scores,
+                &stage.valid,
+                plane,
+                first,
+                start,
+                head,
+                args.dropout_threshold,
+                args.dropout_scale,
+                chunk_tiles,
+                head_dim,
+                use_dropout,
+            );
+            add_weights_times_values_half::<F>(
+                &scores,
+                &stage.vt,
+                plane,
+                first,
+                chunk_tiles,
+                head_dim,
+                v_stride,
+            );
         }
-        if comptime!(last_tiles > 0) {
-            if chunk_valid[full_chunks] > 0.0 {
-                let first = full_chunks * chunk_tiles;
-                let mut scores = scores_half::<F>(&kt, &q_ops, first, last_tiles, head_dim, k_stride);
-                softmax_step(
-                    &mut scores, &valid, &mut rows, first, &head, dropout_threshold,
-                    dropout_scale, last_tiles, head_dim, use_dropout,
-                );
-                add_weights_times_values_half::<F>(&scores, &vt, &mut rows, first, last_tiles, head_dim, v_stride);
-            }
+    }
+    if comptime!(last_tiles > 0) {
+        if stage.chunk_valid[full_chunks] > 0.0 {
+            let first = full_chunks * chunk_tiles;
+            let mut scores =
+                scores_half::<F>(&stage.kt, q_ops, first, last_tiles, head_dim, k_stride);
+            softmax_step(
+                &mut scores,
+                &stage.valid,
+                plane,
+                first,
+                start,
+                head,
+                args.dropout_threshold,
+                args.dropout_scale,
+                last_tiles,
+                head_dim,
+                use_dropout,
+            );
+            add_weights_times_values_half::<F>(
+                &scores, &stage.vt, plane, first, last_tiles, head_dim, v_stride,
+            );
         }
-        write_rows::<F>(out, lse, &rows, &head, tq, head_dim);
-        block += comptime!(units / 32);
     }
 }
 
-/// Loads a head's key validity by pair (0 past `keys`, up to `rows` keys)
-/// and each chunk's count of valid keys, then syncs the cube. Every unit
-/// must call it.
+/// Loads the validity of keys `[start, start + count)` by pair (0 past
+/// them, up to `rows` keys) and each chunk's count of valid keys, syncing
+/// the cube before (the last block's readers are done) and after. Returns
+/// whether any is valid. Every unit must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_validity(
@@ -455,36 +925,46 @@ fn load_validity(
     head: &TiledHead,
     valid: &mut SharedMemory<ValidPair>,
     chunk_valid: &mut SharedMemory<f32>,
-    #[comptime] keys: usize,
+    start: usize,
+    #[comptime] count: usize,
     #[comptime] rows: usize,
+    #[comptime] keys: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] units: usize,
-) {
+) -> bool {
     let unit = UNIT_POS_X as usize;
     let chunk_keys = comptime!(chunk_tiles * 8);
+    let chunks = comptime!(count.div_ceil(chunk_tiles * 8));
+    let base = head.n * keys + start;
+    sync_cube();
     let mut pair = unit;
     while pair < comptime!(rows / 2) {
         let mut x = ValidPair::new(0.0f32);
         #[unroll]
         for e in 0..2usize {
             let key = pair * 2 + e;
-            if key < keys {
-                x[e] = key_valid[head.n * keys + key];
+            if key < count {
+                x[e] = key_valid[base + key];
             }
         }
         valid[pair] = x;
         pair += units;
     }
-    if unit < comptime!(keys.div_ceil(chunk_tiles * 8)) {
-        let mut count = 0.0f32;
+    if unit < chunks {
+        let mut total = 0.0f32;
         let mut key = unit * chunk_keys;
-        while key < keys && key < (unit + 1) * chunk_keys {
-            count += key_valid[head.n * keys + key];
+        while key < count && key < (unit + 1) * chunk_keys {
+            total += key_valid[base + key];
             key += 1;
         }
-        chunk_valid[unit] = count;
+        chunk_valid[unit] = total;
     }
     sync_cube();
+    let mut any = 0.0f32;
+    for c in 0..chunks {
+        any += chunk_valid[c];
+    }
+    any > 0.0
 }
 
 /// A plane's [`PlaneRows`] for query block `block`, zeroed.
@@ -594,7 +1074,7 @@ fn half_operand<F: Float>(x: Vector<F, Const<4>>) -> Array<Vector<F, Const<2>>> 
 }
 
 /// One step of the online softmax over `tiles` tiles of scores from tile
-/// `first`: masks them (-1e30), moves the rows' maximum (four units a row:
+/// `first` of a block from key `key_base`: masks them (-1e30), moves the rows' maximum (four units a row:
 /// two plane shuffles), rescales the output and the unit's share of the
 /// row sums, and turns the scores into the weights `P̃` of `P̃·V` (dropout
 /// applied; the sums count undropped probabilities).
@@ -605,6 +1085,7 @@ fn softmax_step(
     valid: &SharedMemory<ValidPair>,
     rows: &mut PlaneRows,
     first: usize,
+    key_base: usize,
     head: &TiledHead,
     dropout_threshold: u32,
     dropout_scale: f32,
@@ -661,7 +1142,7 @@ fn softmax_step(
             w0[e] = p0;
             w1[e] = p1;
             if use_dropout {
-                let key = ((first + j) * 8 + t * 2 + e) as u32;
+                let key = (key_base + (first + j) * 8 + t * 2 + e) as u32;
                 let keep0 = dropout_keep(head.head_key, row0, key, dropout_threshold);
                 let keep1 = dropout_keep(head.head_key, row0 + 8, key, dropout_threshold);
                 w0[e] = select(keep0, p0 * dropout_scale, 0.0f32);
