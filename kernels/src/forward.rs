@@ -291,7 +291,9 @@ struct MmaForward {
     /// Cubes an (n, h): 1 where a cube holds all keys, else one a group of
     /// `units / 32` blocks of queries.
     groups: usize,
-    /// Keys in shared memory at a time (`≥ tk`: all of them, once).
+    /// The kernel's key count: the call's rounded up (see [`MmaForward::new`]).
+    keys: usize,
+    /// Keys in shared memory at a time (`≥ keys`: all of them, once).
     block_keys: usize,
     /// Key tiles (of 8) a step of the online softmax.
     chunk_tiles: usize,
@@ -351,7 +353,17 @@ impl MmaForward {
             "AAM_KERNEL_MMA_CHUNK must be even for f16/bf16"
         );
         let blocks = tq.div_ceil(16).max(1);
-        if mma_shared_bytes(mma_key_rows(tk, half), head_dim, half) <= TILED_SHARED_BYTES {
+        // The kernels compile per key count (their loops are unrolled by
+        // it), and the sample level's varies with each batch: counts are
+        // rounded up (keys past the call's are masked) so that nearby
+        // lengths share a kernel: to 8 up to the ASV level's 151 (152, as
+        // its tiles need), to 32 beyond, to whole blocks where streamed.
+        let keys = if tk <= 160 {
+            tk.next_multiple_of(8)
+        } else {
+            tk.next_multiple_of(32)
+        };
+        if mma_shared_bytes(mma_key_rows(keys, half), head_dim, half) <= TILED_SHARED_BYTES {
             // All keys in the cube. f32 (88 KB of split keys and values at
             // the ASV level: two cubes an SM) takes a plane per block of 16
             // queries; f16/bf16 (27 KB) half as many planes, two blocks
@@ -366,7 +378,8 @@ impl MmaForward {
             return Some(MmaForward {
                 units: blocks.min(planes) * 32,
                 groups: 1,
-                block_keys: tk,
+                keys,
+                block_keys: keys,
                 chunk_tiles,
                 half,
             });
@@ -388,6 +401,7 @@ impl MmaForward {
         Some(MmaForward {
             units: planes * 32,
             groups: blocks.div_ceil(planes),
+            keys: tk.next_multiple_of(block_keys),
             block_keys,
             chunk_tiles,
             half,
@@ -1555,7 +1569,7 @@ where
                 drop_scale,
                 seed,
                 dh,
-                tk,
+                mma.keys,
                 mma.block_keys,
                 mma.units,
                 mma.chunk_tiles,

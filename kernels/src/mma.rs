@@ -146,7 +146,9 @@ struct PlaneRows {
 
 /// Forward of one (n, h) a cube: `out = softmax(q·kᵀ·scale, masked)·v` and
 /// the row log-sum-exp, on tensor cores as split TF32 (see the module doc).
-/// `keys` is `k.shape(2)`, `head_dim` 16, 32 or 64; `units` is 32 a plane;
+/// `keys` is `k.shape(2)` rounded up (keys past it count as masked, so that
+/// calls of nearby lengths share a compiled kernel), `head_dim` 16, 32 or
+/// 64; `units` is 32 a plane;
 /// `chunk_tiles` key tiles of 8 a step of the online softmax. Where `keys ≤
 /// block_keys` the cube loads all of the head's keys once and its planes
 /// take blocks of 16 queries in turn; else each plane owns one block of
@@ -217,7 +219,6 @@ pub fn attention_forward_mma<F: Float>(
             keys,
             rows,
             head_dim,
-            keys,
             chunk_tiles,
             units,
             with_bias,
@@ -260,7 +261,6 @@ pub fn attention_forward_mma<F: Float>(
                 block_keys,
                 rows,
                 head_dim,
-                keys,
                 chunk_tiles,
                 units,
                 with_bias,
@@ -294,7 +294,6 @@ pub fn attention_forward_mma<F: Float>(
                 comptime!(keys % block_keys),
                 rows,
                 head_dim,
-                keys,
                 chunk_tiles,
                 units,
                 with_bias,
@@ -358,7 +357,6 @@ fn load_block_tf32<F: Float>(
     #[comptime] count: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] units: usize,
     #[comptime] with_bias: bool,
@@ -371,7 +369,6 @@ fn load_block_tf32<F: Float>(
         start,
         count,
         rows,
-        keys,
         chunk_tiles,
         units,
     );
@@ -607,7 +604,6 @@ pub fn attention_forward_mma_half<F: Float>(
             keys,
             rows,
             head_dim,
-            keys,
             chunk_tiles,
             units,
             with_bias,
@@ -650,7 +646,6 @@ pub fn attention_forward_mma_half<F: Float>(
                 block_keys,
                 rows,
                 head_dim,
-                keys,
                 chunk_tiles,
                 units,
                 with_bias,
@@ -684,7 +679,6 @@ pub fn attention_forward_mma_half<F: Float>(
                 comptime!(keys % block_keys),
                 rows,
                 head_dim,
-                keys,
                 chunk_tiles,
                 units,
                 with_bias,
@@ -734,7 +728,6 @@ fn load_block_half<F: Float>(
     #[comptime] count: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] units: usize,
     #[comptime] with_bias: bool,
@@ -747,7 +740,6 @@ fn load_block_half<F: Float>(
         start,
         count,
         rows,
-        keys,
         chunk_tiles,
         units,
     );
@@ -915,7 +907,7 @@ fn attend_block_half<F: Float>(
 }
 
 /// Loads the validity of keys `[start, start + count)` by pair (0 past
-/// them, up to `rows` keys) and each chunk's count of valid keys, syncing
+/// them and past the call's keys, up to `rows` keys) and each chunk's count of valid keys, syncing
 /// the cube before (the last block's readers are done) and after. Returns
 /// whether any is valid. Every unit must call it.
 #[cube]
@@ -928,14 +920,17 @@ fn load_validity(
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
-    #[comptime] keys: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] units: usize,
 ) -> bool {
     let unit = UNIT_POS_X as usize;
     let chunk_keys = comptime!(chunk_tiles * 8);
     let chunks = comptime!(count.div_ceil(chunk_tiles * 8));
-    let base = head.n * keys + start;
+    // The call's keys (`key_valid` is `[N, Tk]`): `count` may run past them
+    // (the kernels' key count is rounded up, see `MmaForward`).
+    let tk = key_valid.shape(1);
+    let base = head.n * tk + start;
+    let end = select(tk > start, tk - start, 0);
     sync_cube();
     let mut pair = unit;
     while pair < comptime!(rows / 2) {
@@ -943,7 +938,7 @@ fn load_validity(
         #[unroll]
         for e in 0..2usize {
             let key = pair * 2 + e;
-            if key < count {
+            if key < count && key < end {
                 x[e] = key_valid[base + key];
             }
         }
@@ -953,7 +948,7 @@ fn load_validity(
     if unit < chunks {
         let mut total = 0.0f32;
         let mut key = unit * chunk_keys;
-        while key < count && key < (unit + 1) * chunk_keys {
+        while key < count && key < end && key < (unit + 1) * chunk_keys {
             total += key_valid[base + key];
             key += 1;
         }
