@@ -280,7 +280,7 @@ pub fn attention_forward_mma<F: Float>(
                 );
             }
         }
-        if comptime!(keys % block_keys > 0) {
+        if comptime!(!keys.is_multiple_of(block_keys)) {
             let start = comptime!(keys / block_keys * block_keys);
             if load_block_tf32(
                 k,
@@ -665,7 +665,7 @@ pub fn attention_forward_mma_half<F: Float>(
                 );
             }
         }
-        if comptime!(keys % block_keys > 0) {
+        if comptime!(!keys.is_multiple_of(block_keys)) {
             let start = comptime!(keys / block_keys * block_keys);
             if load_block_half::<F>(
                 k,
