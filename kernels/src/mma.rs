@@ -151,10 +151,10 @@ struct PlaneRows {
 /// 64; `units` is 32 a plane;
 /// `chunk_tiles` key tiles of 8 a step of the online softmax. Where `keys ≤
 /// block_keys` the cube loads all of the head's keys once and its planes
-/// take blocks of 16 queries in turn; else each plane owns one block of
-/// queries (cube y: which `units / 32` blocks) and the cube streams the
-/// keys through shared memory `block_keys` at a time, skipping blocks that
-/// are all padding.
+/// take blocks of 16 queries in turn; else (`keys` a multiple of
+/// `block_keys`) each plane owns one block of queries (cube y: which
+/// `units / 32` blocks) and the cube streams the keys through shared memory
+/// `block_keys` at a time, skipping blocks that are all padding.
 ///
 /// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
@@ -273,39 +273,6 @@ pub fn attention_forward_mma<F: Float>(
                     &args,
                     start,
                     block_keys,
-                    rows,
-                    head_dim,
-                    chunk_tiles,
-                    use_dropout,
-                );
-            }
-        }
-        if comptime!(!keys.is_multiple_of(block_keys)) {
-            let start = comptime!(keys / block_keys * block_keys);
-            if load_block_tf32(
-                k,
-                v,
-                bias,
-                key_valid,
-                &head,
-                &mut stage,
-                &args,
-                start,
-                comptime!(keys % block_keys),
-                rows,
-                head_dim,
-                chunk_tiles,
-                units,
-                with_bias,
-            ) {
-                attend_block_tf32(
-                    &stage,
-                    &q_ops,
-                    &mut plane,
-                    &head,
-                    &args,
-                    start,
-                    comptime!(keys % block_keys),
                     rows,
                     head_dim,
                     chunk_tiles,
@@ -658,39 +625,6 @@ pub fn attention_forward_mma_half<F: Float>(
                     &args,
                     start,
                     block_keys,
-                    rows,
-                    head_dim,
-                    chunk_tiles,
-                    use_dropout,
-                );
-            }
-        }
-        if comptime!(!keys.is_multiple_of(block_keys)) {
-            let start = comptime!(keys / block_keys * block_keys);
-            if load_block_half::<F>(
-                k,
-                v,
-                bias,
-                key_valid,
-                &head,
-                &mut stage,
-                &args,
-                start,
-                comptime!(keys % block_keys),
-                rows,
-                head_dim,
-                chunk_tiles,
-                units,
-                with_bias,
-            ) {
-                attend_block_half::<F>(
-                    &stage,
-                    &q_ops,
-                    &mut plane,
-                    &head,
-                    &args,
-                    start,
-                    comptime!(keys % block_keys),
                     rows,
                     head_dim,
                     chunk_tiles,
