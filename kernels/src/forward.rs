@@ -282,6 +282,24 @@ struct Tiled {
     tile: usize,
 }
 
+/// Tensor-core products of `operand` into f32 of shape `[m, n, k]` (to ask
+/// the runtime whether it has them).
+fn into_f32_products(
+    operand: cubecl::ir::StorageType,
+    [m, n, k]: [u32; 3],
+) -> cubecl::features::MmaConfig {
+    cubecl::features::MmaConfig {
+        a_type: operand,
+        b_type: operand,
+        cd_type: cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(
+            cubecl::ir::FloatKind::F32,
+        )),
+        m,
+        n,
+        k,
+    }
+}
+
 /// How [`attention_forward_mma`] (f32) or [`attention_forward_mma_half`]
 /// (f16/bf16) runs a call ([`MmaForward::new`]).
 #[derive(Clone, Copy, Debug)]
@@ -334,17 +352,12 @@ impl MmaForward {
                 8,
             )
         };
-        let config = cubecl::features::MmaConfig {
-            a_type: operand,
-            b_type: operand,
-            cd_type: cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(
-                cubecl::ir::FloatKind::F32,
-            )),
-            m: 16,
-            n: 8,
-            k,
-        };
-        if !client.features().matmul.mma.contains(&config) {
+        if !client
+            .features()
+            .matmul
+            .mma
+            .contains(&into_f32_products(operand, [16, 8, k]))
+        {
             return None;
         }
         let chunk_tiles = env_usize("AAM_KERNEL_MMA_CHUNK").unwrap_or(CHUNK_TILES);
@@ -603,17 +616,12 @@ impl TensorCorePlan {
         }
         let storage: cubecl::ir::StorageType = dtype.into();
         let tile = TC_TILE as u32;
-        let config = cubecl::features::MmaConfig {
-            a_type: storage,
-            b_type: storage,
-            cd_type: cubecl::ir::StorageType::Scalar(cubecl::ir::ElemType::Float(
-                cubecl::ir::FloatKind::F32,
-            )),
-            m: tile,
-            n: tile,
-            k: tile,
-        };
-        if !client.features().matmul.cmma.contains(&config) {
+        if !client
+            .features()
+            .matmul
+            .cmma
+            .contains(&into_f32_products(storage, [tile; 3]))
+        {
             return None;
         }
         // As many planes as the shared memory holds (a cube's static limit

@@ -447,61 +447,92 @@ fn attend_block_tf32(
     #[comptime] chunk_tiles: usize,
     #[comptime] use_dropout: bool,
 ) {
-    let k_stride = comptime!(split_stride(head_dim / 2));
-    let v_stride = comptime!(split_stride(rows / 2));
     let full_chunks = comptime!(count / (chunk_tiles * 8));
     let last_tiles =
         comptime!(mma_key_rows(count, false) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
     for c in 0..full_chunks {
         if stage.chunk_valid[c] > 0.0 {
-            let first = c * chunk_tiles;
-            let mut scores = scores_tf32(&stage.kt, q_ops, first, chunk_tiles, head_dim, k_stride);
-            softmax_step(
-                &mut scores,
-                &stage.valid,
+            attend_chunk_tf32(
+                stage,
+                q_ops,
                 plane,
-                first,
-                start,
                 head,
-                args.dropout_threshold,
-                args.dropout_scale,
+                args,
+                c * chunk_tiles,
+                start,
                 chunk_tiles,
+                rows,
                 head_dim,
                 use_dropout,
-            );
-            add_weights_times_values_tf32(
-                &scores,
-                &stage.vt,
-                plane,
-                first,
-                chunk_tiles,
-                head_dim,
-                v_stride,
             );
         }
     }
     if comptime!(last_tiles > 0) {
         if stage.chunk_valid[full_chunks] > 0.0 {
-            let first = full_chunks * chunk_tiles;
-            let mut scores = scores_tf32(&stage.kt, q_ops, first, last_tiles, head_dim, k_stride);
-            softmax_step(
-                &mut scores,
-                &stage.valid,
+            attend_chunk_tf32(
+                stage,
+                q_ops,
                 plane,
-                first,
-                start,
                 head,
-                args.dropout_threshold,
-                args.dropout_scale,
+                args,
+                full_chunks * chunk_tiles,
+                start,
                 last_tiles,
+                rows,
                 head_dim,
                 use_dropout,
             );
-            add_weights_times_values_tf32(
-                &scores, &stage.vt, plane, first, last_tiles, head_dim, v_stride,
-            );
         }
     }
+}
+
+/// One chunk of `tiles` key tiles from tile `first` of the block at key
+/// `start`: scores, the softmax step and `o += P̃·V`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_chunk_tf32(
+    stage: &SplitStage,
+    q_ops: &Sequence<QOperand>,
+    plane: &mut PlaneRows,
+    head: &TiledHead,
+    args: &KeyArgs,
+    first: usize,
+    start: usize,
+    #[comptime] tiles: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let mut scores = scores_tf32(
+        &stage.kt,
+        q_ops,
+        first,
+        tiles,
+        head_dim,
+        comptime!(split_stride(head_dim / 2)),
+    );
+    softmax_step(
+        &mut scores,
+        &stage.valid,
+        plane,
+        first,
+        start,
+        head,
+        args.dropout_threshold,
+        args.dropout_scale,
+        tiles,
+        head_dim,
+        use_dropout,
+    );
+    add_weights_times_values_tf32(
+        &scores,
+        &stage.vt,
+        plane,
+        first,
+        tiles,
+        head_dim,
+        comptime!(split_stride(rows / 2)),
+    );
 }
 
 /// [`attention_forward_mma`] for f16/bf16: `m16n8k16` products of the
@@ -781,63 +812,92 @@ fn attend_block_half<F: Float>(
     #[comptime] chunk_tiles: usize,
     #[comptime] use_dropout: bool,
 ) {
-    let k_stride = comptime!(half_stride(head_dim / 4));
-    let v_stride = comptime!(half_stride(rows / 4));
     let full_chunks = comptime!(count / (chunk_tiles * 8));
     let last_tiles =
         comptime!(mma_key_rows(count, true) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
     for c in 0..full_chunks {
         if stage.chunk_valid[c] > 0.0 {
-            let first = c * chunk_tiles;
-            let mut scores =
-                scores_half::<F>(&stage.kt, q_ops, first, chunk_tiles, head_dim, k_stride);
-            softmax_step(
-                &mut scores,
-                &stage.valid,
+            attend_chunk_half::<F>(
+                stage,
+                q_ops,
                 plane,
-                first,
-                start,
                 head,
-                args.dropout_threshold,
-                args.dropout_scale,
+                args,
+                c * chunk_tiles,
+                start,
                 chunk_tiles,
+                rows,
                 head_dim,
                 use_dropout,
-            );
-            add_weights_times_values_half::<F>(
-                &scores,
-                &stage.vt,
-                plane,
-                first,
-                chunk_tiles,
-                head_dim,
-                v_stride,
             );
         }
     }
     if comptime!(last_tiles > 0) {
         if stage.chunk_valid[full_chunks] > 0.0 {
-            let first = full_chunks * chunk_tiles;
-            let mut scores =
-                scores_half::<F>(&stage.kt, q_ops, first, last_tiles, head_dim, k_stride);
-            softmax_step(
-                &mut scores,
-                &stage.valid,
+            attend_chunk_half::<F>(
+                stage,
+                q_ops,
                 plane,
-                first,
-                start,
                 head,
-                args.dropout_threshold,
-                args.dropout_scale,
+                args,
+                full_chunks * chunk_tiles,
+                start,
                 last_tiles,
+                rows,
                 head_dim,
                 use_dropout,
             );
-            add_weights_times_values_half::<F>(
-                &scores, &stage.vt, plane, first, last_tiles, head_dim, v_stride,
-            );
         }
     }
+}
+
+/// One chunk of `tiles` key tiles from tile `first` of the block at key
+/// `start`: scores, the softmax step and `o += P̃·V`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn attend_chunk_half<F: Float>(
+    stage: &HalfStage<F>,
+    q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
+    plane: &mut PlaneRows,
+    head: &TiledHead,
+    args: &KeyArgs,
+    first: usize,
+    start: usize,
+    #[comptime] tiles: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let mut scores = scores_half::<F>(
+        &stage.kt,
+        q_ops,
+        first,
+        tiles,
+        head_dim,
+        comptime!(half_stride(head_dim / 4)),
+    );
+    softmax_step(
+        &mut scores,
+        &stage.valid,
+        plane,
+        first,
+        start,
+        head,
+        args.dropout_threshold,
+        args.dropout_scale,
+        tiles,
+        head_dim,
+        use_dropout,
+    );
+    add_weights_times_values_half::<F>(
+        &scores,
+        &stage.vt,
+        plane,
+        first,
+        tiles,
+        head_dim,
+        comptime!(half_stride(rows / 4)),
+    );
 }
 
 /// Loads the validity of keys `[start, start + count)` by pair (0 past
