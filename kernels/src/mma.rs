@@ -1287,3 +1287,43 @@ fn write_rows<F: Float>(
 fn to_tf32(x: f32) -> tf32 {
     <tf32 as Cast>::cast_from(x)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// The strides keep a wavefront's loads in different banks: two rows ×
+    /// four 16-byte quads (a quarter plane's split operands), four rows ×
+    /// four 8-byte units (a half plane's f16/bf16 operands).
+    #[test]
+    fn operand_rows_fall_in_different_banks() {
+        for width in 4..400 {
+            let stride = split_stride(width);
+            assert!(stride >= width && stride < width + 8);
+            let quads: HashSet<usize> = (0..2)
+                .flat_map(|g| (0..4).map(move |t| (g * stride + t) * 16 % 128))
+                .collect();
+            assert_eq!(quads.len(), 8, "split stride {stride} for {width} quads");
+            let stride = half_stride(width);
+            assert!(stride >= width && stride < width + 8);
+            let units: HashSet<usize> = (0..4)
+                .flat_map(|g| (0..4).map(move |t| (g * stride + t) * 8 % 128))
+                .collect();
+            assert_eq!(units.len(), 16, "half stride {stride} for {width} units");
+        }
+    }
+
+    /// A cube holds a head's keys up to the ASV level's and beyond; blocks
+    /// of streamed keys fit the budget the plan checks.
+    #[test]
+    fn key_rows_and_blocks() {
+        assert_eq!(mma_key_rows(151, false), 152);
+        assert_eq!(mma_key_rows(151, true), 160);
+        assert_eq!(block_rows(152, 152, false), 152);
+        assert_eq!(block_rows(1024, BLOCK_KEYS, true), BLOCK_KEYS);
+        assert!(mma_shared_bytes(152, 32, false) < 112 * 1024);
+        assert!(mma_shared_bytes(BLOCK_KEYS, 32, false) < 112 * 1024);
+        assert!(mma_shared_bytes(BLOCK_KEYS, 64, true) < 112 * 1024);
+    }
+}
