@@ -44,14 +44,17 @@
 //! there a pair of 8-key tiles' scores is `P̃·V`'s `A` operand in PTX's own
 //! order (FlashAttention-2's layout), and `K`, `V` quads hold the four
 //! elements of a unit's `B` operand. It replaces `tensor_core.rs`'s `cmma`
-//! forward where it applies (0.81 ms at the ASV shape, whose scores went
-//! through shared memory).
+//! forward where it applies (at the ASV shape on the H100 0.48 ms against
+//! the `cmma` kernel's 0.79, whose scores went through shared memory; f32
+//! 1.04 ms against the CUDA cores' 1.51: `benches/RESULTS.md`).
 //!
 //! Semantics are `attention_forward`'s: q scaled (and biased) as loaded, a
 //! masked key's probability 0, zero output and log-sum-exp for a row with
 //! no valid key, the dropout hash of `(seed, bh, row, key)` (the row sum
-//! counts undropped probabilities), so the CUDA-core backwards follow it.
-//! Chunks (and streamed blocks) whose keys are all masked are skipped.
+//! counts undropped probabilities), so every backward (CUDA-core, or `cmma`
+//! for f16/bf16) follows it. Chunks (and streamed blocks) whose keys are
+//! all masked are skipped. Kernels compile per key count, which the caller
+//! rounds up (keys past the call's are masked: `MmaForward` in `forward.rs`).
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
@@ -1063,10 +1066,11 @@ fn half_operand<F: Float>(x: Vector<F, Const<4>>) -> Array<Vector<F, Const<2>>> 
 }
 
 /// One step of the online softmax over `tiles` tiles of scores from tile
-/// `first` of a block from key `key_base`: masks them (-1e30), moves the rows' maximum (four units a row:
-/// two plane shuffles), rescales the output and the unit's share of the
-/// row sums, and turns the scores into the weights `P̃` of `P̃·V` (dropout
-/// applied; the sums count undropped probabilities).
+/// `first` of the block at key `key_base`: masks them (-1e30), moves the
+/// rows' maximum (four units a row: two plane shuffles), rescales the
+/// output and the unit's share of the row sums, and turns the scores into
+/// the weights `P̃` of `P̃·V` (dropout applied; the sums count undropped
+/// probabilities).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn softmax_step(
