@@ -6,9 +6,9 @@
 #     --bin attention-bench
 #   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-kernels --features cuda,ndarray \
 #     --test fused_parity --test fused_native_layout --test fused_separate_backward \
-#     --test half_precision --no-run   # prints the test binaries' paths
+#     --test half_precision --test ops --no-run   # prints the test binaries' paths
 #   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,fused_native_layout,
-#     fused_separate_backward,half_precision}.xz
+#     fused_separate_backward,half_precision,ops}.xz (ops: OPS_FILTER, default packed_attention::)
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_LANES ("default 1": the default layout (on CUDA the register-tiled kernels
 # wherever a head's keys fit a cube), and AAM_KERNEL_LANES=1 AAM_KERNEL_TILED=0 AAM_KERNEL_MMA=0, the scalar
@@ -28,11 +28,11 @@
 # AAM_KERNEL_TC_PLANES cap).
 # Writes to $OUT: fused_parity{,_lanes1,_wgpu}.log, fused_native_layout{,_wgpu}.log, fused_lanes_wgpu.log,
 # fused_separate_backward.log, rs_attention_separate.jsonl, rs_attention_<VAR>_<value>.jsonl,
-# half_precision.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_<dtype>_<mode>.jsonl,
+# half_precision.log, ops.log, rs_attention{,_lanes1}.jsonl, rs_attention_tc_<dtype>_<mode>.jsonl,
 # rs_attention_tc_planes<N>.jsonl, pt_attention.jsonl, registers.jsonl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
-for b in attention-bench fused_parity fused_native_layout fused_separate_backward half_precision fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
+for b in attention-bench fused_parity fused_native_layout fused_separate_backward half_precision ops fused_parity_wgpu fused_lanes_wgpu fused_native_layout_wgpu; do
   [ -f ".carry/gpu/$b.xz" ] && xz -dc ".carry/gpu/$b.xz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -59,6 +59,13 @@ if [ "${PARITY:-1}" = 1 ]; then
   cuda_test fused_native_layout "cuda, head dims split over two units"
   cuda_test fused_separate_backward "cuda, dQ and dK/dV kernels at every shape"
   cuda_test half_precision "cuda: tensor-core forward and gradients against the f32 kernel" 'BF16 \(151'
+  if [ -x /tmp/gpu/ops ]; then
+    echo "== ops ${OPS_FILTER:-packed_attention::} (cuda)"
+    timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/ops "${OPS_FILTER:-packed_attention::}" --nocapture > "$OUT/ops.log" 2>&1
+    rc=$?; [ $rc -eq 0 ] || status=1
+    grep -E "^test .*(ok|FAILED)$|panicked|test result|BF16 .*t=151" "$OUT/ops.log" | cut -c1-200
+    echo "rc=$rc"
+  fi
 fi
 if [ "${WGPU_PARITY:-0}" = 1 ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig

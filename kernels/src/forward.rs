@@ -24,6 +24,9 @@ use crate::mma::{
     attention_forward_mma, attention_forward_mma_half, mma_key_rows, mma_shared_bytes, BLOCK_KEYS,
     CHUNK_TILES,
 };
+use crate::mma_backward::{
+    attention_backward_dkdv_mma_half, attention_backward_dq_mma_half, mma_backward_shared_bytes,
+};
 use crate::rows_matmul::rows_matmul_tf32;
 use crate::tensor_core::{
     attention_backward_dkdv_tc, attention_backward_dq_tc, attention_forward_tc, shared_bytes,
@@ -336,7 +339,7 @@ impl MmaForward {
         tk: usize,
     ) -> Option<Self> {
         let half = matches!(dtype, DType::F16 | DType::BF16);
-        if R::name(client) != "cuda" || !mma_setting() || !(half || dtype == DType::F32) {
+        if R::name(client) != "cuda" || !mma_setting().forward || !(half || dtype == DType::F32) {
             return None;
         }
         if !matches!(head_dim, 16 | 32 | 64) || tk == 0 {
@@ -418,6 +421,118 @@ impl MmaForward {
             block_keys,
             chunk_tiles,
             half,
+        })
+    }
+}
+
+/// How the f16/bf16 backward on `mma.sync` runs a call
+/// ([`attention_backward_dq_mma_half`], then
+/// [`attention_backward_dkdv_mma_half`]; [`MmaBackward::new`]).
+#[derive(Clone, Copy, Debug)]
+struct MmaBackward {
+    /// dQ: units in a cube (32 a plane, 16 queries a plane at a time).
+    dq_units: usize,
+    /// dQ: cubes an (n, h) (1 where a cube holds all keys).
+    dq_groups: usize,
+    /// dQ: the kernel's key count (the call's rounded up).
+    keys: usize,
+    /// dQ: keys in shared memory at a time (`≥ keys`: all, once).
+    block_keys: usize,
+    /// dK/dV: units in a cube (32 a plane, 16 keys a plane).
+    dkdv_units: usize,
+    /// dK/dV: cubes an (n, h).
+    dkdv_groups: usize,
+    /// dK/dV: the kernel's query count (the call's rounded up).
+    queries: usize,
+    /// dK/dV: queries in shared memory at a time.
+    block_queries: usize,
+}
+
+impl MmaBackward {
+    /// The plan for `tq` queries and `tk` keys of head dim `head_dim`, f16
+    /// and bf16 on CUDA with `mma.sync` (sm_80 on), head dims 16, 32 and 64;
+    /// `AAM_KERNEL_MMA=0` or `forward` turns it off. Each kernel holds all
+    /// of the other side's rows where they fit [`TILED_SHARED_BYTES`] (the
+    /// ASV level), else streams them [`BLOCK_KEYS`] at a time (the sample
+    /// level). Counts are rounded up as the forward's (so that nearby
+    /// lengths share compiled kernels).
+    fn new<R: CubeRuntime>(
+        client: &cubecl::client::ComputeClient<R>,
+        dtype: DType,
+        head_dim: usize,
+        tq: usize,
+        tk: usize,
+    ) -> Option<Self> {
+        if R::name(client) != "cuda"
+            || !mma_setting().backward
+            || !matches!(dtype, DType::F16 | DType::BF16)
+            || !matches!(head_dim, 16 | 32 | 64)
+            || tk == 0
+            || tq == 0
+        {
+            return None;
+        }
+        if !client
+            .features()
+            .matmul
+            .mma
+            .contains(&into_f32_products(dtype.into(), [16, 8, 16]))
+        {
+            return None;
+        }
+        let rounded = |len: usize| {
+            if len <= 160 {
+                len.next_multiple_of(16)
+            } else {
+                len.next_multiple_of(32)
+            }
+        };
+        let fits = |rows: usize, dkdv: bool| {
+            mma_backward_shared_bytes(rows, head_dim, dkdv) <= TILED_SHARED_BYTES
+        };
+        let query_blocks = tq.div_ceil(16);
+        let key_blocks = tk.div_ceil(16);
+        // dQ as the forward: all keys in the cube, half as many planes as
+        // blocks of 16 queries (two each); else keys streamed past
+        // sixteen planes, a block of queries each.
+        let (dq_planes, dq_groups, keys, block_keys) = if fits(rounded(tk), false) {
+            let planes = env_usize("AAM_KERNEL_MMA_DQ_PLANES")
+                .unwrap_or(query_blocks.div_ceil(2))
+                .min(query_blocks);
+            (planes, 1, rounded(tk), rounded(tk))
+        } else {
+            let planes = query_blocks.min(16);
+            (
+                planes,
+                query_blocks.div_ceil(planes),
+                tk.next_multiple_of(BLOCK_KEYS),
+                BLOCK_KEYS,
+            )
+        };
+        let (queries, block_queries) = if fits(rounded(tq), true) {
+            (rounded(tq), rounded(tq))
+        } else {
+            (tq.next_multiple_of(BLOCK_KEYS), BLOCK_KEYS)
+        };
+        if !fits(block_keys, false) || !fits(block_queries, true) {
+            return None;
+        }
+        // dK/dV: a plane a block of 16 keys; all of them in one cube up to
+        // 16 blocks (the ASV level's 10: the queries are staged once a
+        // head), else eight a cube (the sample level: more cubes for a
+        // head's valid keys, each streaming all queries).
+        let dkdv_planes = env_usize("AAM_KERNEL_MMA_DKDV_PLANES")
+            .unwrap_or(if key_blocks <= 16 { key_blocks } else { 8 })
+            .min(key_blocks);
+        Some(MmaBackward {
+            dq_units: dq_planes * 32,
+            dq_groups,
+            keys,
+            block_keys,
+            dkdv_units: dkdv_planes * 32,
+            dkdv_groups: key_blocks.div_ceil(dkdv_planes),
+            queries,
+            block_queries,
         })
     }
 }
@@ -525,15 +640,33 @@ struct TiledSetting {
 }
 
 /// `AAM_KERNEL_MMA`: unset or `1` runs the f32 forward on tensor cores as
-/// split TF32, and f16/bf16 likewise, where it can ([`MmaForward::new`]);
+/// split TF32, f16/bf16 likewise and their backward, where it can
+/// ([`MmaForward::new`], [`MmaBackward::new`]); `forward` only the forward;
 /// `0` leaves them to the CUDA-core (f32) and `cmma` (f16/bf16) kernels.
-fn mma_setting() -> bool {
-    static MMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+fn mma_setting() -> MmaSetting {
+    static MMA: std::sync::OnceLock<MmaSetting> = std::sync::OnceLock::new();
     *MMA.get_or_init(|| match std::env::var("AAM_KERNEL_MMA").as_deref() {
-        Err(_) | Ok("1") => true,
-        Ok("0") => false,
-        Ok(other) => panic!("AAM_KERNEL_MMA must be 1 or 0, not {other:?}"),
+        Err(_) | Ok("1") => MmaSetting {
+            forward: true,
+            backward: true,
+        },
+        Ok("forward") => MmaSetting {
+            forward: true,
+            backward: false,
+        },
+        Ok("0") => MmaSetting {
+            forward: false,
+            backward: false,
+        },
+        Ok(other) => panic!("AAM_KERNEL_MMA must be 1, forward or 0, not {other:?}"),
     })
+}
+
+/// Which passes run on `mma.sync` (see [`mma_setting`]).
+#[derive(Clone, Copy, Debug)]
+struct MmaSetting {
+    forward: bool,
+    backward: bool,
 }
 
 /// `AAM_KERNEL_TILED`: unset or `1` runs both attention passes as
@@ -1342,7 +1475,8 @@ where
             TensorCorePlan::new(&q.client, q.dtype, dh, tq, Pass::Backward),
             TensorCorePlan::new(&q.client, q.dtype, dh, tk, Pass::Backward),
         );
-        if let (Some(plan_q), Some(plan_k)) = plans {
+        let mma = MmaBackward::new(&q.client, q.dtype, dh, tq, tk).is_some();
+        if let (Some(plan_q), Some(plan_k), false) = (plans.0, plans.1, mma) {
             return tensor_core_backward::<R, F, I, BT>(
                 plan_q,
                 plan_k,
@@ -1431,7 +1565,9 @@ where
         let qkv = into_contiguous(qkv);
         let [_, t, d3] = dims3(&qkv);
         let (d, dh) = (d3 / 3, d3 / 3 / heads);
-        if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Backward).is_some() {
+        if TensorCorePlan::new(&qkv.client, qkv.dtype, dh, t, Pass::Backward).is_some()
+            && MmaBackward::new(&qkv.client, qkv.dtype, dh, t, t).is_none()
+        {
             return crate::packed::packed_backward_ops::<Self>(
                 qkv,
                 bias,
@@ -1688,6 +1824,81 @@ fn scalar_backward<R, F, I, BT>(
     let parts_k = layout.parts(lanes_k);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
     let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
+    if let Some(mma) = MmaBackward::new(&client, q.dtype, dh, tq, tk) {
+        // Δ = rowsum(dO ⊙ O) in f32: written by the dQ kernel, read by the
+        // dK/dV kernel launched after it.
+        let delta = empty(q, Shape::new([n, h, tq]), DType::F32);
+        for (offset, count) in bh_chunks(n * h) {
+            // SAFETY: unchecked launches skip CubeCL's clamping of global
+            // reads; the kernels read rows below `tq`/`tk` of views whose
+            // shapes and strides are the tensors', keys' validity below `tk`,
+            // and `lse`/`Δ` below `n·h·tq`, each behind its own guard.
+            unsafe {
+            attention_backward_dq_mma_half::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(count, mma.dq_groups as u32, 1),
+                CubeDim::new_1d(mma.dq_units as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                bias.unwrap_or(q).clone().into_tensor_arg(),
+                out.clone().into_tensor_arg(),
+                dout.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                dq.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                k_offset,
+                v_offset,
+                threshold,
+                drop_scale,
+                seed,
+                dh,
+                mma.keys,
+                mma.block_keys,
+                mma.dq_units,
+                use_dropout,
+                bias.is_some(),
+                q.dtype.into(),
+            );
+            attention_backward_dkdv_mma_half::launch_unchecked::<R>(
+                &client,
+                CubeCount::Static(count, mma.dkdv_groups as u32, 1),
+                CubeDim::new_1d(mma.dkdv_units as u32),
+                q.clone().into_tensor_arg(),
+                k.clone().into_tensor_arg(),
+                v.clone().into_tensor_arg(),
+                bias.unwrap_or(q).clone().into_tensor_arg(),
+                dout.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                delta.clone().into_tensor_arg(),
+                key_valid.clone().into_tensor_arg(),
+                dkv.clone().into_tensor_arg(),
+                scale as f32,
+                h as u32,
+                offset,
+                k_offset,
+                v_offset,
+                dk_offset,
+                dv_offset,
+                threshold,
+                drop_scale,
+                seed,
+                dh,
+                mma.queries,
+                mma.block_queries,
+                mma.dkdv_units,
+                use_dropout,
+                bias.is_some(),
+                q.dtype.into(),
+            );
+            }
+        }
+        return;
+    }
     if let Some(tiled) = layout.tiled(tk).filter(|_| tiled_setting().backward) {
         for (offset, count) in bh_chunks(n * h) {
             attention_backward_tiled::launch::<R>(

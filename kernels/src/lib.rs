@@ -128,6 +128,8 @@ mod kernel;
 #[cfg(feature = "cubecl")]
 mod mma;
 #[cfg(feature = "cubecl")]
+mod mma_backward;
+#[cfg(feature = "cubecl")]
 mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;

@@ -65,11 +65,11 @@ use crate::tiled::{cube_head, TiledHead};
 /// One TF32 operand element of `mma.sync.m16n8k8` (a unit's register).
 type Tf32One = Vector<tf32, Const<1>>;
 /// Two accumulator elements of a unit: one row, two adjacent columns.
-type AccPair = Vector<f32, Const<2>>;
+pub(crate) type AccPair = Vector<f32, Const<2>>;
 /// The hi and lo parts of two operand elements (shared memory).
 type SplitQuad = Vector<tf32, Const<4>>;
 /// The validity (1 or 0) of two adjacent keys.
-type ValidPair = Vector<f32, Const<2>>;
+pub(crate) type ValidPair = Vector<f32, Const<2>>;
 
 /// Key tiles (of 8) a chunk of the online softmax takes by default (the
 /// f16/bf16 kernel needs an even number: its `k = 16` steps).
@@ -611,7 +611,18 @@ pub fn attention_forward_mma_half<F: Float>(
         );
         let mut block = UNIT_POS_X as usize / 32;
         while block < tq.div_ceil(16) {
-            let q_ops = q_operands_half::<F>(q, bias, &head, block, tq, scale, head_dim, with_bias);
+            let q_ops = row_operands_half::<F>(
+                q,
+                0u32,
+                bias,
+                head.h * head_dim,
+                &head,
+                block,
+                tq,
+                scale,
+                head_dim,
+                with_bias,
+            );
             let mut plane = plane_rows(block, head_dim);
             attend_block_half::<F>(
                 &stage,
@@ -631,7 +642,18 @@ pub fn attention_forward_mma_half<F: Float>(
         }
     } else {
         let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
-        let q_ops = q_operands_half::<F>(q, bias, &head, block, tq, scale, head_dim, with_bias);
+        let q_ops = row_operands_half::<F>(
+                q,
+                0u32,
+                bias,
+                head.h * head_dim,
+                &head,
+                block,
+                tq,
+                scale,
+                head_dim,
+                with_bias,
+            );
         let mut plane = plane_rows(block, head_dim);
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
@@ -758,23 +780,26 @@ fn load_block_half<F: Float>(
     any
 }
 
-/// Q's operands for a plane's query block, f16/bf16 (PTX's A layout for
-/// 16-bit types: pair r holds row g + 8·(r % 2), dims 16s + 2t + 8·(r / 2)
-/// and the next; zero past `tq`).
+/// The `A` operands of rows `16·block..` of `src` (the head's part at
+/// column `offset`), f16/bf16: its bias from `bias_start` added, times
+/// `scale` (PTX's A layout for 16-bit types: pair r holds row g + 8·(r % 2),
+/// dims 16s + 2t + 8·(r / 2) and the next; zero past row `len`). Q's for the
+/// forward and dQ, dO's for dQ, K's and V's for dK/dV.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn q_operands_half<F: Float>(
-    q: &Tensor<F>,
+pub(crate) fn row_operands_half<F: Float>(
+    src: &Tensor<F>,
+    offset: u32,
     bias: &Tensor<F>,
+    bias_start: usize,
     head: &TiledHead,
     block: usize,
-    tq: usize,
+    len: usize,
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] with_bias: bool,
 ) -> Sequence<Array<Vector<F, Const<2>>>> {
     let lane = UNIT_POS_X as usize % 32;
-    let q_bias = head.h * head_dim;
     let mut q_ops = Sequence::<Array<Vector<F, Const<2>>>>::new();
     #[unroll]
     for s in 0..comptime!(head_dim / 16) {
@@ -784,11 +809,12 @@ fn q_operands_half<F: Float>(
             let row = block * 16 + lane / 4 + (r % 2) * 8;
             let d = s * 16 + (lane % 4) * 2 + (r / 2) * 8;
             let mut x = AccPair::new(0.0f32);
-            if row < tq {
-                let at = row_start(q, 0u32, head.n, head.h, row) + d;
+            if row < len {
+                let at = row_start(src, offset, head.n, head.h, row) + d;
                 #[unroll]
                 for e in 0..2usize {
-                    x[e] = (f32::cast_from(q[at + e]) + bias_at(bias, q_bias + d + e, with_bias))
+                    x[e] = (f32::cast_from(src[at + e])
+                        + bias_at(bias, bias_start + d + e, with_bias))
                         * scale;
                 }
             }
@@ -892,10 +918,10 @@ fn attend_chunk_half<F: Float>(
         head_dim,
         use_dropout,
     );
-    add_weights_times_values_half::<F>(
+    add_products_half::<F>(
         &scores,
         &stage.vt,
-        plane,
+        &mut plane.o,
         first,
         tiles,
         head_dim,
@@ -909,7 +935,7 @@ fn attend_chunk_half<F: Float>(
 /// whether any is valid. Every unit must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_validity(
+pub(crate) fn load_validity(
     key_valid: &Tensor<f32>,
     head: &TiledHead,
     valid: &mut SharedMemory<ValidPair>,
@@ -1025,7 +1051,7 @@ fn scores_tf32(
 /// `S = Q·Kᵀ` of `tiles` key tiles from tile `first`, f16/bf16: tile j's
 /// `B` operand is the unit `4·s + t` of key 8j + g (see the kernel).
 #[cube]
-fn scores_half<F: Float>(
+pub(crate) fn scores_half<F: Float>(
     kt: &SharedMemory<Vector<F, Const<4>>>,
     q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
     first: usize,
@@ -1200,15 +1226,19 @@ fn add_weights_times_values_tf32(
     }
 }
 
-/// `o += P̃·V` over `tiles` tiles (an even number) from tile `first`,
-/// f16/bf16: tiles `2i`, `2i + 1` are one `k = 16` step, whose `A` operand
-/// is their weights in accumulator order (see the module doc).
+/// `acc += W·M` over `tiles` tiles (an even number) of `W` from tile
+/// `first`, f16/bf16: `W` in accumulator layout (a product's result, 8
+/// columns a tile), `M` by dim in shared memory (unit `d·stride + 4·p + t`
+/// holds its rows `16p + 2t`, `+1`, `+8`, `+9`). Tiles `2i`, `2i + 1` are
+/// one `k = 16` step, whose `A` operand is their elements as they stand (see
+/// the module doc). `o += P̃·V` in the forward; `dQ += dS·K`, `dV += P̃ᵀ·dO`
+/// and `dK += dSᵀ·Q` in the backward.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn add_weights_times_values_half<F: Float>(
+pub(crate) fn add_products_half<F: Float>(
     weights: &Sequence<Array<AccPair>>,
     vt: &SharedMemory<Vector<F, Const<4>>>,
-    rows: &mut PlaneRows,
+    acc: &mut Sequence<Array<AccPair>>,
     first: usize,
     #[comptime] tiles: usize,
     #[comptime] head_dim: usize,
@@ -1230,7 +1260,7 @@ fn add_weights_times_values_half<F: Float>(
             let b = half_operand::<F>(
                 vt[(dn * 8 + lane / 4) * v_stride + (first / 2 + i) * 4 + lane % 4],
             );
-            def.execute_inplace(&a, &b, rows.o.index_mut(dn));
+            def.execute_inplace(&a, &b, acc.index_mut(dn));
         }
     }
 }

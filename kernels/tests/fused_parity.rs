@@ -51,6 +51,20 @@ fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
     check_dropout();
 }
 
+/// dQ, dK and dV with dropout against the math path with the kernels' mask:
+/// the ASV level's 151 tokens, cross lengths, and (CUDA: slow on lavapipe)
+/// the sample level's 1024 slots.
+#[test]
+fn dropout_gradients_match_the_math_path() {
+    let drop = AttentionDropout {
+        prob: 0.2,
+        seed: 4321,
+    };
+    check_dropout_gradients(&Case::new(500, 3, 2, 151, 151, 32), drop);
+    check_dropout_gradients(&Case::new(501, 3, 2, 9, 70, 16), drop);
+    check_dropout_gradients(&Case::new(502, 2, 4, 1024, 1024, 32), drop);
+}
+
 /// The attention dropout mask itself, read out: with `q = k = 0` every
 /// probability is `1/T`, and with `v_j` the unit vector `e_j` the output is
 /// the mask, `out[i, j] = keep(i, j)·scale/T`. About `p` of the

@@ -295,3 +295,84 @@ pub fn check_layout_shapes(seed: u64) {
     check(&Case::new(seed + 20, 4, 3, 9, 70, 32));
     check(&Case::new(seed + 21, 2, 2, 1024, 1024, 32));
 }
+
+/// The attention dropout's factors `[n, h, tq, tk]` (0 or `1/(1 − p)`),
+/// computed on the host: a replica of `dropout_keep` in `kernel.rs` (one
+/// murmur3 finaliser round over the head key, the row and the column), so
+/// that a test can run the math path with the kernels' own mask.
+pub fn dropout_factors(drop: AttentionDropout, n: usize, h: usize, tq: usize, tk: usize) -> Vec<f32> {
+    fn mix(mut x: u32) -> u32 {
+        x ^= x >> 16;
+        x = x.wrapping_mul(0x85eb_ca6b);
+        x ^= x >> 13;
+        x = x.wrapping_mul(0xc2b2_ae35);
+        x ^= x >> 16;
+        x
+    }
+    let threshold = (drop.prob * 4_294_967_296.0).min(u32::MAX as f64) as u32;
+    let scale = (1.0 / (1.0 - drop.prob)) as f32;
+    let mut factors = Vec::with_capacity(n * h * tq * tk);
+    for bh in 0..(n * h) as u32 {
+        let head_key = mix(drop.seed ^ bh);
+        for row in 0..tq as u32 {
+            for col in 0..tk as u32 {
+                let x = mix(
+                    head_key ^ row.wrapping_mul(0x9e37_79b1) ^ col.wrapping_mul(0x85eb_ca77),
+                );
+                factors.push(if x >= threshold { scale } else { 0.0 });
+            }
+        }
+    }
+    factors
+}
+
+/// With dropout: the fused gradients (dq, dk, dv of `f = Σ out ⊙ W`)
+/// against the CPU math path that applies the kernels' own mask
+/// ([`dropout_factors`]) to the softmax. The dV identity of
+/// [`check_dropout`] holds for any dQ and dK; this pins them.
+pub fn check_dropout_gradients(case: &Case, drop: AttentionDropout) {
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let label = format!(
+        "n={} h={} tq={} tk={} dh={} p={}",
+        case.n, case.h, case.tq, case.tk, case.dh, drop.prob
+    );
+    let gpu = Default::default();
+    let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
+    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+    let out = fused_attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        Some(case.mask::<GpuAd>(&gpu)),
+        drop,
+    );
+    let g = (out * w).sum().backward();
+    let fused = [q, k, v].map(|t| values(t.grad(&g).unwrap()));
+
+    let cpu = Default::default();
+    let [q, k, v, w] = case.tensors::<CpuAd>(&cpu);
+    let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
+    let factors = Tensor::<CpuAd, 4>::from_data(
+        TensorData::new(
+            dropout_factors(drop, case.n, case.h, case.tq, case.tk),
+            [case.n, case.h, case.tq, case.tk],
+        ),
+        &cpu,
+    );
+    let mask = case.mask::<CpuAd>(&cpu).reshape([case.n, 1, 1, case.tk]);
+    let scores = q.clone().matmul(k.clone().swap_dims(2, 3)) / (case.dh as f64).sqrt();
+    let shape = scores.dims();
+    let keep = mask.clone().bool_not().float().expand(shape);
+    let probs =
+        burn::tensor::activation::softmax(scores.mask_fill(mask.expand(shape), -1e30), 3) * keep;
+    let out = (probs * factors).matmul(v.clone());
+    let g = (out * w).sum().backward();
+    let reference = [q, k, v].map(|t| values(t.grad(&g).unwrap()));
+    for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(fused.iter().zip(&reference)) {
+        let e = rel_above(a, b, GRAD_FLOOR);
+        let max = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        eprintln!("{label}: {name} rel err {e:e} (max |{name}| {max:e})");
+        assert!(e <= GRAD_RTOL_F32, "{label}: {name} rel err {e:e}");
+    }
+}

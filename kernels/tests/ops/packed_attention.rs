@@ -172,3 +172,76 @@ fn packed_dropout_draws_the_split_heads_masks() {
         assert!(e <= 1e-6, "{name}: packed and split heads differ by {e:e}");
     }
 }
+
+/// The packed op in f16/bf16 (the model's mixed-precision path, the bias
+/// added by the kernels) against the f32 op on the same rounded `qkv` and
+/// bias: output, `dqkv` and `dbias`, without and with dropout (the same
+/// seed draws the same mask in every type). On CUDA the half forward and
+/// backward run on `mma.sync` (`mma.rs`, `mma_backward.rs`), which read q,
+/// k and v at offsets of the packed rows and add the bias as they load.
+#[test]
+fn packed_half_matches_f32() {
+    use burn::tensor::{bf16, f16, DType};
+    #[cfg(not(feature = "cuda"))]
+    lean_shaders();
+    let device: burn::tensor::Device<Gpu> = Default::default();
+    // (seed, n, h, t, dh)
+    let shapes = [
+        (11, 3, 4, 151, 32), // the ASV level
+        (12, 3, 2, 40, 64),
+        #[cfg(feature = "cuda")]
+        (13, 3, 4, 1024, 32), // the sample level (slow on lavapipe)
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        if !Gpu::supports_dtype(&device, dtype) {
+            continue;
+        }
+        // bf16 keeps 3 fewer mantissa bits than f16 (as `half_precision`).
+        let (out_rtol, grad_rtol) = match dtype {
+            DType::F16 => (1e-2, 1e-2),
+            _ => (1e-2, 8e-2),
+        };
+        let round = |x: &mut Vec<f32>| {
+            for v in x.iter_mut() {
+                *v = match dtype {
+                    DType::F16 => f16::from_f32(*v).to_f32(),
+                    _ => bf16::from_f32(*v).to_f32(),
+                };
+            }
+        };
+        for &(seed, n, h, t, dh) in &shapes {
+            let mut p = Packed::new(seed, n, h, t, dh);
+            round(&mut p.qkv);
+            round(&mut p.bias);
+            for prob in [0.0, 0.2] {
+                let dropout = AttentionDropout { prob, seed: 31 };
+                let full = gpu_run_typed(&p, dropout, DType::F32);
+                let half = gpu_run_typed(&p, dropout, dtype);
+                let label = format!("{dtype:?} {} p={prob}", p.label());
+                for (i, name) in ["output", "dqkv", "dbias"].iter().enumerate() {
+                    let e = rel(&half[i], &full[i]);
+                    eprintln!("{label}: {name} rel err {e:e}");
+                    let rtol = if i == 0 { out_rtol } else { grad_rtol };
+                    assert!(e <= rtol, "{label}: {name} off by {e:e}");
+                }
+            }
+        }
+    }
+}
+
+/// [`gpu_run`] of the packed op with `qkv` and the bias cast to `dtype`
+/// (the gradients back in f32).
+fn gpu_run_typed(p: &Packed, dropout: AttentionDropout, dtype: burn::tensor::DType) -> [Vec<f32>; 3] {
+    let device = Default::default();
+    let (qkv, bias, w) = p.tensors::<GpuAd>(&device);
+    let mask = Some(p.case.mask::<GpuAd>(&device));
+    let out = fused_packed_attention(
+        qkv.clone().cast(dtype),
+        Some(bias.clone().cast(dtype)),
+        mask,
+        p.h,
+        dropout,
+    )
+    .cast(burn::tensor::DType::F32);
+    grads_of(out, w, qkv, bias)
+}

@@ -1,0 +1,963 @@
+//! The attention backward on tensor cores for f16/bf16, with the products'
+//! operands and results in registers (`mma.sync.m16n8k16`, the layouts of
+//! `mma.rs`): [`attention_backward_dq_mma_half`] (dQ and `Δ`), then
+//! [`attention_backward_dkdv_mma_half`] (dK and dV). CUDA only. No Burn
+//! imports here.
+//!
+//! Why: `tensor_core.rs`'s `cmma` backward sends every score through shared
+//! memory, as its forward did (the fragments' layout is opaque); at the ASV
+//! shape on the H100 its forward+backward was 1.14x cuDNN's. Here each
+//! kernel is the forward's shape with more products, FlashAttention-2's
+//! split into a query-major and a key-major pass (no atomics, so the result
+//! is deterministic):
+//!
+//! - dQ: a plane owns 16 queries, `Q` and `dO` operands in registers (as the
+//!   forward's `Q`), and walks the keys in chunks of 16: `S = Q·Kᵀ`,
+//!   `dP = dO·Vᵀ` (K and V by row in shared memory), `P = exp(S − lse)`,
+//!   `dS = P ⊙ (dP̃ − Δ)` on the accumulator registers, then `dQ += dS·K`
+//!   with `dS` as the `A` operand as it stands (K by dim in shared memory).
+//!   It computes `Δ = rowsum(dO ⊙ O)` of its rows first and writes it for
+//!   the second kernel.
+//! - dK/dV: a plane owns 16 keys, `K` and `V` operands in registers, and
+//!   walks the queries in chunks of 16: `Sᵀ = K·Qᵀ`, `dPᵀ = V·dOᵀ` (Q and dO
+//!   by row), `Pᵀ = exp(Sᵀ − lse)` with the chunk's `lse` and `Δ` from
+//!   shared memory, then `dV += P̃ᵀ·dO` and `dK += dSᵀ·Q` (Q and dO by dim).
+//!   A unit's two keys are fixed, so the key mask is two registers.
+//!
+//! Where a head's rows of the other side fit a cube (the ASV level's 151)
+//! they are loaded once; else (the sample level's 1,024) they stream
+//! through shared memory a block at a time, and the dQ kernel skips blocks
+//! and chunks of keys that are all padding, as the forward does; the dK/dV
+//! kernel's planes whose keys are all padding skip the products (a cube of
+//! them only writes zeros). Semantics are the other backwards': q scaled
+//! (and biased) as loaded, the dropout hash of `(seed, bh, query, key)`,
+//! rows past the end with `lse = +1e30` (so `P = 0`) and zero q and dO,
+//! zero dK and dV for masked keys; `P̃` and `dS` are rounded to the storage
+//! type before their products, as in every tensor-core attention.
+
+use cubecl::prelude::*;
+
+use crate::kernel::{bias_at, dropout_keep, row_start, FAST_EXP};
+use crate::mma::{
+    add_products_half, block_rows, half_stride, load_validity, row_operands_half, scores_half,
+    AccPair, ValidPair,
+};
+use crate::tiled::{cube_head, TiledHead};
+
+/// Four f16/bf16 elements (8 bytes): one unit of the shared-memory layouts.
+type Half4<F> = Vector<F, Const<4>>;
+/// A unit's `A` operands of 16 rows: pairs by step of 16 head dims.
+type RowOperands<F> = Sequence<Array<Vector<F, Const<2>>>>;
+
+/// Shared memory (bytes) of [`attention_backward_dq_mma_half`] holding
+/// `rows` key rows (K and V by row, K by dim), and of
+/// [`attention_backward_dkdv_mma_half`] holding `rows` query rows (Q and dO
+/// by row and by dim, lse and Δ).
+pub fn mma_backward_shared_bytes(rows: usize, head_dim: usize, dkdv: bool) -> usize {
+    let by_row = rows * half_stride(head_dim / 4) * 8;
+    let by_dim = head_dim * half_stride(rows / 4) * 8;
+    if dkdv {
+        2 * (by_row + by_dim) + 2 * rows * 4
+    } else {
+        2 * by_row + by_dim + rows * 4 + rows.div_ceil(8) * 4
+    }
+}
+
+/// Copies rows `[start, start + rows)` of `src` (the head's part at column
+/// `offset`, its bias from `bias_start` added, times `scale`) into `dst` by
+/// row: unit `row·stride + 4·s + t` holds dims `16s + 2t`, `+1`, `+8`, `+9`,
+/// the four of a unit's `B` operand of a product over head dims. Zero for
+/// rows at or past `end` (relative to `start`) and, where `masked`, rows
+/// whose `valid` pair entry is 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_by_row<F: Float>(
+    src: &Tensor<F>,
+    offset: u32,
+    bias: &Tensor<F>,
+    bias_start: usize,
+    head: &TiledHead,
+    dst: &mut SharedMemory<Half4<F>>,
+    valid: &SharedMemory<ValidPair>,
+    start: usize,
+    end: usize,
+    scale: f32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[comptime] masked: bool,
+    #[comptime] with_bias: bool,
+) {
+    let stride = comptime!(half_stride(head_dim / 4));
+    let items = comptime!(rows * head_dim / 4);
+    // Unrolled, so that a unit's loads of all its items are in flight at
+    // once (a loop waited for each item's: long-scoreboard stalls led).
+    #[unroll]
+    for i in 0..comptime!(items.div_ceil(units)) {
+        let item = i * units + UNIT_POS_X as usize;
+        if item < items {
+            let row = item / comptime!(head_dim / 4);
+            let slot = item % comptime!(head_dim / 4);
+            let d = (slot / 4) * 16 + (slot % 4) * 2;
+            let mut x = Half4::<F>::new(F::cast_from(0.0f32));
+            let mut load = row < end;
+            if comptime!(masked) {
+                load = load && valid[row / 2][row % 2] > 0.0;
+            }
+            if load {
+                let at = row_start(src, offset, head.n, head.h, start + row);
+                #[unroll]
+                for e in 0..4usize {
+                    let dim = d + (e / 2) * 8 + e % 2;
+                    x[e] = F::cast_from(
+                        (f32::cast_from(src[at + dim])
+                            + bias_at(bias, bias_start + dim, with_bias))
+                            * scale,
+                    );
+                }
+            }
+            dst[row * stride + slot] = x;
+        }
+    }
+}
+
+/// [`stage_by_row`] by dim: unit `d·stride + 4·p + t` holds rows
+/// `16p + 2t`, `+1`, `+8`, `+9` of dim `d`, the four of a unit's `B`
+/// operand of a product over rows ([`add_products_half`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_by_dim<F: Float>(
+    src: &Tensor<F>,
+    offset: u32,
+    bias: &Tensor<F>,
+    bias_start: usize,
+    head: &TiledHead,
+    dst: &mut SharedMemory<Half4<F>>,
+    valid: &SharedMemory<ValidPair>,
+    start: usize,
+    end: usize,
+    scale: f32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[comptime] masked: bool,
+    #[comptime] with_bias: bool,
+) {
+    let stride = comptime!(half_stride(rows / 4));
+    let items = comptime!(rows / 4 * head_dim);
+    #[unroll]
+    for i in 0..comptime!(items.div_ceil(units)) {
+        let item = i * units + UNIT_POS_X as usize;
+        if item < items {
+            let slot = item / head_dim;
+            let d = item % head_dim;
+            let b = bias_at(bias, bias_start + d, with_bias);
+            let mut x = Half4::<F>::new(F::cast_from(0.0f32));
+            #[unroll]
+            for e in 0..4usize {
+                let row = (slot / 4) * 16 + (slot % 4) * 2 + (e / 2) * 8 + e % 2;
+                let mut load = row < end;
+                if comptime!(masked) {
+                    load = load && valid[row / 2][e % 2] > 0.0;
+                }
+                if load {
+                    let at = row_start(src, offset, head.n, head.h, start + row) + d;
+                    x[e] = F::cast_from((f32::cast_from(src[at]) + b) * scale);
+                }
+            }
+            dst[d * stride + slot] = x;
+        }
+    }
+}
+
+/// The dQ kernel's shared memory: a block of keys (K and V by row, K by
+/// dim), their validity by pair and each 16-key chunk's count of valid keys.
+#[derive(CubeType)]
+struct KeyBlock<F: Float> {
+    k_rows: SharedMemory<Half4<F>>,
+    v_rows: SharedMemory<Half4<F>>,
+    k_dims: SharedMemory<Half4<F>>,
+    valid: SharedMemory<ValidPair>,
+    chunk_valid: SharedMemory<f32>,
+}
+
+/// The scalar arguments of the key side.
+#[derive(CubeType)]
+struct BackwardArgs {
+    k_offset: u32,
+    v_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+}
+
+/// A plane's 16 queries in the dQ kernel: the `Q` (scaled, biased) and `dO`
+/// operands, `[lse(g), lse(g+8), Δ(g), Δ(g+8)]` and the unit's first row.
+#[derive(CubeType)]
+struct QueryRows<F: Float> {
+    q_ops: RowOperands<F>,
+    do_ops: RowOperands<F>,
+    stats: Array<f32>,
+    row0: usize,
+}
+
+/// dQ of one (n, h) and `Δ = rowsum(dO ⊙ O)` (f32, `[N·H, Tq]`), f16/bf16
+/// on tensor cores (see the module doc). `keys` is `k.shape(2)` rounded up
+/// (keys past it count as masked); `head_dim` 16, 32 or 64; `units` 32 a
+/// plane. Where `keys ≤ block_keys` the cube loads all of the head's keys
+/// once and its planes take blocks of 16 queries in turn; else (`keys` a
+/// multiple of `block_keys`) each plane owns one block (cube y: which
+/// `units / 32` blocks) and the keys stream through shared memory,
+/// skipping blocks that are all padding.
+///
+/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
+/// Unchecked (see `MmaBackward` in `forward.rs`): every global read is
+/// guarded by the row and key counts.
+#[cube(launch_unchecked, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_dq_mma_half<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    out: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    key_valid: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    delta: &mut Tensor<f32>,
+    scale: f32,
+    heads: u32,
+    bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    seed: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] block_keys: usize,
+    #[comptime] units: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tq = q.shape(2);
+    let head = cube_head(heads, bh_offset, seed);
+    let rows = comptime!(block_rows(keys, block_keys, true));
+    let mut stage = KeyBlock::<F> {
+        k_rows: SharedMemory::<Half4<F>>::new(comptime!(
+            block_rows(keys, block_keys, true) * half_stride(head_dim / 4)
+        )),
+        v_rows: SharedMemory::<Half4<F>>::new(comptime!(
+            block_rows(keys, block_keys, true) * half_stride(head_dim / 4)
+        )),
+        k_dims: SharedMemory::<Half4<F>>::new(comptime!(
+            head_dim * half_stride(block_rows(keys, block_keys, true) / 4)
+        )),
+        valid: SharedMemory::<ValidPair>::new(comptime!(block_rows(keys, block_keys, true) / 2)),
+        chunk_valid: SharedMemory::<f32>::new(comptime!(
+            block_rows(keys, block_keys, true).div_ceil(8)
+        )),
+    };
+    let args = BackwardArgs {
+        k_offset,
+        v_offset,
+        dropout_threshold,
+        dropout_scale,
+    };
+    let planes = comptime!(units / 32);
+    if comptime!(keys <= block_keys) {
+        load_keys(
+            k, v, bias, key_valid, &head, &mut stage, &args, 0, keys, rows, head_dim, units,
+            with_bias,
+        );
+        let mut block = UNIT_POS_X as usize / 32;
+        while block < tq.div_ceil(16) {
+            let query = query_rows::<F>(
+                q, bias, out, dout, lse, delta, &head, block, tq, scale, head_dim, with_bias,
+            );
+            let mut acc = zero_acc(head_dim);
+            dq_block::<F>(
+                &stage,
+                &query,
+                &mut acc,
+                &head,
+                &args,
+                0,
+                keys,
+                rows,
+                head_dim,
+                use_dropout,
+            );
+            write_dq::<F>(dq, &acc, &head, query.row0, tq, scale, head_dim);
+            block += planes;
+        }
+    } else {
+        let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
+        let query = query_rows::<F>(
+            q, bias, out, dout, lse, delta, &head, block, tq, scale, head_dim, with_bias,
+        );
+        let mut acc = zero_acc(head_dim);
+        for b in 0..comptime!(keys / block_keys) {
+            let start = b * block_keys;
+            if load_keys(
+                k, v, bias, key_valid, &head, &mut stage, &args, start, block_keys, rows,
+                head_dim, units, with_bias,
+            ) {
+                dq_block::<F>(
+                    &stage,
+                    &query,
+                    &mut acc,
+                    &head,
+                    &args,
+                    start,
+                    block_keys,
+                    rows,
+                    head_dim,
+                    use_dropout,
+                );
+            }
+        }
+        write_dq::<F>(dq, &acc, &head, query.row0, tq, scale, head_dim);
+    }
+}
+
+/// Loads keys `[start, start + count)` into `stage` (zero where masked or
+/// past `count`) between two cube syncs; returns whether any is valid (the
+/// same in every unit). Every unit must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_keys<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    stage: &mut KeyBlock<F>,
+    args: &BackwardArgs,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) -> bool {
+    let any = load_validity(
+        key_valid,
+        head,
+        &mut stage.valid,
+        &mut stage.chunk_valid,
+        start,
+        count,
+        rows,
+        2usize,
+        units,
+    );
+    if any {
+        let k_bias = args.k_offset as usize + head.h * head_dim;
+        let v_bias = args.v_offset as usize + head.h * head_dim;
+        stage_by_row::<F>(
+            k,
+            args.k_offset,
+            bias,
+            k_bias,
+            head,
+            &mut stage.k_rows,
+            &stage.valid,
+            start,
+            count,
+            1.0f32,
+            rows,
+            head_dim,
+            units,
+            true,
+            with_bias,
+        );
+        stage_by_row::<F>(
+            v,
+            args.v_offset,
+            bias,
+            v_bias,
+            head,
+            &mut stage.v_rows,
+            &stage.valid,
+            start,
+            count,
+            1.0f32,
+            rows,
+            head_dim,
+            units,
+            true,
+            with_bias,
+        );
+        stage_by_dim::<F>(
+            k,
+            args.k_offset,
+            bias,
+            k_bias,
+            head,
+            &mut stage.k_dims,
+            &stage.valid,
+            start,
+            count,
+            1.0f32,
+            rows,
+            head_dim,
+            units,
+            true,
+            with_bias,
+        );
+    }
+    sync_cube();
+    any
+}
+
+/// A plane's [`QueryRows`] for query block `block`, computing and writing
+/// its rows' `Δ = rowsum(dO ⊙ O)` (a unit sums its operand dims of its two
+/// rows; the row's four units meet by two plane shuffles). Rows past `tq`
+/// get `lse = +1e30` and `Δ = 0`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_rows<F: Float>(
+    q: &Tensor<F>,
+    bias: &Tensor<F>,
+    out: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &mut Tensor<f32>,
+    head: &TiledHead,
+    block: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] with_bias: bool,
+) -> QueryRows<F> {
+    let lane = UNIT_POS_X as usize % 32;
+    let t = lane % 4;
+    let row0 = block * 16 + lane / 4;
+    let q_ops = row_operands_half::<F>(
+        q,
+        0u32,
+        bias,
+        head.h * head_dim,
+        head,
+        block,
+        tq,
+        scale,
+        head_dim,
+        with_bias,
+    );
+    let do_ops = row_operands_half::<F>(
+        dout, 0u32, bias, 0usize, head, block, tq, 1.0f32, head_dim, false,
+    );
+    let mut stats = Array::<f32>::new(4usize);
+    #[unroll]
+    for r in 0..2usize {
+        let row = row0 + r * 8;
+        let mut sum = 0.0f32;
+        let mut row_lse = 1.0e30f32;
+        if row < tq {
+            let o_at = row_start(out, 0u32, head.n, head.h, row);
+            let do_at = row_start(dout, 0u32, head.n, head.h, row);
+            #[unroll]
+            for c in 0..comptime!(head_dim / 8) {
+                let d = c * 8 + t * 2;
+                #[unroll]
+                for e in 0..2usize {
+                    sum += f32::cast_from(out[o_at + d + e]) * f32::cast_from(dout[do_at + d + e]);
+                }
+            }
+            row_lse = lse[head.bh * tq + row];
+        }
+        sum += plane_shuffle_xor(sum, 1u32);
+        sum += plane_shuffle_xor(sum, 2u32);
+        if row < tq && t == 0 {
+            delta[head.bh * tq + row] = sum;
+        }
+        stats[r] = row_lse;
+        stats[2 + r] = sum;
+    }
+    QueryRows::<F> {
+        q_ops,
+        do_ops,
+        stats,
+        row0,
+    }
+}
+
+/// Accumulators of 16 rows × `head_dim` (pairs by 8 dims), zeroed.
+#[cube]
+fn zero_acc(#[comptime] head_dim: usize) -> Sequence<Array<AccPair>> {
+    let mut acc = Sequence::<Array<AccPair>>::new();
+    #[unroll]
+    for _ in 0..comptime!(head_dim / 8) {
+        let mut pair = Array::<AccPair>::new(2usize);
+        pair[0] = AccPair::new(0.0f32);
+        pair[1] = AccPair::new(0.0f32);
+        acc.push(pair);
+    }
+    acc
+}
+
+/// `dQ += dS·K` over a loaded block of `count` keys from key `start`, chunk
+/// by chunk of 16 (chunks with no valid key skipped).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_block<F: Float>(
+    stage: &KeyBlock<F>,
+    query: &QueryRows<F>,
+    acc: &mut Sequence<Array<AccPair>>,
+    head: &TiledHead,
+    args: &BackwardArgs,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    let row_stride = comptime!(half_stride(head_dim / 4));
+    let dim_stride = comptime!(half_stride(rows / 4));
+    let lse0 = query.stats[0];
+    let lse1 = query.stats[1];
+    let delta0 = query.stats[2];
+    let delta1 = query.stats[3];
+    let row0 = query.row0 as u32;
+    for c in 0..comptime!(count.div_ceil(16)) {
+        if stage.chunk_valid[c] > 0.0 {
+            let first = c * 2;
+            let mut ds = scores_half::<F>(&stage.k_rows, &query.q_ops, first, 2usize, head_dim, row_stride);
+            let dp = scores_half::<F>(&stage.v_rows, &query.do_ops, first, 2usize, head_dim, row_stride);
+            #[unroll]
+            for j in 0..2usize {
+                let ok = stage.valid[(first + j) * 4 + t];
+                let s = ds.index_mut(j);
+                let g = dp.index(j);
+                let mut w0 = s[0];
+                let mut w1 = s[1];
+                let g0 = g[0];
+                let g1 = g[1];
+                #[unroll]
+                for e in 0..2usize {
+                    let p0 = select(ok[e] > 0.0, (w0[e] - lse0).exp(), 0.0f32);
+                    let p1 = select(ok[e] > 0.0, (w1[e] - lse1).exp(), 0.0f32);
+                    let mut dp0 = g0[e];
+                    let mut dp1 = g1[e];
+                    if use_dropout {
+                        let key = (start + (first + j) * 8 + t * 2 + e) as u32;
+                        let keep0 = dropout_keep(head.head_key, row0, key, args.dropout_threshold);
+                        let keep1 =
+                            dropout_keep(head.head_key, row0 + 8, key, args.dropout_threshold);
+                        dp0 = select(keep0, dp0 * args.dropout_scale, 0.0f32);
+                        dp1 = select(keep1, dp1 * args.dropout_scale, 0.0f32);
+                    }
+                    w0[e] = select(ok[e] > 0.0, p0 * (dp0 - delta0), 0.0f32);
+                    w1[e] = select(ok[e] > 0.0, p1 * (dp1 - delta1), 0.0f32);
+                }
+                s[0] = w0;
+                s[1] = w1;
+            }
+            add_products_half::<F>(&ds, &stage.k_dims, acc, first, 2usize, head_dim, dim_stride);
+        }
+    }
+}
+
+/// Writes a plane's `scale · dQ` rows (accumulator layout: pair r at row
+/// g + 8·r, columns 2t, 2t + 1 of each 8).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_dq<F: Float>(
+    dq: &mut Tensor<F>,
+    acc: &Sequence<Array<AccPair>>,
+    head: &TiledHead,
+    row0: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    #[unroll]
+    for dn in 0..comptime!(head_dim / 8) {
+        let pair = acc.index(dn);
+        #[unroll]
+        for r in 0..2usize {
+            let row = row0 + r * 8;
+            if row < tq {
+                let at = row_start(dq, 0u32, head.n, head.h, row) + dn * 8 + t * 2;
+                let x = pair[r];
+                dq[at] = F::cast_from(x[0] * scale);
+                dq[at + 1] = F::cast_from(x[1] * scale);
+            }
+        }
+    }
+}
+
+/// The dK/dV kernel's shared memory: a block of queries (Q, scaled and
+/// biased, and dO, by row and by dim) and their `lse` and `Δ` by pair.
+#[derive(CubeType)]
+struct QueryBlock<F: Float> {
+    q_rows: SharedMemory<Half4<F>>,
+    do_rows: SharedMemory<Half4<F>>,
+    q_dims: SharedMemory<Half4<F>>,
+    do_dims: SharedMemory<Half4<F>>,
+    lse: SharedMemory<ValidPair>,
+    delta: SharedMemory<ValidPair>,
+}
+
+/// A plane's 16 keys in the dK/dV kernel: the `K` and `V` operands, the
+/// unit's two keys and their validity (1 or 0).
+#[derive(CubeType)]
+struct KeyRows<F: Float> {
+    k_ops: RowOperands<F>,
+    v_ops: RowOperands<F>,
+    key0: usize,
+    valid0: f32,
+    valid1: f32,
+}
+
+/// dK and dV of one (n, h), f16/bf16 on tensor cores (see the module doc),
+/// after [`attention_backward_dq_mma_half`] wrote `Δ`. A plane owns 16 keys
+/// (cube y: which `units / 32` blocks of them); `queries` is `q.shape(2)`
+/// rounded up to a multiple of `block_queries`, the rows of queries a cube
+/// holds in shared memory at a time (all of them where they fit). dK and dV
+/// go to `dkv` at `dk_offset` and `dv_offset` (0 for masked keys).
+///
+/// Launch: cube x: n·H + h − bh_offset, y: key group; `units` units.
+/// Unchecked, as [`attention_backward_dq_mma_half`].
+#[cube(launch_unchecked, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_dkdv_mma_half<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    key_valid: &Tensor<f32>,
+    dkv: &mut Tensor<F>,
+    scale: f32,
+    heads: u32,
+    bh_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    dk_offset: u32,
+    dv_offset: u32,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    seed: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] queries: usize,
+    #[comptime] block_queries: usize,
+    #[comptime] units: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tq = q.shape(2);
+    let tk = k.shape(2);
+    let head = cube_head(heads, bh_offset, seed);
+    let planes = comptime!(units / 32);
+    let mut stage = QueryBlock::<F> {
+        q_rows: SharedMemory::<Half4<F>>::new(comptime!(block_queries * half_stride(head_dim / 4))),
+        do_rows: SharedMemory::<Half4<F>>::new(comptime!(
+            block_queries * half_stride(head_dim / 4)
+        )),
+        q_dims: SharedMemory::<Half4<F>>::new(comptime!(head_dim * half_stride(block_queries / 4))),
+        do_dims: SharedMemory::<Half4<F>>::new(comptime!(
+            head_dim * half_stride(block_queries / 4)
+        )),
+        lse: SharedMemory::<ValidPair>::new(comptime!(block_queries / 2)),
+        delta: SharedMemory::<ValidPair>::new(comptime!(block_queries / 2)),
+    };
+    let mut cube_valid = SharedMemory::<f32>::new(1usize);
+    let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
+    let keys = key_rows::<F>(k, v, bias, key_valid, &head, block, tk, k_offset, v_offset, head_dim, with_bias);
+    let plane_valid = plane_any(keys.valid0 + keys.valid1 > 0.0);
+    // Whether any key of the cube is valid: else (padding past a sample's
+    // ASVs) it only writes zeros.
+    if UNIT_POS_X == 0 {
+        cube_valid[0] = 0.0f32;
+    }
+    sync_cube();
+    if plane_valid && UNIT_POS_X % 32 == 0 {
+        cube_valid[0] = 1.0f32;
+    }
+    sync_cube();
+    let any = cube_valid[0] > 0.0;
+    let mut dk = zero_acc(head_dim);
+    let mut dv = zero_acc(head_dim);
+    if any {
+        for b in 0..comptime!(queries / block_queries) {
+            let start = b * block_queries;
+            if start < tq {
+                load_queries::<F>(
+                    q,
+                    bias,
+                    dout,
+                    lse,
+                    delta,
+                    &head,
+                    &mut stage,
+                    start,
+                    tq,
+                    scale,
+                    block_queries,
+                    head_dim,
+                    units,
+                    with_bias,
+                );
+                if plane_valid {
+                    let chunks = (tq - start).div_ceil(16);
+                    let mut c = 0usize;
+                    while c < comptime!(block_queries / 16) && c < chunks {
+                        dkdv_chunk::<F>(
+                            &stage,
+                            &keys,
+                            &mut dk,
+                            &mut dv,
+                            &head,
+                            c * 2,
+                            start,
+                            dropout_threshold,
+                            dropout_scale,
+                            block_queries,
+                            head_dim,
+                            use_dropout,
+                        );
+                        c += 1;
+                    }
+                }
+            }
+        }
+    }
+    write_dkdv::<F>(dkv, &dk, &dv, &head, keys.key0, tk, dk_offset, dv_offset, head_dim);
+}
+
+/// A plane's [`KeyRows`] for key block `block` (validity 0 past `tk`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn key_rows<F: Float>(
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    block: usize,
+    tk: usize,
+    k_offset: u32,
+    v_offset: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] with_bias: bool,
+) -> KeyRows<F> {
+    let key0 = block * 16 + UNIT_POS_X as usize % 32 / 4;
+    let k_ops = row_operands_half::<F>(
+        k,
+        k_offset,
+        bias,
+        k_offset as usize + head.h * head_dim,
+        head,
+        block,
+        tk,
+        1.0f32,
+        head_dim,
+        with_bias,
+    );
+    let v_ops = row_operands_half::<F>(
+        v,
+        v_offset,
+        bias,
+        v_offset as usize + head.h * head_dim,
+        head,
+        block,
+        tk,
+        1.0f32,
+        head_dim,
+        with_bias,
+    );
+    let mut valid0 = 0.0f32;
+    let mut valid1 = 0.0f32;
+    if key0 < tk {
+        valid0 = key_valid[head.n * tk + key0];
+    }
+    if key0 + 8 < tk {
+        valid1 = key_valid[head.n * tk + key0 + 8];
+    }
+    KeyRows::<F> {
+        k_ops,
+        v_ops,
+        key0,
+        valid0,
+        valid1,
+    }
+}
+
+/// Stages queries `[start, start + rows)` into `stage` (Q scaled and
+/// biased; zeros, `lse = +1e30` and `Δ = 0` past `tq`) between two cube
+/// syncs. Every unit must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_queries<F: Float>(
+    q: &Tensor<F>,
+    bias: &Tensor<F>,
+    dout: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    head: &TiledHead,
+    stage: &mut QueryBlock<F>,
+    start: usize,
+    tq: usize,
+    scale: f32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) {
+    let end = tq - start;
+    let q_bias = head.h * head_dim;
+    sync_cube();
+    stage_by_row::<F>(
+        q, 0u32, bias, q_bias, head, &mut stage.q_rows, &stage.lse, start, end, scale, rows,
+        head_dim, units, false, with_bias,
+    );
+    stage_by_dim::<F>(
+        q, 0u32, bias, q_bias, head, &mut stage.q_dims, &stage.lse, start, end, scale, rows,
+        head_dim, units, false, with_bias,
+    );
+    stage_by_row::<F>(
+        dout, 0u32, bias, 0usize, head, &mut stage.do_rows, &stage.lse, start, end, 1.0f32,
+        rows, head_dim, units, false, false,
+    );
+    stage_by_dim::<F>(
+        dout, 0u32, bias, 0usize, head, &mut stage.do_dims, &stage.lse, start, end, 1.0f32,
+        rows, head_dim, units, false, false,
+    );
+    #[unroll]
+    for i in 0..comptime!((rows / 2).div_ceil(units)) {
+        let pair = i * units + UNIT_POS_X as usize;
+        if pair < comptime!(rows / 2) {
+            let mut l = ValidPair::new(1.0e30f32);
+            let mut d = ValidPair::new(0.0f32);
+            #[unroll]
+            for e in 0..2usize {
+                let row = pair * 2 + e;
+                if row < end {
+                    let at = head.bh * tq + start + row;
+                    l[e] = lse[at];
+                    d[e] = delta[at];
+                }
+            }
+            stage.lse[pair] = l;
+            stage.delta[pair] = d;
+        }
+    }
+    sync_cube();
+}
+
+/// One chunk of 16 queries (tiles `first`, `first + 1` of the block at
+/// query `start`): `Sᵀ`, `dPᵀ`, then `dV += P̃ᵀ·dO` and `dK += dSᵀ·Q`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_chunk<F: Float>(
+    stage: &QueryBlock<F>,
+    keys: &KeyRows<F>,
+    dk: &mut Sequence<Array<AccPair>>,
+    dv: &mut Sequence<Array<AccPair>>,
+    head: &TiledHead,
+    first: usize,
+    start: usize,
+    dropout_threshold: u32,
+    dropout_scale: f32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] use_dropout: bool,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    let row_stride = comptime!(half_stride(head_dim / 4));
+    let dim_stride = comptime!(half_stride(rows / 4));
+    let mut weights =
+        scores_half::<F>(&stage.q_rows, &keys.k_ops, first, 2usize, head_dim, row_stride);
+    let mut ds = scores_half::<F>(&stage.do_rows, &keys.v_ops, first, 2usize, head_dim, row_stride);
+    let ok0 = keys.valid0 > 0.0;
+    let ok1 = keys.valid1 > 0.0;
+    let key0 = keys.key0 as u32;
+    #[unroll]
+    for j in 0..2usize {
+        let lse = stage.lse[(first + j) * 4 + t];
+        let delta = stage.delta[(first + j) * 4 + t];
+        let s = weights.index_mut(j);
+        let g = ds.index_mut(j);
+        let mut w0 = s[0];
+        let mut w1 = s[1];
+        let mut g0 = g[0];
+        let mut g1 = g[1];
+        #[unroll]
+        for e in 0..2usize {
+            let p0 = select(ok0, (w0[e] - lse[e]).exp(), 0.0f32);
+            let p1 = select(ok1, (w1[e] - lse[e]).exp(), 0.0f32);
+            let mut z0 = 1.0f32;
+            let mut z1 = 1.0f32;
+            if use_dropout {
+                let query = (start + (first + j) * 8 + t * 2 + e) as u32;
+                z0 = select(
+                    dropout_keep(head.head_key, query, key0, dropout_threshold),
+                    dropout_scale,
+                    0.0f32,
+                );
+                z1 = select(
+                    dropout_keep(head.head_key, query, key0 + 8, dropout_threshold),
+                    dropout_scale,
+                    0.0f32,
+                );
+            }
+            w0[e] = p0 * z0;
+            w1[e] = p1 * z1;
+            g0[e] = select(ok0, p0 * (g0[e] * z0 - delta[e]), 0.0f32);
+            g1[e] = select(ok1, p1 * (g1[e] * z1 - delta[e]), 0.0f32);
+        }
+        s[0] = w0;
+        s[1] = w1;
+        g[0] = g0;
+        g[1] = g1;
+    }
+    add_products_half::<F>(&weights, &stage.do_dims, dv, first, 2usize, head_dim, dim_stride);
+    add_products_half::<F>(&ds, &stage.q_dims, dk, first, 2usize, head_dim, dim_stride);
+}
+
+/// Writes a plane's dK and dV rows (keys `key0`, `key0 + 8`; accumulator
+/// layout as [`write_dq`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_dkdv<F: Float>(
+    dkv: &mut Tensor<F>,
+    dk: &Sequence<Array<AccPair>>,
+    dv: &Sequence<Array<AccPair>>,
+    head: &TiledHead,
+    key0: usize,
+    tk: usize,
+    dk_offset: u32,
+    dv_offset: u32,
+    #[comptime] head_dim: usize,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    #[unroll]
+    for dn in 0..comptime!(head_dim / 8) {
+        let k_pair = dk.index(dn);
+        let v_pair = dv.index(dn);
+        #[unroll]
+        for r in 0..2usize {
+            let key = key0 + r * 8;
+            if key < tk {
+                let d = dn * 8 + t * 2;
+                let k_at = row_start(dkv, dk_offset, head.n, head.h, key) + d;
+                let v_at = row_start(dkv, dv_offset, head.n, head.h, key) + d;
+                let x = k_pair[r];
+                let y = v_pair[r];
+                dkv[k_at] = F::cast_from(x[0]);
+                dkv[k_at + 1] = F::cast_from(x[1]);
+                dkv[v_at] = F::cast_from(y[0]);
+                dkv[v_at + 1] = F::cast_from(y[1]);
+            }
+        }
+    }
+}
