@@ -77,7 +77,10 @@
 //!   tensor cores with operands and scores in registers (`mma.sync`,
 //!   whose layout PTX defines, so the softmax runs on the products'
 //!   registers): f32 as split TF32, f16/bf16 as they are
-//!   (`AAM_KERNEL_MMA=1|0`).
+//!   (`AAM_KERNEL_MMA=1|forward|0`).
+//! - `mma_backward.rs`: on CUDA, the f16/bf16 backward the same way: a
+//!   query-major dQ kernel (which writes `Δ`), then a key-major dK/dV
+//!   kernel, FlashAttention-2's split without atomics.
 //! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
 //!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
 //!   best at AAM's shapes so far; the base for fusing element-wise passes

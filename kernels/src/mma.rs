@@ -51,10 +51,11 @@
 //! Semantics are `attention_forward`'s: q scaled (and biased) as loaded, a
 //! masked key's probability 0, zero output and log-sum-exp for a row with
 //! no valid key, the dropout hash of `(seed, bh, row, key)` (the row sum
-//! counts undropped probabilities), so every backward (CUDA-core, or `cmma`
-//! for f16/bf16) follows it. Chunks (and streamed blocks) whose keys are
-//! all masked are skipped. Kernels compile per key count, which the caller
-//! rounds up (keys past the call's are masked: `MmaForward` in `forward.rs`).
+//! counts undropped probabilities), so every backward (CUDA-core for f32;
+//! for f16/bf16 `mma_backward.rs`'s on these layouts, or `cmma`) follows
+//! it. Chunks (and streamed blocks) whose keys are all masked are skipped.
+//! Kernels compile per key count, which the caller rounds up (keys past the
+//! call's are masked: `MmaForward` in `forward.rs`).
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
@@ -643,17 +644,17 @@ pub fn attention_forward_mma_half<F: Float>(
     } else {
         let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
         let q_ops = row_operands_half::<F>(
-                q,
-                0u32,
-                bias,
-                head.h * head_dim,
-                &head,
-                block,
-                tq,
-                scale,
-                head_dim,
-                with_bias,
-            );
+            q,
+            0u32,
+            bias,
+            head.h * head_dim,
+            &head,
+            block,
+            tq,
+            scale,
+            head_dim,
+            with_bias,
+        );
         let mut plane = plane_rows(block, head_dim);
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;

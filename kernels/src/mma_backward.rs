@@ -301,8 +301,8 @@ pub fn attention_backward_dq_mma_half<F: Float>(
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
             if load_keys(
-                k, v, bias, key_valid, &head, &mut stage, &args, start, block_keys, rows,
-                head_dim, units, with_bias,
+                k, v, bias, key_valid, &head, &mut stage, &args, start, block_keys, rows, head_dim,
+                units, with_bias,
             ) {
                 dq_block::<F>(
                     &stage,
@@ -450,23 +450,32 @@ fn query_rows<F: Float>(
     let do_ops = row_operands_half::<F>(
         dout, 0u32, bias, 0usize, head, block, tq, 1.0f32, head_dim, false,
     );
+    // Δ of rows g and g + 8: the unit's dims of dO are its operand's (no
+    // second read of dO), times O's at the same dims.
+    let mut sums = Array::<f32>::new(2usize);
+    sums[0] = 0.0f32;
+    sums[1] = 0.0f32;
+    #[unroll]
+    for s in 0..comptime!(head_dim / 16) {
+        let ops = do_ops.index(s);
+        #[unroll]
+        for r in 0..4usize {
+            let row = row0 + (r % 2) * 8;
+            if row < tq {
+                let at = row_start(out, 0u32, head.n, head.h, row) + s * 16 + t * 2 + (r / 2) * 8;
+                let pair = ops[r];
+                sums[r % 2] += f32::cast_from(pair[0]) * f32::cast_from(out[at])
+                    + f32::cast_from(pair[1]) * f32::cast_from(out[at + 1]);
+            }
+        }
+    }
     let mut stats = Array::<f32>::new(4usize);
     #[unroll]
     for r in 0..2usize {
         let row = row0 + r * 8;
-        let mut sum = 0.0f32;
+        let mut sum = sums[r];
         let mut row_lse = 1.0e30f32;
         if row < tq {
-            let o_at = row_start(out, 0u32, head.n, head.h, row);
-            let do_at = row_start(dout, 0u32, head.n, head.h, row);
-            #[unroll]
-            for c in 0..comptime!(head_dim / 8) {
-                let d = c * 8 + t * 2;
-                #[unroll]
-                for e in 0..2usize {
-                    sum += f32::cast_from(out[o_at + d + e]) * f32::cast_from(dout[do_at + d + e]);
-                }
-            }
             row_lse = lse[head.bh * tq + row];
         }
         sum += plane_shuffle_xor(sum, 1u32);
@@ -526,8 +535,22 @@ fn dq_block<F: Float>(
     for c in 0..comptime!(count.div_ceil(16)) {
         if stage.chunk_valid[c] > 0.0 {
             let first = c * 2;
-            let mut ds = scores_half::<F>(&stage.k_rows, &query.q_ops, first, 2usize, head_dim, row_stride);
-            let dp = scores_half::<F>(&stage.v_rows, &query.do_ops, first, 2usize, head_dim, row_stride);
+            let mut ds = scores_half::<F>(
+                &stage.k_rows,
+                &query.q_ops,
+                first,
+                2usize,
+                head_dim,
+                row_stride,
+            );
+            let dp = scores_half::<F>(
+                &stage.v_rows,
+                &query.do_ops,
+                first,
+                2usize,
+                head_dim,
+                row_stride,
+            );
             #[unroll]
             for j in 0..2usize {
                 let ok = stage.valid[(first + j) * 4 + t];
@@ -672,7 +695,9 @@ pub fn attention_backward_dkdv_mma_half<F: Float>(
     };
     let mut cube_valid = SharedMemory::<f32>::new(1usize);
     let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
-    let keys = key_rows::<F>(k, v, bias, key_valid, &head, block, tk, k_offset, v_offset, head_dim, with_bias);
+    let keys = key_rows::<F>(
+        k, v, bias, key_valid, &head, block, tk, k_offset, v_offset, head_dim, with_bias,
+    );
     let plane_valid = plane_any(keys.valid0 + keys.valid1 > 0.0);
     // Whether any key of the cube is valid: else (padding past a sample's
     // ASVs) it only writes zeros.
@@ -731,7 +756,9 @@ pub fn attention_backward_dkdv_mma_half<F: Float>(
             }
         }
     }
-    write_dkdv::<F>(dkv, &dk, &dv, &head, keys.key0, tk, dk_offset, dv_offset, head_dim);
+    write_dkdv::<F>(
+        dkv, &dk, &dv, &head, keys.key0, tk, dk_offset, dv_offset, head_dim,
+    );
 }
 
 /// A plane's [`KeyRows`] for key block `block` (validity 0 past `tk`).
@@ -817,20 +844,72 @@ fn load_queries<F: Float>(
     let q_bias = head.h * head_dim;
     sync_cube();
     stage_by_row::<F>(
-        q, 0u32, bias, q_bias, head, &mut stage.q_rows, &stage.lse, start, end, scale, rows,
-        head_dim, units, false, with_bias,
+        q,
+        0u32,
+        bias,
+        q_bias,
+        head,
+        &mut stage.q_rows,
+        &stage.lse,
+        start,
+        end,
+        scale,
+        rows,
+        head_dim,
+        units,
+        false,
+        with_bias,
     );
     stage_by_dim::<F>(
-        q, 0u32, bias, q_bias, head, &mut stage.q_dims, &stage.lse, start, end, scale, rows,
-        head_dim, units, false, with_bias,
+        q,
+        0u32,
+        bias,
+        q_bias,
+        head,
+        &mut stage.q_dims,
+        &stage.lse,
+        start,
+        end,
+        scale,
+        rows,
+        head_dim,
+        units,
+        false,
+        with_bias,
     );
     stage_by_row::<F>(
-        dout, 0u32, bias, 0usize, head, &mut stage.do_rows, &stage.lse, start, end, 1.0f32,
-        rows, head_dim, units, false, false,
+        dout,
+        0u32,
+        bias,
+        0usize,
+        head,
+        &mut stage.do_rows,
+        &stage.lse,
+        start,
+        end,
+        1.0f32,
+        rows,
+        head_dim,
+        units,
+        false,
+        false,
     );
     stage_by_dim::<F>(
-        dout, 0u32, bias, 0usize, head, &mut stage.do_dims, &stage.lse, start, end, 1.0f32,
-        rows, head_dim, units, false, false,
+        dout,
+        0u32,
+        bias,
+        0usize,
+        head,
+        &mut stage.do_dims,
+        &stage.lse,
+        start,
+        end,
+        1.0f32,
+        rows,
+        head_dim,
+        units,
+        false,
+        false,
     );
     #[unroll]
     for i in 0..comptime!((rows / 2).div_ceil(units)) {
@@ -875,9 +954,22 @@ fn dkdv_chunk<F: Float>(
     let t = UNIT_POS_X as usize % 4;
     let row_stride = comptime!(half_stride(head_dim / 4));
     let dim_stride = comptime!(half_stride(rows / 4));
-    let mut weights =
-        scores_half::<F>(&stage.q_rows, &keys.k_ops, first, 2usize, head_dim, row_stride);
-    let mut ds = scores_half::<F>(&stage.do_rows, &keys.v_ops, first, 2usize, head_dim, row_stride);
+    let mut weights = scores_half::<F>(
+        &stage.q_rows,
+        &keys.k_ops,
+        first,
+        2usize,
+        head_dim,
+        row_stride,
+    );
+    let mut ds = scores_half::<F>(
+        &stage.do_rows,
+        &keys.v_ops,
+        first,
+        2usize,
+        head_dim,
+        row_stride,
+    );
     let ok0 = keys.valid0 > 0.0;
     let ok1 = keys.valid1 > 0.0;
     let key0 = keys.key0 as u32;
@@ -920,7 +1012,15 @@ fn dkdv_chunk<F: Float>(
         g[0] = g0;
         g[1] = g1;
     }
-    add_products_half::<F>(&weights, &stage.do_dims, dv, first, 2usize, head_dim, dim_stride);
+    add_products_half::<F>(
+        &weights,
+        &stage.do_dims,
+        dv,
+        first,
+        2usize,
+        head_dim,
+        dim_stride,
+    );
     add_products_half::<F>(&ds, &stage.q_dims, dk, first, 2usize, head_dim, dim_stride);
 }
 

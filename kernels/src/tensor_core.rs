@@ -1,6 +1,8 @@
 //! Attention on tensor cores, for f16 and bf16 (`cmma`, 16×16×16 tiles with
 //! f32 accumulators): the forward and both backward kernels (dQ; dK and dV).
-//! No Burn imports here.
+//! On CUDA (sm_80 on, head dims 16-64) `mma.rs` and `mma_backward.rs` run
+//! instead, with the scores in the products' registers; these run on HIP,
+//! at other head dims and with `AAM_KERNEL_MMA=0`. No Burn imports here.
 //!
 //! Why a second set of kernels: the CUDA-core kernels of `kernel.rs` run
 //! every product on FMA units and feed them from shared memory, which bounds

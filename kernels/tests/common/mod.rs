@@ -300,7 +300,13 @@ pub fn check_layout_shapes(seed: u64) {
 /// computed on the host: a replica of `dropout_keep` in `kernel.rs` (one
 /// murmur3 finaliser round over the head key, the row and the column), so
 /// that a test can run the math path with the kernels' own mask.
-pub fn dropout_factors(drop: AttentionDropout, n: usize, h: usize, tq: usize, tk: usize) -> Vec<f32> {
+pub fn dropout_factors(
+    drop: AttentionDropout,
+    n: usize,
+    h: usize,
+    tq: usize,
+    tk: usize,
+) -> Vec<f32> {
     fn mix(mut x: u32) -> u32 {
         x ^= x >> 16;
         x = x.wrapping_mul(0x85eb_ca6b);
@@ -316,9 +322,8 @@ pub fn dropout_factors(drop: AttentionDropout, n: usize, h: usize, tq: usize, tk
         let head_key = mix(drop.seed ^ bh);
         for row in 0..tq as u32 {
             for col in 0..tk as u32 {
-                let x = mix(
-                    head_key ^ row.wrapping_mul(0x9e37_79b1) ^ col.wrapping_mul(0x85eb_ca77),
-                );
+                let x =
+                    mix(head_key ^ row.wrapping_mul(0x9e37_79b1) ^ col.wrapping_mul(0x85eb_ca77));
                 factors.push(if x >= threshold { scale } else { 0.0 });
             }
         }

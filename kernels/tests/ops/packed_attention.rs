@@ -231,7 +231,11 @@ fn packed_half_matches_f32() {
 
 /// [`gpu_run`] of the packed op with `qkv` and the bias cast to `dtype`
 /// (the gradients back in f32).
-fn gpu_run_typed(p: &Packed, dropout: AttentionDropout, dtype: burn::tensor::DType) -> [Vec<f32>; 3] {
+fn gpu_run_typed(
+    p: &Packed,
+    dropout: AttentionDropout,
+    dtype: burn::tensor::DType,
+) -> [Vec<f32>; 3] {
     let device = Default::default();
     let (qkv, bias, w) = p.tensors::<GpuAd>(&device);
     let mask = Some(p.case.mask::<GpuAd>(&device));
