@@ -517,13 +517,11 @@ impl MmaBackward {
         if !fits(block_keys, false) || !fits(block_queries, true) {
             return None;
         }
-        // dK/dV: a plane a block of 16 keys; all of them in one cube up to
-        // 16 blocks (the ASV level's 10: the queries are staged once a
-        // head), else eight a cube (the sample level: more cubes for a
-        // head's valid keys, each streaming all queries).
-        let dkdv_planes = env_usize("AAM_KERNEL_MMA_DKDV_PLANES")
-            .unwrap_or(if key_blocks <= 16 { key_blocks } else { 8 })
-            .min(key_blocks);
+        // dK/dV: a plane a block of 16 keys, up to sixteen a cube (the ASV
+        // level's 10 in one: its queries are staged once a head). H100,
+        // sample level, bf16 forward+backward: 0.251 ms with 16 a cube,
+        // 0.263 with 8, 0.296 with 4 (`benches/RESULTS.md`).
+        let dkdv_planes = key_blocks.min(env_usize("AAM_KERNEL_MMA_DKDV_PLANES").unwrap_or(16));
         Some(MmaBackward {
             dq_units: dq_planes * 32,
             dq_groups,
