@@ -303,6 +303,20 @@ fn into_f32_products(
     }
 }
 
+/// Whether the runtime has `mma.sync` products `m16n8k{k}` of `operand`
+/// into f32 (the manual MMA the `mma.rs` kernels use).
+fn has_f32_products<R: CubeRuntime>(
+    client: &cubecl::client::ComputeClient<R>,
+    operand: cubecl::ir::StorageType,
+    k: u32,
+) -> bool {
+    client
+        .features()
+        .matmul
+        .mma
+        .contains(&into_f32_products(operand, [16, 8, k]))
+}
+
 /// How [`attention_forward_mma`] (f32) or [`attention_forward_mma_half`]
 /// (f16/bf16) runs a call ([`MmaForward::new`]).
 #[derive(Clone, Copy, Debug)]
@@ -355,12 +369,7 @@ impl MmaForward {
                 8,
             )
         };
-        if !client
-            .features()
-            .matmul
-            .mma
-            .contains(&into_f32_products(operand, [16, 8, k]))
-        {
+        if !has_f32_products(client, operand, k) {
             return None;
         }
         let chunk_tiles = env_usize("AAM_KERNEL_MMA_CHUNK").unwrap_or(CHUNK_TILES);
@@ -472,12 +481,7 @@ impl MmaBackward {
         {
             return None;
         }
-        if !client
-            .features()
-            .matmul
-            .mma
-            .contains(&into_f32_products(dtype.into(), [16, 8, 16]))
-        {
+        if !has_f32_products(client, dtype.into(), 16) {
             return None;
         }
         let rounded = |len: usize| {

@@ -193,39 +193,37 @@ fn gradients_given_output(case: &Case, drop: AttentionDropout, out: &[f32]) -> [
 /// session), as in any attention that keeps its output in half precision.
 #[test]
 fn half_gradients_with_dropout_match_the_math_path_given_the_output() {
-    #[cfg(not(feature = "cuda"))]
-    lean_shaders();
-    let gpu = Default::default();
-    let mut failures = Vec::new();
-    for dtype in half_types(&gpu) {
-        for (i, &shape) in SHAPES.iter().enumerate() {
-            if (cfg!(not(feature = "cuda")) && shape.0.max(shape.1) > 512) || shape.1 == 1 {
-                continue;
-            }
-            let case = rounded_case(900 + i as u64, dtype, shape);
-            let drop = AttentionDropout {
-                prob: 0.2,
-                seed: 15 + i as u32,
-            };
-            let (out, half) = gradients(&case, dtype, drop);
-            let want = gradients_given_output(&case, drop, &out);
-            for (name, (h, f)) in ["dq", "dk", "dv"].iter().zip(half.iter().zip(&want)) {
-                let e = rel(h, f);
-                let line = format!("{dtype:?} {shape:?} p=0.2: {name} rel err {e:e}");
-                eprintln!("{line}");
-                if e > grad_rtol(dtype) {
-                    failures.push(line);
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "over tolerance: {failures:#?}");
+    check_gradients(900, "p=0.2, math path given out", |case, dtype, i| {
+        let drop = AttentionDropout {
+            prob: 0.2,
+            seed: 15 + i as u32,
+        };
+        let (out, half) = gradients(case, dtype, drop);
+        [half, gradients_given_output(case, drop, &out)]
+    });
 }
 
 /// Without dropout, the half gradients against the f32 kernel's on the
 /// same rounded inputs.
 #[test]
 fn half_gradients_match_f32() {
+    check_gradients(800, "against f32", |case, dtype, _| {
+        let drop = AttentionDropout::NONE;
+        [
+            gradients(case, dtype, drop).1,
+            gradients(case, DType::F32, drop).1,
+        ]
+    });
+}
+
+/// For each half type and shape, `grads(case, dtype, shape index)` gives
+/// the half gradients and the ones they must match (each within
+/// [`grad_rtol`]); every error is printed before the test fails.
+fn check_gradients(
+    seed: u64,
+    what: &str,
+    grads: impl Fn(&Case, DType, usize) -> [[Vec<f32>; 3]; 2],
+) {
     #[cfg(not(feature = "cuda"))]
     lean_shaders();
     let gpu = Default::default();
@@ -240,13 +238,11 @@ fn half_gradients_match_f32() {
             if (cfg!(not(feature = "cuda")) && shape.0.max(shape.1) > 512) || shape.1 == 1 {
                 continue;
             }
-            // Without dropout: with it, see the test above.
-            let case = rounded_case(800 + i as u64, dtype, shape);
-            let full = gradients(&case, DType::F32, AttentionDropout::NONE).1;
-            let half = gradients(&case, dtype, AttentionDropout::NONE).1;
-            for (name, (h, f)) in ["dq", "dk", "dv"].iter().zip(half.iter().zip(&full)) {
+            let case = rounded_case(seed + i as u64, dtype, shape);
+            let [half, want] = grads(&case, dtype, i);
+            for (name, (h, f)) in ["dq", "dk", "dv"].iter().zip(half.iter().zip(&want)) {
                 let e = rel(h, f);
-                let line = format!("{dtype:?} {shape:?}: {name} rel err {e:e}");
+                let line = format!("{dtype:?} {shape:?} {what}: {name} rel err {e:e}");
                 eprintln!("{line}");
                 if e > grad_rtol(dtype) {
                     failures.push(line);
