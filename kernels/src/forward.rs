@@ -303,6 +303,12 @@ fn into_f32_products(
     }
 }
 
+/// The most planes (of 32 units) a cube of the `mma.sync` kernels has: CUDA's
+/// 1,024 units a cube. Where a call has more blocks of 16 queries than
+/// planes (over 1,024 queries with keys that fit a cube), planes take
+/// several in turn.
+const MAX_MMA_PLANES: usize = 32;
+
 /// Whether the runtime has `mma.sync` products `m16n8k{k}` of `operand`
 /// into f32 (the manual MMA the `mma.rs` kernels use).
 fn has_f32_products<R: CubeRuntime>(
@@ -395,11 +401,9 @@ impl MmaForward {
             // each, so that more, smaller cubes share an SM and one's
             // loading overlaps another's products (H100, ASV level: 0.513
             // against 0.541 ms; f32 with five planes: 1.65 against 1.09).
-            let planes = env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(if half {
-                blocks.div_ceil(2)
-            } else {
-                16
-            });
+            let planes = env_usize("AAM_KERNEL_MMA_PLANES")
+                .unwrap_or(if half { blocks.div_ceil(2) } else { 16 })
+                .min(MAX_MMA_PLANES);
             return Some(MmaForward {
                 units: blocks.min(planes) * 32,
                 groups: 1,
@@ -422,7 +426,11 @@ impl MmaForward {
         // queries and keys) on the H100, f32 forward 0.090 ms with 16
         // planes and blocks of 128 keys, 0.100 with 8, 0.129 with 4 and
         // blocks of 64, 0.257 with 2; the CUDA-core kernel 0.125.
-        let planes = blocks.min(env_usize("AAM_KERNEL_MMA_PLANES").unwrap_or(16));
+        let planes = blocks.min(
+            env_usize("AAM_KERNEL_MMA_PLANES")
+                .unwrap_or(16)
+                .min(MAX_MMA_PLANES),
+        );
         Some(MmaForward {
             units: planes * 32,
             groups: blocks.div_ceil(planes),
@@ -502,7 +510,8 @@ impl MmaBackward {
         let (dq_planes, dq_groups, keys, block_keys) = if fits(rounded(tk), false) {
             let planes = env_usize("AAM_KERNEL_MMA_DQ_PLANES")
                 .unwrap_or(query_blocks.div_ceil(2))
-                .min(query_blocks);
+                .min(query_blocks)
+                .min(MAX_MMA_PLANES);
             (planes, 1, rounded(tk), rounded(tk))
         } else {
             let planes = query_blocks.min(16);
@@ -525,7 +534,9 @@ impl MmaBackward {
         // level's 10 in one: its queries are staged once a head). H100,
         // sample level, bf16 forward+backward: 0.251 ms with 16 a cube,
         // 0.263 with 8, 0.296 with 4 (`benches/RESULTS.md`).
-        let dkdv_planes = key_blocks.min(env_usize("AAM_KERNEL_MMA_DKDV_PLANES").unwrap_or(16));
+        let dkdv_planes = key_blocks
+            .min(env_usize("AAM_KERNEL_MMA_DKDV_PLANES").unwrap_or(16))
+            .min(MAX_MMA_PLANES);
         Some(MmaBackward {
             dq_units: dq_planes * 32,
             dq_groups,
