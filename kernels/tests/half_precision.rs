@@ -159,19 +159,10 @@ fn gradients(case: &Case, dtype: DType, drop: AttentionDropout) -> (Vec<f32>, [V
 fn gradients_given_output(case: &Case, drop: AttentionDropout, out: &[f32]) -> [Vec<f32>; 3] {
     let cpu = Default::default();
     let [q, k, v, w] = case.tensors::<Cpu>(&cpu);
-    let (n, h, tq, tk, dh) = (case.n, case.h, case.tq, case.tk, case.dh);
-    let scale = (dh as f64).sqrt().recip();
-    let out = Tensor::<Cpu, 4>::from_data(TensorData::new(out.to_vec(), [n, h, tq, dh]), &cpu);
-    let factors = Tensor::<Cpu, 4>::from_data(
-        TensorData::new(dropout_factors(drop, n, h, tq, tk), [n, h, tq, tk]),
-        &cpu,
-    );
-    let mask = case.mask::<Cpu>(&cpu).reshape([n, 1, 1, tk]);
-    let scores = q.clone().matmul(k.clone().swap_dims(2, 3)) * scale;
-    let shape = scores.dims();
-    let keep = mask.clone().bool_not().float().expand(shape);
-    let probs =
-        burn::tensor::activation::softmax(scores.mask_fill(mask.expand(shape), -1e30), 3) * keep;
+    let scale = (case.dh as f64).sqrt().recip();
+    let shape = [case.n, case.h, case.tq, case.dh];
+    let out = Tensor::<Cpu, 4>::from_data(TensorData::new(out.to_vec(), shape), &cpu);
+    let (probs, factors) = probs_and_dropout(case, q.clone(), k.clone(), drop, &cpu);
     let dp = w.clone().matmul(v.swap_dims(2, 3)) * factors.clone();
     let delta = (w.clone() * out).sum_dim(3);
     let ds = probs.clone() * (dp - delta);

@@ -331,6 +331,30 @@ pub fn dropout_factors(
     factors
 }
 
+/// The math path's probabilities `softmax(q·kᵀ/√dh)` of `case` (0 for
+/// masked keys and in rows with no valid key) and the kernels' dropout
+/// factors ([`dropout_factors`]), both `[n, h, tq, tk]`.
+pub fn probs_and_dropout<B: Backend>(
+    case: &Case,
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    drop: AttentionDropout,
+    device: &B::Device,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let (n, h, tq, tk) = (case.n, case.h, case.tq, case.tk);
+    let factors = Tensor::<B, 4>::from_data(
+        TensorData::new(dropout_factors(drop, n, h, tq, tk), [n, h, tq, tk]),
+        device,
+    );
+    let mask = case.mask::<B>(device).reshape([n, 1, 1, tk]);
+    let scores = q.matmul(k.swap_dims(2, 3)) / (case.dh as f64).sqrt();
+    let shape = scores.dims();
+    let keep = mask.clone().bool_not().float().expand(shape);
+    let probs =
+        burn::tensor::activation::softmax(scores.mask_fill(mask.expand(shape), -1e30), 3) * keep;
+    (probs, factors)
+}
+
 /// With dropout: the fused gradients (dq, dk, dv of `f = Σ out ⊙ W`)
 /// against the CPU math path that applies the kernels' own mask
 /// ([`dropout_factors`]) to the softmax. The dV identity of
@@ -358,19 +382,7 @@ pub fn check_dropout_gradients(case: &Case, drop: AttentionDropout) {
     let cpu = Default::default();
     let [q, k, v, w] = case.tensors::<CpuAd>(&cpu);
     let (q, k, v) = (q.require_grad(), k.require_grad(), v.require_grad());
-    let factors = Tensor::<CpuAd, 4>::from_data(
-        TensorData::new(
-            dropout_factors(drop, case.n, case.h, case.tq, case.tk),
-            [case.n, case.h, case.tq, case.tk],
-        ),
-        &cpu,
-    );
-    let mask = case.mask::<CpuAd>(&cpu).reshape([case.n, 1, 1, case.tk]);
-    let scores = q.clone().matmul(k.clone().swap_dims(2, 3)) / (case.dh as f64).sqrt();
-    let shape = scores.dims();
-    let keep = mask.clone().bool_not().float().expand(shape);
-    let probs =
-        burn::tensor::activation::softmax(scores.mask_fill(mask.expand(shape), -1e30), 3) * keep;
+    let (probs, factors) = probs_and_dropout(case, q.clone(), k.clone(), drop, &cpu);
     let out = (probs * factors).matmul(v.clone());
     let g = (out * w).sum().backward();
     let reference = [q, k, v].map(|t| values(t.grad(&g).unwrap()));
