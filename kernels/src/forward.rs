@@ -550,6 +550,28 @@ impl MmaBackward {
     }
 }
 
+/// The widest vector (8, 4, 2 or 1 elements) in which every head row of
+/// these `[N, H, T, Dh]` views (each at its element offset) can be read:
+/// offsets, row and head strides, head dim and the buffer's start in bytes
+/// all multiples of it.
+fn row_vector_width<R: CubeRuntime>(views: &[(&CubeTensor<R>, usize)]) -> usize {
+    let fits = |width: usize, (t, offset): &(&CubeTensor<R>, usize)| {
+        let strides = t.meta.strides();
+        let shape = t.meta.shape();
+        let rank = strides.len();
+        let start = t.handle.offset_start.unwrap_or(0);
+        offset % width == 0
+            && strides[..rank - 1].iter().all(|s| s % width == 0)
+            && strides[rank - 1] == 1
+            && shape[rank - 1] % width == 0
+            && start % (width * t.dtype.size()) as u64 == 0
+    };
+    [8, 4, 2]
+        .into_iter()
+        .find(|&width| views.iter().all(|view| fits(width, view)))
+        .unwrap_or(1)
+}
+
 /// A positive integer from the environment variable `name`, if set.
 fn env_usize(name: &str) -> Option<usize> {
     let value = std::env::var(name).ok()?;
@@ -1837,7 +1859,20 @@ fn scalar_backward<R, F, I, BT>(
     let parts_k = layout.parts(lanes_k);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
     let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
-    if let Some(mma) = MmaBackward::new(&client, q.dtype, dh, tq, tk) {
+    // The mma kernels read and write their rows by pair at least, and stage
+    // the other side's by vectors of `width` (16 bytes where it is 8).
+    let width = row_vector_width(&[
+        (q, 0),
+        (k, kv_offsets[0]),
+        (v, kv_offsets[1]),
+        (out, 0),
+        (dout, 0),
+        (dq, 0),
+        (dkv, dkv_offsets[0]),
+        (dkv, dkv_offsets[1]),
+    ]);
+    let mma = MmaBackward::new(&client, q.dtype, dh, tq, tk).filter(|_| width >= 2);
+    if let Some(mma) = mma {
         // Δ = rowsum(dO ⊙ O) in f32: written by the dQ kernel, read by the
         // dK/dV kernel launched after it.
         let delta = empty(q, Shape::new([n, h, tq]), DType::F32);
@@ -1851,6 +1886,7 @@ fn scalar_backward<R, F, I, BT>(
                     &client,
                     CubeCount::Static(count, mma.dq_groups as u32, 1),
                     CubeDim::new_1d(mma.dq_units as u32),
+                    width,
                     q.clone().into_tensor_arg(),
                     k.clone().into_tensor_arg(),
                     v.clone().into_tensor_arg(),
@@ -1881,6 +1917,7 @@ fn scalar_backward<R, F, I, BT>(
                     &client,
                     CubeCount::Static(count, mma.dkdv_groups as u32, 1),
                     CubeDim::new_1d(mma.dkdv_units as u32),
+                    width,
                     q.clone().into_tensor_arg(),
                     k.clone().into_tensor_arg(),
                     v.clone().into_tensor_arg(),

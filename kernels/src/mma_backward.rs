@@ -44,17 +44,21 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::{bias_at, dropout_keep, row_start, FAST_EXP};
+use crate::kernel::{bias_at, dropout_keep, FAST_EXP};
 use crate::mma::{
-    add_products_half, block_rows, half_stride, load_validity, row_operands_half, scores_half,
-    AccPair, ValidPair,
+    add_products_half, block_rows, half_stride, load_validity, scores_half, AccPair, ValidPair,
 };
 use crate::tiled::{cube_head, TiledHead};
 
+/// Two f16/bf16 elements: a register of an `mma` operand, and the unit of
+/// the kernels' reads of their own rows and writes of their results.
+type Pair<F> = Vector<F, Const<2>>;
 /// Four f16/bf16 elements (8 bytes): one unit of the shared-memory layouts.
 type Half4<F> = Vector<F, Const<4>>;
+/// Eight f16/bf16 elements (16 bytes): what a unit stages at a time.
+type Half8<F> = Vector<F, Const<8>>;
 /// A unit's `A` operands of 16 rows: pairs by step of 16 head dims.
-type RowOperands<F> = Sequence<Array<Vector<F, Const<2>>>>;
+type RowOperands<F> = Sequence<Array<Pair<F>>>;
 
 /// Shared memory (bytes) of [`attention_backward_dq_mma_half`] holding
 /// `rows` key rows (K and V by row, K by dim), and of
@@ -70,76 +74,87 @@ pub fn mma_backward_shared_bytes(rows: usize, head_dim: usize, dkdv: bool) -> us
     }
 }
 
-/// Copies rows `[start, start + rows)` of `src` (the head's part at column
-/// `offset`, its bias from `bias_start` added, times `scale`) into `dst` by
-/// row: unit `row·stride + 4·s + t` holds dims `16s + 2t`, `+1`, `+8`, `+9`,
-/// the four of a unit's `B` operand of a product over head dims. Zero for
-/// rows at or past `end` (relative to `start`) and, where `masked`, rows
-/// whose `valid` pair entry is 0.
+/// Where one tensor's rows of a cube's head start and how far apart they
+/// are (elements), computed once a kernel: every load below is
+/// `base + row · stride + dim`, with no metadata read of its own.
+#[derive(CubeType, Clone)]
+struct HeadRows {
+    base: usize,
+    stride: usize,
+}
+
+/// [`HeadRows`] of head `(n, h)` of a `[N, H, T, Dh]` view of `t` whose
+/// first element is at `offset` (the packed `qkv`'s parts).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_by_row<F: Float>(
-    src: &Tensor<F>,
-    offset: u32,
-    bias: &Tensor<F>,
-    bias_start: usize,
-    head: &TiledHead,
-    dst: &mut SharedMemory<Half4<F>>,
-    valid: &SharedMemory<ValidPair>,
-    start: usize,
-    end: usize,
-    scale: f32,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] units: usize,
-    #[comptime] masked: bool,
-    #[comptime] with_bias: bool,
-) {
-    let stride = comptime!(half_stride(head_dim / 4));
-    let items = comptime!(rows * head_dim / 4);
-    // Unrolled, so that a unit's loads of all its items are in flight at
-    // once (a loop waited for each item's: long-scoreboard stalls led).
-    #[unroll]
-    for i in 0..comptime!(items.div_ceil(units)) {
-        let item = i * units + UNIT_POS_X as usize;
-        if item < items {
-            let row = item / comptime!(head_dim / 4);
-            let slot = item % comptime!(head_dim / 4);
-            let d = (slot / 4) * 16 + (slot % 4) * 2;
-            let mut x = Half4::<F>::new(F::cast_from(0.0f32));
-            let mut load = row < end;
-            if comptime!(masked) {
-                load = load && valid[row / 2][row % 2] > 0.0;
-            }
-            if load {
-                let at = row_start(src, offset, head.n, head.h, start + row);
-                #[unroll]
-                for e in 0..4usize {
-                    let dim = d + (e / 2) * 8 + e % 2;
-                    x[e] = F::cast_from(
-                        (f32::cast_from(src[at + dim])
-                            + bias_at(bias, bias_start + dim, with_bias))
-                            * scale,
-                    );
-                }
-            }
-            dst[row * stride + slot] = x;
-        }
+fn head_rows<E: CubePrimitive>(t: &Tensor<E>, offset: u32, head: &TiledHead) -> HeadRows {
+    HeadRows {
+        base: offset as usize + head.n * t.stride(0) + head.h * t.stride(1),
+        stride: t.stride(2),
     }
 }
 
-/// [`stage_by_row`] by dim: unit `d·stride + 4·p + t` holds rows
-/// `16p + 2t`, `+1`, `+8`, `+9` of dim `d`, the four of a unit's `B`
-/// operand of a product over rows ([`add_products_half`]).
+/// Elements `at..at + 8` of `src` (`at` a multiple of 8), as `8 / N`
+/// vectors of `N` (one 16-byte load where `N` is 8).
+#[cube]
+fn read8<F: Float, N: Size>(src: &Tensor<Vector<F, N>>, at: usize) -> Half8<F> {
+    let width = src.vector_size();
+    let mut x = Half8::<F>::new(F::cast_from(0.0f32));
+    #[unroll]
+    for c in 0..comptime!(8 / width) {
+        let part = src[at / width + c];
+        #[unroll]
+        for e in 0..width {
+            x[c * width + e] = part[e];
+        }
+    }
+    x
+}
+
+/// `(x + bias[at..at + 8]) · scale` rounded to `F` where `with_bias` or
+/// `scaled`, else `x` as it is.
+#[cube]
+fn biased8<F: Float>(
+    x: Half8<F>,
+    bias: &Tensor<F>,
+    at: usize,
+    scale: f32,
+    #[comptime] with_bias: bool,
+    #[comptime] scaled: bool,
+) -> Half8<F> {
+    let mut y = x;
+    if comptime!(with_bias || scaled) {
+        #[unroll]
+        for e in 0..8usize {
+            y[e] = F::cast_from((f32::cast_from(x[e]) + bias_at(bias, at + e, with_bias)) * scale);
+        }
+    }
+    y
+}
+
+/// Copies rows `[start, start + rows)` of a head of `src` (`view`; its bias
+/// from `bias_start` added, times `scale` where `scaled`) into `by_row`
+/// and, where `with_dims`, `by_dim`. By row, unit `row·stride + 4·s + t`
+/// holds dims `16s + 2t`, `+1`, `+8`, `+9` (the four of a unit's `B`
+/// operand of a product over head dims); by dim, unit `d·stride + 4·p + t`
+/// holds rows `16p + 2t`, `+1`, `+8`, `+9` of dim `d` (a product over
+/// rows, [`add_products_half`]). Zero for rows at or past `end` (relative
+/// to `start`) and, where `masked`, rows whose `valid` entry is 0.
+///
+/// A unit takes those four rows × 16 dims: eight 16-byte loads in flight
+/// at once (where `N` is 8), then both layouts from registers. Nsight
+/// Compute on the version that read one element at a time: global-load
+/// waits were most of both kernels' stalls, and 59% of the sectors read
+/// were excess. Units start at `first_unit` (mod `units`), so that two
+/// calls in a row keep different units busy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_by_dim<F: Float>(
-    src: &Tensor<F>,
-    offset: u32,
+fn stage_rows<F: Float, N: Size>(
+    src: &Tensor<Vector<F, N>>,
+    view: &HeadRows,
     bias: &Tensor<F>,
     bias_start: usize,
-    head: &TiledHead,
-    dst: &mut SharedMemory<Half4<F>>,
+    by_row: &mut SharedMemory<Half4<F>>,
+    by_dim: &mut SharedMemory<Half4<F>>,
     valid: &SharedMemory<ValidPair>,
     start: usize,
     end: usize,
@@ -147,34 +162,134 @@ fn stage_by_dim<F: Float>(
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] units: usize,
+    #[comptime] first_unit: usize,
     #[comptime] masked: bool,
     #[comptime] with_bias: bool,
+    #[comptime] scaled: bool,
+    #[comptime] with_dims: bool,
 ) {
-    let stride = comptime!(half_stride(rows / 4));
-    let items = comptime!(rows / 4 * head_dim);
+    let row_stride = comptime!(half_stride(head_dim / 4));
+    let dim_stride = comptime!(half_stride(rows / 4));
+    let groups = comptime!(head_dim / 16);
+    let items = comptime!(rows / 4 * head_dim / 16);
+    let unit = (UNIT_POS_X as usize + first_unit) % units;
     #[unroll]
     for i in 0..comptime!(items.div_ceil(units)) {
-        let item = i * units + UNIT_POS_X as usize;
+        let item = i * units + unit;
         if item < items {
-            let slot = item / head_dim;
-            let d = item % head_dim;
-            let b = bias_at(bias, bias_start + d, with_bias);
-            let mut x = Half4::<F>::new(F::cast_from(0.0f32));
+            let quad = item / groups;
+            let s = item % groups;
+            let mut parts = Sequence::<Half8<F>>::new();
             #[unroll]
             for e in 0..4usize {
-                let row = (slot / 4) * 16 + (slot % 4) * 2 + (e / 2) * 8 + e % 2;
+                let row = (quad / 4) * 16 + (quad % 4) * 2 + (e / 2) * 8 + e % 2;
                 let mut load = row < end;
                 if comptime!(masked) {
                     load = load && valid[row / 2][e % 2] > 0.0;
                 }
+                let mut lo = Half8::<F>::new(F::cast_from(0.0f32));
+                let mut hi = Half8::<F>::new(F::cast_from(0.0f32));
                 if load {
-                    let at = row_start(src, offset, head.n, head.h, start + row) + d;
-                    x[e] = F::cast_from((f32::cast_from(src[at]) + b) * scale);
+                    let at = view.base + (start + row) * view.stride + s * 16;
+                    let dim = bias_start + s * 16;
+                    lo = biased8::<F>(read8::<F, N>(src, at), bias, dim, scale, with_bias, scaled);
+                    hi = biased8::<F>(
+                        read8::<F, N>(src, at + 8),
+                        bias,
+                        dim + 8,
+                        scale,
+                        with_bias,
+                        scaled,
+                    );
+                }
+                #[unroll]
+                for t in 0..4usize {
+                    let mut x = Half4::<F>::new(F::cast_from(0.0f32));
+                    x[0] = lo[2 * t];
+                    x[1] = lo[2 * t + 1];
+                    x[2] = hi[2 * t];
+                    x[3] = hi[2 * t + 1];
+                    by_row[row * row_stride + s * 4 + t] = x;
+                }
+                parts.push(lo);
+                parts.push(hi);
+            }
+            if comptime!(with_dims) {
+                #[unroll]
+                for d in 0..16usize {
+                    let mut x = Half4::<F>::new(F::cast_from(0.0f32));
+                    #[unroll]
+                    for e in 0..4usize {
+                        x[e] = parts.index(2 * e + d / 8)[d % 8];
+                    }
+                    by_dim[(s * 16 + d) * dim_stride + quad] = x;
                 }
             }
-            dst[d * stride + slot] = x;
         }
     }
+}
+
+/// The `A` operands of rows `16·block..` of a head of `src` (`view`; its
+/// bias from `bias_start` added, times `scale` where `scaled`), read by
+/// pair (PTX's A layout for 16-bit types: pair r holds row g + 8·(r % 2),
+/// dims 16s + 2t + 8·(r / 2) and the next; zero past row `len`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn row_operands<F: Float>(
+    src: &Tensor<Pair<F>>,
+    view: &HeadRows,
+    bias: &Tensor<F>,
+    bias_start: usize,
+    block: usize,
+    len: usize,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] with_bias: bool,
+    #[comptime] scaled: bool,
+) -> RowOperands<F> {
+    let lane = UNIT_POS_X as usize % 32;
+    let mut ops = RowOperands::<F>::new();
+    #[unroll]
+    for s in 0..comptime!(head_dim / 16) {
+        let mut a = Array::<Pair<F>>::new(4usize);
+        #[unroll]
+        for r in 0..4usize {
+            let row = block * 16 + lane / 4 + (r % 2) * 8;
+            let d = s * 16 + (lane % 4) * 2 + (r / 2) * 8;
+            let mut x = Pair::<F>::new(F::cast_from(0.0f32));
+            if row < len {
+                x = src[(view.base + row * view.stride + d) / 2];
+                if comptime!(with_bias || scaled) {
+                    #[unroll]
+                    for e in 0..2usize {
+                        x[e] = F::cast_from(
+                            (f32::cast_from(x[e]) + bias_at(bias, bias_start + d + e, with_bias))
+                                * scale,
+                        );
+                    }
+                }
+            }
+            a[r] = x;
+        }
+        ops.push(a);
+    }
+    ops
+}
+
+/// Stores pair `x · scale` at row `row`, dim `d` (even) of a head of `dst`.
+#[cube]
+fn store_pair<F: Float>(
+    dst: &mut Tensor<Pair<F>>,
+    view: &HeadRows,
+    row: usize,
+    d: usize,
+    x: AccPair,
+    scale: f32,
+) {
+    let mut y = x;
+    y[0] = x[0] * scale;
+    y[1] = x[1] * scale;
+    dst[(view.base + row * view.stride + d) / 2] = Pair::<F>::cast_from(y);
 }
 
 /// The dQ kernel's shared memory: a block of keys (K and V by row, K by
@@ -188,9 +303,11 @@ struct KeyBlock<F: Float> {
     chunk_valid: SharedMemory<f32>,
 }
 
-/// The scalar arguments of the key side.
+/// The key side's rows and the dropout arguments.
 #[derive(CubeType)]
 struct BackwardArgs {
+    k_rows: HeadRows,
+    v_rows: HeadRows,
     k_offset: u32,
     v_offset: u32,
     dropout_threshold: u32,
@@ -221,16 +338,16 @@ struct QueryRows<F: Float> {
 /// guarded by the row and key counts.
 #[cube(launch_unchecked, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward_dq_mma_half<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
+    q: &Tensor<Pair<F>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     bias: &Tensor<F>,
-    out: &Tensor<F>,
-    dout: &Tensor<F>,
+    out: &Tensor<Pair<F>>,
+    dout: &Tensor<Pair<F>>,
     lse: &Tensor<f32>,
     key_valid: &Tensor<f32>,
-    dq: &mut Tensor<F>,
+    dq: &mut Tensor<Pair<F>>,
     delta: &mut Tensor<f32>,
     scale: f32,
     heads: u32,
@@ -267,21 +384,30 @@ pub fn attention_backward_dq_mma_half<F: Float>(
         )),
     };
     let args = BackwardArgs {
+        k_rows: head_rows(k, k_offset, &head),
+        v_rows: head_rows(v, v_offset, &head),
         k_offset,
         v_offset,
         dropout_threshold,
         dropout_scale,
     };
+    let views = QueryViews {
+        q: head_rows(q, 0u32, &head),
+        out: head_rows(out, 0u32, &head),
+        dout: head_rows(dout, 0u32, &head),
+        dq: head_rows(dq, 0u32, &head),
+    };
     let planes = comptime!(units / 32);
     if comptime!(keys <= block_keys) {
-        load_keys(
+        load_keys::<F, N>(
             k, v, bias, key_valid, &head, &mut stage, &args, 0, keys, rows, head_dim, units,
             with_bias,
         );
         let mut block = UNIT_POS_X as usize / 32;
         while block < tq.div_ceil(16) {
             let query = query_rows::<F>(
-                q, bias, out, dout, lse, delta, &head, block, tq, scale, head_dim, with_bias,
+                q, bias, out, dout, lse, delta, &head, &views, block, tq, scale, head_dim,
+                with_bias,
             );
             let mut acc = zero_acc(head_dim);
             dq_block::<F>(
@@ -296,18 +422,18 @@ pub fn attention_backward_dq_mma_half<F: Float>(
                 head_dim,
                 use_dropout,
             );
-            write_dq::<F>(dq, &acc, &head, query.row0, tq, scale, head_dim);
+            write_dq::<F>(dq, &views.dq, &acc, query.row0, tq, scale, head_dim);
             block += planes;
         }
     } else {
         let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
         let query = query_rows::<F>(
-            q, bias, out, dout, lse, delta, &head, block, tq, scale, head_dim, with_bias,
+            q, bias, out, dout, lse, delta, &head, &views, block, tq, scale, head_dim, with_bias,
         );
         let mut acc = zero_acc(head_dim);
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
-            if load_keys(
+            if load_keys::<F, N>(
                 k, v, bias, key_valid, &head, &mut stage, &args, start, block_keys, rows, head_dim,
                 units, with_bias,
             ) {
@@ -325,7 +451,7 @@ pub fn attention_backward_dq_mma_half<F: Float>(
                 );
             }
         }
-        write_dq::<F>(dq, &acc, &head, query.row0, tq, scale, head_dim);
+        write_dq::<F>(dq, &views.dq, &acc, query.row0, tq, scale, head_dim);
     }
 }
 
@@ -334,9 +460,9 @@ pub fn attention_backward_dq_mma_half<F: Float>(
 /// same in every unit). Every unit must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_keys<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+fn load_keys<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
     head: &TiledHead,
@@ -363,46 +489,12 @@ fn load_keys<F: Float>(
     if any {
         let k_bias = args.k_offset as usize + head.h * head_dim;
         let v_bias = args.v_offset as usize + head.h * head_dim;
-        stage_by_row::<F>(
+        stage_rows::<F, N>(
             k,
-            args.k_offset,
+            &args.k_rows,
             bias,
             k_bias,
-            head,
             &mut stage.k_rows,
-            &stage.valid,
-            start,
-            count,
-            1.0f32,
-            rows,
-            head_dim,
-            units,
-            true,
-            with_bias,
-        );
-        stage_by_row::<F>(
-            v,
-            args.v_offset,
-            bias,
-            v_bias,
-            head,
-            &mut stage.v_rows,
-            &stage.valid,
-            start,
-            count,
-            1.0f32,
-            rows,
-            head_dim,
-            units,
-            true,
-            with_bias,
-        );
-        stage_by_dim::<F>(
-            k,
-            args.k_offset,
-            bias,
-            k_bias,
-            head,
             &mut stage.k_dims,
             &stage.valid,
             start,
@@ -411,12 +503,46 @@ fn load_keys<F: Float>(
             rows,
             head_dim,
             units,
+            0usize,
             true,
             with_bias,
+            false,
+            true,
+        );
+        // V by row only (its by-dim buffer is K's, untouched): on the units
+        // after K's.
+        stage_rows::<F, N>(
+            v,
+            &args.v_rows,
+            bias,
+            v_bias,
+            &mut stage.v_rows,
+            &mut stage.k_dims,
+            &stage.valid,
+            start,
+            count,
+            1.0f32,
+            rows,
+            head_dim,
+            units,
+            comptime!(rows / 4 * head_dim / 16),
+            true,
+            with_bias,
+            false,
+            false,
         );
     }
     sync_cube();
     any
+}
+
+/// The dQ kernel's query-side rows: Q, O, dO and dQ.
+#[derive(CubeType)]
+struct QueryViews {
+    q: HeadRows,
+    out: HeadRows,
+    dout: HeadRows,
+    dq: HeadRows,
 }
 
 /// A plane's [`QueryRows`] for query block `block`, computing and writing
@@ -426,13 +552,14 @@ fn load_keys<F: Float>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn query_rows<F: Float>(
-    q: &Tensor<F>,
+    q: &Tensor<Pair<F>>,
     bias: &Tensor<F>,
-    out: &Tensor<F>,
-    dout: &Tensor<F>,
+    out: &Tensor<Pair<F>>,
+    dout: &Tensor<Pair<F>>,
     lse: &Tensor<f32>,
     delta: &mut Tensor<f32>,
     head: &TiledHead,
+    views: &QueryViews,
     block: usize,
     tq: usize,
     scale: f32,
@@ -442,20 +569,29 @@ fn query_rows<F: Float>(
     let lane = UNIT_POS_X as usize % 32;
     let t = lane % 4;
     let row0 = block * 16 + lane / 4;
-    let q_ops = row_operands_half::<F>(
+    let q_ops = row_operands::<F>(
         q,
-        0u32,
+        &views.q,
         bias,
         head.h * head_dim,
-        head,
         block,
         tq,
         scale,
         head_dim,
         with_bias,
+        true,
     );
-    let do_ops = row_operands_half::<F>(
-        dout, 0u32, bias, 0usize, head, block, tq, 1.0f32, head_dim, false,
+    let do_ops = row_operands::<F>(
+        dout,
+        &views.dout,
+        bias,
+        0usize,
+        block,
+        tq,
+        1.0f32,
+        head_dim,
+        false,
+        false,
     );
     // Δ of rows g and g + 8: the unit's dims of dO are its operand's (no
     // second read of dO), times O's at the same dims.
@@ -469,10 +605,11 @@ fn query_rows<F: Float>(
         for r in 0..4usize {
             let row = row0 + (r % 2) * 8;
             if row < tq {
-                let at = row_start(out, 0u32, head.n, head.h, row) + s * 16 + t * 2 + (r / 2) * 8;
+                let d = s * 16 + t * 2 + (r / 2) * 8;
+                let o = out[(views.out.base + row * views.out.stride + d) / 2];
                 let pair = ops[r];
-                sums[r % 2] += f32::cast_from(pair[0]) * f32::cast_from(out[at])
-                    + f32::cast_from(pair[1]) * f32::cast_from(out[at + 1]);
+                sums[r % 2] += f32::cast_from(pair[0]) * f32::cast_from(o[0])
+                    + f32::cast_from(pair[1]) * f32::cast_from(o[1]);
             }
         }
     }
@@ -597,9 +734,9 @@ fn dq_block<F: Float>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_dq<F: Float>(
-    dq: &mut Tensor<F>,
+    dq: &mut Tensor<Pair<F>>,
+    view: &HeadRows,
     acc: &Sequence<Array<AccPair>>,
-    head: &TiledHead,
     row0: usize,
     tq: usize,
     scale: f32,
@@ -613,10 +750,7 @@ fn write_dq<F: Float>(
         for r in 0..2usize {
             let row = row0 + r * 8;
             if row < tq {
-                let at = row_start(dq, 0u32, head.n, head.h, row) + dn * 8 + t * 2;
-                let x = pair[r];
-                dq[at] = F::cast_from(x[0] * scale);
-                dq[at + 1] = F::cast_from(x[1] * scale);
+                store_pair::<F>(dq, view, row, dn * 8 + t * 2, pair[r], scale);
             }
         }
     }
@@ -656,16 +790,16 @@ struct KeyRows<F: Float> {
 /// Unchecked, as [`attention_backward_dq_mma_half`].
 #[cube(launch_unchecked, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward_dkdv_mma_half<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Pair<F>>,
+    v: &Tensor<Pair<F>>,
     bias: &Tensor<F>,
-    dout: &Tensor<F>,
+    dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     key_valid: &Tensor<f32>,
-    dkv: &mut Tensor<F>,
+    dkv: &mut Tensor<Pair<F>>,
     scale: f32,
     heads: u32,
     bh_offset: u32,
@@ -705,6 +839,8 @@ pub fn attention_backward_dkdv_mma_half<F: Float>(
     let keys = key_rows::<F>(
         k, v, bias, key_valid, &head, block, tk, k_offset, v_offset, head_dim, with_bias,
     );
+    let q_rows = head_rows(q, 0u32, &head);
+    let do_rows = head_rows(dout, 0u32, &head);
     let plane_valid = plane_any(keys.valid0 + keys.valid1 > 0.0);
     // Whether any key of the cube is valid: else (padding past a sample's
     // ASVs) it only writes zeros.
@@ -723,10 +859,12 @@ pub fn attention_backward_dkdv_mma_half<F: Float>(
         for b in 0..comptime!(queries / block_queries) {
             let start = b * block_queries;
             if start < tq {
-                load_queries::<F>(
+                load_queries::<F, N>(
                     q,
+                    &q_rows,
                     bias,
                     dout,
+                    &do_rows,
                     lse,
                     delta,
                     &head,
@@ -764,7 +902,14 @@ pub fn attention_backward_dkdv_mma_half<F: Float>(
         }
     }
     write_dkdv::<F>(
-        dkv, &dk, &dv, &head, keys.key0, tk, dk_offset, dv_offset, head_dim,
+        dkv,
+        &head_rows(dkv, dk_offset, &head),
+        &head_rows(dkv, dv_offset, &head),
+        &dk,
+        &dv,
+        keys.key0,
+        tk,
+        head_dim,
     );
 }
 
@@ -772,8 +917,8 @@ pub fn attention_backward_dkdv_mma_half<F: Float>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn key_rows<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+    k: &Tensor<Pair<F>>,
+    v: &Tensor<Pair<F>>,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
     head: &TiledHead,
@@ -785,29 +930,29 @@ fn key_rows<F: Float>(
     #[comptime] with_bias: bool,
 ) -> KeyRows<F> {
     let key0 = block * 16 + UNIT_POS_X as usize % 32 / 4;
-    let k_ops = row_operands_half::<F>(
+    let k_ops = row_operands::<F>(
         k,
-        k_offset,
+        &head_rows(k, k_offset, head),
         bias,
         k_offset as usize + head.h * head_dim,
-        head,
         block,
         tk,
         1.0f32,
         head_dim,
         with_bias,
+        false,
     );
-    let v_ops = row_operands_half::<F>(
+    let v_ops = row_operands::<F>(
         v,
-        v_offset,
+        &head_rows(v, v_offset, head),
         bias,
         v_offset as usize + head.h * head_dim,
-        head,
         block,
         tk,
         1.0f32,
         head_dim,
         with_bias,
+        false,
     );
     let mut valid0 = 0.0f32;
     let mut valid1 = 0.0f32;
@@ -831,10 +976,12 @@ fn key_rows<F: Float>(
 /// syncs. Every unit must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_queries<F: Float>(
-    q: &Tensor<F>,
+fn load_queries<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    q_rows: &HeadRows,
     bias: &Tensor<F>,
-    dout: &Tensor<F>,
+    dout: &Tensor<Vector<F, N>>,
+    do_rows: &HeadRows,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     head: &TiledHead,
@@ -848,31 +995,14 @@ fn load_queries<F: Float>(
     #[comptime] with_bias: bool,
 ) {
     let end = tq - start;
-    let q_bias = head.h * head_dim;
+    let items = comptime!(rows / 4 * head_dim / 16);
     sync_cube();
-    stage_by_row::<F>(
+    stage_rows::<F, N>(
         q,
-        0u32,
+        q_rows,
         bias,
-        q_bias,
-        head,
+        head.h * head_dim,
         &mut stage.q_rows,
-        &stage.lse,
-        start,
-        end,
-        scale,
-        rows,
-        head_dim,
-        units,
-        false,
-        with_bias,
-    );
-    stage_by_dim::<F>(
-        q,
-        0u32,
-        bias,
-        q_bias,
-        head,
         &mut stage.q_dims,
         &stage.lse,
         start,
@@ -881,32 +1011,18 @@ fn load_queries<F: Float>(
         rows,
         head_dim,
         units,
+        0usize,
         false,
         with_bias,
+        true,
+        true,
     );
-    stage_by_row::<F>(
+    stage_rows::<F, N>(
         dout,
-        0u32,
+        do_rows,
         bias,
         0usize,
-        head,
         &mut stage.do_rows,
-        &stage.lse,
-        start,
-        end,
-        1.0f32,
-        rows,
-        head_dim,
-        units,
-        false,
-        false,
-    );
-    stage_by_dim::<F>(
-        dout,
-        0u32,
-        bias,
-        0usize,
-        head,
         &mut stage.do_dims,
         &stage.lse,
         start,
@@ -915,12 +1031,17 @@ fn load_queries<F: Float>(
         rows,
         head_dim,
         units,
+        items,
         false,
         false,
+        false,
+        true,
     );
+    // lse and Δ on the units after Q's and dO's.
+    let unit = (UNIT_POS_X as usize + comptime!(2 * items)) % units;
     #[unroll]
     for i in 0..comptime!((rows / 2).div_ceil(units)) {
-        let pair = i * units + UNIT_POS_X as usize;
+        let pair = i * units + unit;
         if pair < comptime!(rows / 2) {
             let mut l = ValidPair::new(1.0e30f32);
             let mut d = ValidPair::new(0.0f32);
@@ -1036,14 +1157,13 @@ fn dkdv_chunk<F: Float>(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn write_dkdv<F: Float>(
-    dkv: &mut Tensor<F>,
+    dkv: &mut Tensor<Pair<F>>,
+    dk_rows: &HeadRows,
+    dv_rows: &HeadRows,
     dk: &Sequence<Array<AccPair>>,
     dv: &Sequence<Array<AccPair>>,
-    head: &TiledHead,
     key0: usize,
     tk: usize,
-    dk_offset: u32,
-    dv_offset: u32,
     #[comptime] head_dim: usize,
 ) {
     let t = UNIT_POS_X as usize % 4;
@@ -1056,14 +1176,8 @@ fn write_dkdv<F: Float>(
             let key = key0 + r * 8;
             if key < tk {
                 let d = dn * 8 + t * 2;
-                let k_at = row_start(dkv, dk_offset, head.n, head.h, key) + d;
-                let v_at = row_start(dkv, dv_offset, head.n, head.h, key) + d;
-                let x = k_pair[r];
-                let y = v_pair[r];
-                dkv[k_at] = F::cast_from(x[0]);
-                dkv[k_at + 1] = F::cast_from(x[1]);
-                dkv[v_at] = F::cast_from(y[0]);
-                dkv[v_at + 1] = F::cast_from(y[1]);
+                store_pair::<F>(dkv, dk_rows, key, d, k_pair[r], 1.0f32);
+                store_pair::<F>(dkv, dv_rows, key, d, v_pair[r], 1.0f32);
             }
         }
     }
