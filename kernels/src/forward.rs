@@ -1721,41 +1721,52 @@ where
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
     let rows_per_cube = units as usize / (lanes * parts);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
-    if let Some(mma) = MmaForward::new(&client, q.dtype, dh, tq, tk) {
-        let launch = if mma.half {
-            attention_forward_mma_half::launch::<R>
-        } else {
-            attention_forward_mma::launch::<R>
-        };
+    // The f16/bf16 kernel reads its rows by pair at least and stages K and
+    // V by vectors of `width` (16 bytes where it is 8).
+    let width = row_vector_width(&[(q, 0), (k, kv_offsets[0]), (v, kv_offsets[1]), (out, 0)]);
+    let mma = MmaForward::new(&client, q.dtype, dh, tq, tk).filter(|m| !m.half || width >= 2);
+    if let Some(mma) = mma {
+        // One argument list for both kernels; the f16/bf16 one takes the
+        // staging vectors' width after the cube dim.
+        macro_rules! launch_mma {
+            ($kernel:ident, $offset:expr, $count:expr $(, $width:expr)?) => {
+                $kernel::launch::<R>(
+                    &client,
+                    CubeCount::Static($count, mma.groups as u32, 1),
+                    CubeDim::new_1d(mma.units as u32),
+                    $($width,)?
+                    q.clone().into_tensor_arg(),
+                    k.clone().into_tensor_arg(),
+                    v.clone().into_tensor_arg(),
+                    bias.unwrap_or(q).clone().into_tensor_arg(),
+                    key_valid.clone().into_tensor_arg(),
+                    out.clone().into_tensor_arg(),
+                    lse.clone().into_tensor_arg(),
+                    scale as f32,
+                    h as u32,
+                    $offset,
+                    k_offset,
+                    v_offset,
+                    threshold,
+                    drop_scale,
+                    seed,
+                    dh,
+                    mma.keys,
+                    mma.block_keys,
+                    mma.units,
+                    mma.chunk_tiles,
+                    use_dropout,
+                    bias.is_some(),
+                    q.dtype.into(),
+                )
+            };
+        }
         for (offset, count) in bh_chunks(n * h) {
-            launch(
-                &client,
-                CubeCount::Static(count, mma.groups as u32, 1),
-                CubeDim::new_1d(mma.units as u32),
-                q.clone().into_tensor_arg(),
-                k.clone().into_tensor_arg(),
-                v.clone().into_tensor_arg(),
-                bias.unwrap_or(q).clone().into_tensor_arg(),
-                key_valid.clone().into_tensor_arg(),
-                out.clone().into_tensor_arg(),
-                lse.clone().into_tensor_arg(),
-                scale as f32,
-                h as u32,
-                offset,
-                k_offset,
-                v_offset,
-                threshold,
-                drop_scale,
-                seed,
-                dh,
-                mma.keys,
-                mma.block_keys,
-                mma.units,
-                mma.chunk_tiles,
-                use_dropout,
-                bias.is_some(),
-                q.dtype.into(),
-            );
+            if mma.half {
+                launch_mma!(attention_forward_mma_half, offset, count, width);
+            } else {
+                launch_mma!(attention_forward_mma, offset, count);
+            }
         }
         return lse;
     }

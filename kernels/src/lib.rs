@@ -133,6 +133,8 @@ mod mma;
 #[cfg(feature = "cubecl")]
 mod mma_backward;
 #[cfg(feature = "cubecl")]
+mod mma_io;
+#[cfg(feature = "cubecl")]
 mod rows_matmul;
 #[cfg(feature = "cubecl")]
 mod tensor_core;

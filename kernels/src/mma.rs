@@ -61,6 +61,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
 use crate::kernel::{bias_at, dropout_keep, row_start, FAST_EXP};
+use crate::mma_io::{head_rows, row_operands, stage_rows, store_pair, HeadRows, Pair};
 use crate::tiled::{cube_head, TiledHead};
 
 /// One TF32 operand element of `mma.sync.m16n8k8` (a unit's register).
@@ -546,13 +547,13 @@ fn attend_chunk_tf32(
 /// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma_half<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub fn attention_forward_mma_half<F: Float, N: Size>(
+    q: &Tensor<Pair<F>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
     scale: f32,
     heads: u32,
@@ -592,11 +593,18 @@ pub fn attention_forward_mma_half<F: Float>(
         dropout_threshold,
         dropout_scale,
     };
+    let views = HalfViews {
+        q: head_rows(q, 0u32, &head),
+        k: head_rows(k, k_offset, &head),
+        v: head_rows(v, v_offset, &head),
+        out: head_rows(out, 0u32, &head),
+    };
     let planes = comptime!(units / 32);
     if comptime!(keys <= block_keys) {
-        load_block_half::<F>(
+        load_block_half::<F, N>(
             k,
             v,
+            &views,
             bias,
             key_valid,
             &head,
@@ -612,17 +620,17 @@ pub fn attention_forward_mma_half<F: Float>(
         );
         let mut block = UNIT_POS_X as usize / 32;
         while block < tq.div_ceil(16) {
-            let q_ops = row_operands_half::<F>(
+            let q_ops = row_operands::<F>(
                 q,
-                0u32,
+                &views.q,
                 bias,
                 head.h * head_dim,
-                &head,
                 block,
                 tq,
                 scale,
                 head_dim,
                 with_bias,
+                true,
             );
             let mut plane = plane_rows(block, head_dim);
             attend_block_half::<F>(
@@ -638,29 +646,30 @@ pub fn attention_forward_mma_half<F: Float>(
                 chunk_tiles,
                 use_dropout,
             );
-            write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+            write_rows_half::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
             block += planes;
         }
     } else {
         let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
-        let q_ops = row_operands_half::<F>(
+        let q_ops = row_operands::<F>(
             q,
-            0u32,
+            &views.q,
             bias,
             head.h * head_dim,
-            &head,
             block,
             tq,
             scale,
             head_dim,
             with_bias,
+            true,
         );
         let mut plane = plane_rows(block, head_dim);
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
-            if load_block_half::<F>(
+            if load_block_half::<F, N>(
                 k,
                 v,
+                &views,
                 bias,
                 key_valid,
                 &head,
@@ -689,7 +698,7 @@ pub fn attention_forward_mma_half<F: Float>(
                 );
             }
         }
-        write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+        write_rows_half::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
     }
 }
 
@@ -704,12 +713,24 @@ struct HalfStage<F: Float> {
     chunk_valid: SharedMemory<f32>,
 }
 
-/// [`load_block_tf32`] for f16/bf16 ([`HalfStage`]'s layout).
+/// The f16/bf16 forward's rows of Q, K, V and the output.
+#[derive(CubeType)]
+struct HalfViews {
+    q: HeadRows,
+    k: HeadRows,
+    v: HeadRows,
+    out: HeadRows,
+}
+
+/// [`load_block_tf32`] for f16/bf16 ([`HalfStage`]'s layout), by 16-byte
+/// vectors ([`stage_rows`]): K by row, then V by dim on the units after
+/// K's.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_block_half<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+fn load_block_half<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    views: &HalfViews,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
     head: &TiledHead,
@@ -735,95 +756,53 @@ fn load_block_half<F: Float>(
         units,
     );
     if any {
-        let unit = UNIT_POS_X as usize;
-        let k_stride = comptime!(half_stride(head_dim / 4));
-        let v_stride = comptime!(half_stride(rows / 4));
         let k_bias = args.k_offset as usize + head.h * head_dim;
-        let mut item = unit;
-        while item < comptime!(rows * head_dim / 4) {
-            let key = item / comptime!(head_dim / 4);
-            let slot = item % comptime!(head_dim / 4);
-            let d = (slot / 4) * 16 + (slot % 4) * 2;
-            let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
-            if stage.valid[key / 2][key % 2] > 0.0 {
-                let at = row_start(k, args.k_offset, head.n, head.h, start + key);
-                #[unroll]
-                for e in 0..4usize {
-                    let dim = d + (e / 2) * 8 + e % 2;
-                    x[e] = F::cast_from(
-                        f32::cast_from(k[at + dim]) + bias_at(bias, k_bias + dim, with_bias),
-                    );
-                }
-            }
-            stage.kt[key * k_stride + slot] = x;
-            item += units;
-        }
         let v_bias = args.v_offset as usize + head.h * head_dim;
-        let mut item = unit;
-        while item < comptime!(rows / 4 * head_dim) {
-            let slot = item / head_dim;
-            let d = item % head_dim;
-            let mut x = Vector::<F, Const<4>>::new(F::cast_from(0.0f32));
-            #[unroll]
-            for e in 0..4usize {
-                let key = (slot / 4) * 16 + (slot % 4) * 2 + (e / 2) * 8 + e % 2;
-                if stage.valid[key / 2][e % 2] > 0.0 {
-                    let at = row_start(v, args.v_offset, head.n, head.h, start + key) + d;
-                    x[e] =
-                        F::cast_from(f32::cast_from(v[at]) + bias_at(bias, v_bias + d, with_bias));
-                }
-            }
-            stage.vt[d * v_stride + slot] = x;
-            item += units;
-        }
+        stage_rows::<F, N>(
+            k,
+            &views.k,
+            bias,
+            k_bias,
+            &mut stage.kt,
+            &mut stage.vt,
+            &stage.valid,
+            start,
+            count,
+            1.0f32,
+            rows,
+            head_dim,
+            units,
+            0usize,
+            true,
+            with_bias,
+            false,
+            true,
+            false,
+        );
+        stage_rows::<F, N>(
+            v,
+            &views.v,
+            bias,
+            v_bias,
+            &mut stage.kt,
+            &mut stage.vt,
+            &stage.valid,
+            start,
+            count,
+            1.0f32,
+            rows,
+            head_dim,
+            units,
+            comptime!(rows / 4 * head_dim / 16),
+            true,
+            with_bias,
+            false,
+            false,
+            true,
+        );
     }
     sync_cube();
     any
-}
-
-/// The `A` operands of rows `16·block..` of `src` (the head's part at
-/// column `offset`), f16/bf16: its bias from `bias_start` added, times
-/// `scale` (PTX's A layout for 16-bit types: pair r holds row g + 8·(r % 2),
-/// dims 16s + 2t + 8·(r / 2) and the next; zero past row `len`). Q's for the
-/// forward and dQ, dO's for dQ, K's and V's for dK/dV.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn row_operands_half<F: Float>(
-    src: &Tensor<F>,
-    offset: u32,
-    bias: &Tensor<F>,
-    bias_start: usize,
-    head: &TiledHead,
-    block: usize,
-    len: usize,
-    scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] with_bias: bool,
-) -> Sequence<Array<Vector<F, Const<2>>>> {
-    let lane = UNIT_POS_X as usize % 32;
-    let mut q_ops = Sequence::<Array<Vector<F, Const<2>>>>::new();
-    #[unroll]
-    for s in 0..comptime!(head_dim / 16) {
-        let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
-        #[unroll]
-        for r in 0..4usize {
-            let row = block * 16 + lane / 4 + (r % 2) * 8;
-            let d = s * 16 + (lane % 4) * 2 + (r / 2) * 8;
-            let mut x = AccPair::new(0.0f32);
-            if row < len {
-                let at = row_start(src, offset, head.n, head.h, row) + d;
-                #[unroll]
-                for e in 0..2usize {
-                    x[e] = (f32::cast_from(src[at + e])
-                        + bias_at(bias, bias_start + d + e, with_bias))
-                        * scale;
-                }
-            }
-            a[r] = Vector::<F, Const<2>>::cast_from(x);
-        }
-        q_ops.push(a);
-    }
-    q_ops
 }
 
 /// [`attend_block_tf32`] for f16/bf16.
@@ -1279,42 +1258,87 @@ fn write_rows<F: Float>(
     #[comptime] head_dim: usize,
 ) {
     let t = UNIT_POS_X as usize % 4;
-    let row0 = rows.row0;
-    let row1 = row0 + 8;
-    // The rows' sums over their four units; l ≥ 1 once a key is valid.
-    let mut l0 = rows.state[2];
-    let mut l1 = rows.state[3];
-    l0 += plane_shuffle_xor(l0, 1u32);
-    l0 += plane_shuffle_xor(l0, 2u32);
-    l1 += plane_shuffle_xor(l1, 1u32);
-    l1 += plane_shuffle_xor(l1, 2u32);
-    let inv0 = select(l0 > 0.0, 1.0f32 / l0, 0.0f32);
-    let inv1 = select(l1 > 0.0, 1.0f32 / l1, 0.0f32);
+    let sums = row_sums(rows);
     #[unroll]
     for dn in 0..comptime!(head_dim / 8) {
         let acc = rows.o.index(dn);
-        let d = dn * 8 + t * 2;
-        if row0 < tq {
-            let at = row_start(out, 0u32, head.n, head.h, row0) + d;
-            let x = acc[0];
-            out[at] = F::cast_from(x[0] * inv0);
-            out[at + 1] = F::cast_from(x[1] * inv0);
-        }
-        if row1 < tq {
-            let at = row_start(out, 0u32, head.n, head.h, row1) + d;
-            let x = acc[1];
-            out[at] = F::cast_from(x[0] * inv1);
-            out[at + 1] = F::cast_from(x[1] * inv1);
+        #[unroll]
+        for r in 0..2usize {
+            let row = rows.row0 + r * 8;
+            if row < tq {
+                let inv = select(sums[r] > 0.0, 1.0f32 / sums[r], 0.0f32);
+                let at = row_start(out, 0u32, head.n, head.h, row) + dn * 8 + t * 2;
+                let x = acc[r];
+                out[at] = F::cast_from(x[0] * inv);
+                out[at + 1] = F::cast_from(x[1] * inv);
+            }
         }
     }
-    if t == 0 {
-        if row0 < tq {
-            lse[head.bh * tq + row0] = select(l0 > 0.0, rows.state[0] + l0.ln(), 0.0f32);
-        }
-        if row1 < tq {
-            lse[head.bh * tq + row1] = select(l1 > 0.0, rows.state[1] + l1.ln(), 0.0f32);
+    write_lse(lse, rows, &sums, head, tq);
+}
+
+/// A plane's rows' `l` (rows g and g + 8): the sums over their four
+/// units; `l ≥ 1` once a key is valid.
+#[cube]
+fn row_sums(rows: &PlaneRows) -> Array<f32> {
+    let mut sums = Array::<f32>::new(2usize);
+    #[unroll]
+    for r in 0..2usize {
+        let mut l = rows.state[2 + r];
+        l += plane_shuffle_xor(l, 1u32);
+        l += plane_shuffle_xor(l, 2u32);
+        sums[r] = l;
+    }
+    sums
+}
+
+/// A plane's rows' log-sum-exp `m + ln l` (0 for a row with no valid key).
+#[cube]
+fn write_lse(
+    lse: &mut Tensor<f32>,
+    rows: &PlaneRows,
+    sums: &Array<f32>,
+    head: &TiledHead,
+    tq: usize,
+) {
+    if UNIT_POS_X % 4 == 0 {
+        #[unroll]
+        for r in 0..2usize {
+            let row = rows.row0 + r * 8;
+            if row < tq {
+                lse[head.bh * tq + row] =
+                    select(sums[r] > 0.0, rows.state[r] + sums[r].ln(), 0.0f32);
+            }
         }
     }
+}
+
+/// [`write_rows`] for f16/bf16, by pair.
+#[cube]
+fn write_rows_half<F: Float>(
+    out: &mut Tensor<Pair<F>>,
+    view: &HeadRows,
+    lse: &mut Tensor<f32>,
+    rows: &PlaneRows,
+    head: &TiledHead,
+    tq: usize,
+    #[comptime] head_dim: usize,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    let sums = row_sums(rows);
+    #[unroll]
+    for dn in 0..comptime!(head_dim / 8) {
+        let acc = rows.o.index(dn);
+        #[unroll]
+        for r in 0..2usize {
+            let row = rows.row0 + r * 8;
+            if row < tq {
+                let inv = select(sums[r] > 0.0, 1.0f32 / sums[r], 0.0f32);
+                store_pair::<F>(out, view, row, dn * 8 + t * 2, acc[r], inv);
+            }
+        }
+    }
+    write_lse(lse, rows, &sums, head, tq);
 }
 
 /// `x` rounded to TF32 (`cvt.rna.tf32.f32`).

@@ -44,21 +44,14 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::{bias_at, dropout_keep, FAST_EXP};
+use crate::kernel::{dropout_keep, FAST_EXP};
 use crate::mma::{
     add_products_half, block_rows, half_stride, load_validity, scores_half, AccPair, ValidPair,
 };
+use crate::mma_io::{
+    head_rows, row_operands, stage_rows, store_pair, Half4, HeadRows, Pair, RowOperands,
+};
 use crate::tiled::{cube_head, TiledHead};
-
-/// Two f16/bf16 elements: a register of an `mma` operand, and the unit of
-/// the kernels' reads of their own rows and writes of their results.
-type Pair<F> = Vector<F, Const<2>>;
-/// Four f16/bf16 elements (8 bytes): one unit of the shared-memory layouts.
-type Half4<F> = Vector<F, Const<4>>;
-/// Eight f16/bf16 elements (16 bytes): what a unit stages at a time.
-type Half8<F> = Vector<F, Const<8>>;
-/// A unit's `A` operands of 16 rows: pairs by step of 16 head dims.
-type RowOperands<F> = Sequence<Array<Pair<F>>>;
 
 /// Shared memory (bytes) of [`attention_backward_dq_mma_half`] holding
 /// `rows` key rows (K and V by row, K by dim), and of
@@ -72,224 +65,6 @@ pub fn mma_backward_shared_bytes(rows: usize, head_dim: usize, dkdv: bool) -> us
     } else {
         2 * by_row + by_dim + rows * 4 + rows.div_ceil(8) * 4
     }
-}
-
-/// Where one tensor's rows of a cube's head start and how far apart they
-/// are (elements), computed once a kernel: every load below is
-/// `base + row · stride + dim`, with no metadata read of its own.
-#[derive(CubeType, Clone)]
-struct HeadRows {
-    base: usize,
-    stride: usize,
-}
-
-/// [`HeadRows`] of head `(n, h)` of a `[N, H, T, Dh]` view of `t` whose
-/// first element is at `offset` (the packed `qkv`'s parts).
-#[cube]
-fn head_rows<E: CubePrimitive>(t: &Tensor<E>, offset: u32, head: &TiledHead) -> HeadRows {
-    HeadRows {
-        base: offset as usize + head.n * t.stride(0) + head.h * t.stride(1),
-        stride: t.stride(2),
-    }
-}
-
-/// Elements `at..at + 8` of `src` (`at` a multiple of 8), as `8 / N`
-/// vectors of `N` (one 16-byte load where `N` is 8).
-#[cube]
-fn read8<F: Float, N: Size>(src: &Tensor<Vector<F, N>>, at: usize) -> Half8<F> {
-    let width = src.vector_size();
-    let mut x = Half8::<F>::new(F::cast_from(0.0f32));
-    #[unroll]
-    for c in 0..comptime!(8 / width) {
-        let part = src[at / width + c];
-        #[unroll]
-        for e in 0..width {
-            x[c * width + e] = part[e];
-        }
-    }
-    x
-}
-
-/// `(x + bias[at..at + 8]) · scale` rounded to `F` where `with_bias` or
-/// `scaled`, else `x` as it is.
-#[cube]
-fn biased8<F: Float>(
-    x: Half8<F>,
-    bias: &Tensor<F>,
-    at: usize,
-    scale: f32,
-    #[comptime] with_bias: bool,
-    #[comptime] scaled: bool,
-) -> Half8<F> {
-    let mut y = x;
-    if comptime!(with_bias || scaled) {
-        #[unroll]
-        for e in 0..8usize {
-            y[e] = F::cast_from((f32::cast_from(x[e]) + bias_at(bias, at + e, with_bias)) * scale);
-        }
-    }
-    y
-}
-
-/// Copies rows `[start, start + rows)` of a head of `src` (`view`; its bias
-/// from `bias_start` added, times `scale` where `scaled`) into `by_row`
-/// and, where `with_dims`, `by_dim`. By row, unit `row·stride + 4·s + t`
-/// holds dims `16s + 2t`, `+1`, `+8`, `+9` (the four of a unit's `B`
-/// operand of a product over head dims); by dim, unit `d·stride + 4·p + t`
-/// holds rows `16p + 2t`, `+1`, `+8`, `+9` of dim `d` (a product over
-/// rows, [`add_products_half`]). Zero for rows at or past `end` (relative
-/// to `start`) and, where `masked`, rows whose `valid` entry is 0.
-///
-/// A unit takes those four rows × 16 dims: eight 16-byte loads in flight
-/// at once (where `N` is 8), then both layouts from registers. Nsight
-/// Compute on the version that read one element at a time: global-load
-/// waits were most of both kernels' stalls, and 59% of the sectors read
-/// were excess. Units start at `first_unit` (mod `units`), so that two
-/// calls in a row keep different units busy.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_rows<F: Float, N: Size>(
-    src: &Tensor<Vector<F, N>>,
-    view: &HeadRows,
-    bias: &Tensor<F>,
-    bias_start: usize,
-    by_row: &mut SharedMemory<Half4<F>>,
-    by_dim: &mut SharedMemory<Half4<F>>,
-    valid: &SharedMemory<ValidPair>,
-    start: usize,
-    end: usize,
-    scale: f32,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] units: usize,
-    #[comptime] first_unit: usize,
-    #[comptime] masked: bool,
-    #[comptime] with_bias: bool,
-    #[comptime] scaled: bool,
-    #[comptime] with_dims: bool,
-) {
-    let row_stride = comptime!(half_stride(head_dim / 4));
-    let dim_stride = comptime!(half_stride(rows / 4));
-    let groups = comptime!(head_dim / 16);
-    let items = comptime!(rows / 4 * head_dim / 16);
-    let unit = (UNIT_POS_X as usize + first_unit) % units;
-    #[unroll]
-    for i in 0..comptime!(items.div_ceil(units)) {
-        let item = i * units + unit;
-        if item < items {
-            let quad = item / groups;
-            let s = item % groups;
-            let mut parts = Sequence::<Half8<F>>::new();
-            #[unroll]
-            for e in 0..4usize {
-                let row = (quad / 4) * 16 + (quad % 4) * 2 + (e / 2) * 8 + e % 2;
-                let mut load = row < end;
-                if comptime!(masked) {
-                    load = load && valid[row / 2][e % 2] > 0.0;
-                }
-                let mut lo = Half8::<F>::new(F::cast_from(0.0f32));
-                let mut hi = Half8::<F>::new(F::cast_from(0.0f32));
-                if load {
-                    let at = view.base + (start + row) * view.stride + s * 16;
-                    let dim = bias_start + s * 16;
-                    lo = biased8::<F>(read8::<F, N>(src, at), bias, dim, scale, with_bias, scaled);
-                    hi = biased8::<F>(
-                        read8::<F, N>(src, at + 8),
-                        bias,
-                        dim + 8,
-                        scale,
-                        with_bias,
-                        scaled,
-                    );
-                }
-                #[unroll]
-                for t in 0..4usize {
-                    let mut x = Half4::<F>::new(F::cast_from(0.0f32));
-                    x[0] = lo[2 * t];
-                    x[1] = lo[2 * t + 1];
-                    x[2] = hi[2 * t];
-                    x[3] = hi[2 * t + 1];
-                    by_row[row * row_stride + s * 4 + t] = x;
-                }
-                parts.push(lo);
-                parts.push(hi);
-            }
-            if comptime!(with_dims) {
-                #[unroll]
-                for d in 0..16usize {
-                    let mut x = Half4::<F>::new(F::cast_from(0.0f32));
-                    #[unroll]
-                    for e in 0..4usize {
-                        x[e] = parts.index(2 * e + d / 8)[d % 8];
-                    }
-                    by_dim[(s * 16 + d) * dim_stride + quad] = x;
-                }
-            }
-        }
-    }
-}
-
-/// The `A` operands of rows `16·block..` of a head of `src` (`view`; its
-/// bias from `bias_start` added, times `scale` where `scaled`), read by
-/// pair (PTX's A layout for 16-bit types: pair r holds row g + 8·(r % 2),
-/// dims 16s + 2t + 8·(r / 2) and the next; zero past row `len`).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn row_operands<F: Float>(
-    src: &Tensor<Pair<F>>,
-    view: &HeadRows,
-    bias: &Tensor<F>,
-    bias_start: usize,
-    block: usize,
-    len: usize,
-    scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] with_bias: bool,
-    #[comptime] scaled: bool,
-) -> RowOperands<F> {
-    let lane = UNIT_POS_X as usize % 32;
-    let mut ops = RowOperands::<F>::new();
-    #[unroll]
-    for s in 0..comptime!(head_dim / 16) {
-        let mut a = Array::<Pair<F>>::new(4usize);
-        #[unroll]
-        for r in 0..4usize {
-            let row = block * 16 + lane / 4 + (r % 2) * 8;
-            let d = s * 16 + (lane % 4) * 2 + (r / 2) * 8;
-            let mut x = Pair::<F>::new(F::cast_from(0.0f32));
-            if row < len {
-                x = src[(view.base + row * view.stride + d) / 2];
-                if comptime!(with_bias || scaled) {
-                    #[unroll]
-                    for e in 0..2usize {
-                        x[e] = F::cast_from(
-                            (f32::cast_from(x[e]) + bias_at(bias, bias_start + d + e, with_bias))
-                                * scale,
-                        );
-                    }
-                }
-            }
-            a[r] = x;
-        }
-        ops.push(a);
-    }
-    ops
-}
-
-/// Stores pair `x · scale` at row `row`, dim `d` (even) of a head of `dst`.
-#[cube]
-fn store_pair<F: Float>(
-    dst: &mut Tensor<Pair<F>>,
-    view: &HeadRows,
-    row: usize,
-    d: usize,
-    x: AccPair,
-    scale: f32,
-) {
-    let mut y = x;
-    y[0] = x[0] * scale;
-    y[1] = x[1] * scale;
-    dst[(view.base + row * view.stride + d) / 2] = Pair::<F>::cast_from(y);
 }
 
 /// The dQ kernel's shared memory: a block of keys (K and V by row, K by
@@ -508,6 +283,7 @@ fn load_keys<F: Float, N: Size>(
             with_bias,
             false,
             true,
+            true,
         );
         // V by row only (its by-dim buffer is K's, untouched): on the units
         // after K's.
@@ -529,6 +305,7 @@ fn load_keys<F: Float, N: Size>(
             true,
             with_bias,
             false,
+            true,
             false,
         );
     }
@@ -1016,6 +793,7 @@ fn load_queries<F: Float, N: Size>(
         with_bias,
         true,
         true,
+        true,
     );
     stage_rows::<F, N>(
         dout,
@@ -1035,6 +813,7 @@ fn load_queries<F: Float, N: Size>(
         false,
         false,
         false,
+        true,
         true,
     );
     // lse and Δ on the units after Q's and dO's.
