@@ -10,7 +10,8 @@
 //! `WARMUP`, for forward and forward+backward, f32 and bf16, and the relative
 //! error of the fused output against the math path in the same type. `AAM_BENCH_DTYPES=f32`
 //! (or `bf16`) measures one type only; with both, each runs in its own process (Burn fixes
-//! a device's float type the first time a backend touches it).
+//! a device's float type the first time a backend touches it). `AAM_BENCH_SHAPES=sample` (or
+//! `asv`) measures one shape only.
 
 use std::time::Instant;
 
@@ -133,7 +134,7 @@ where
 {
     assert!(B::has_fused_attention(), "this backend has no fused kernel");
     let sync = || B::sync(device).unwrap();
-    for shape in shapes() {
+    for shape in shapes().into_iter().filter(|s| shape_wanted(s.name)) {
         let [q, k, v, w] = inputs::<B>(&shape, device);
         // Burn fixes a device's default float type the first time a backend touches it, so a
         // second backend type in the same process silently gets the first one's tensors.
@@ -205,7 +206,10 @@ where
             } else {
                 reference_attention(q.clone(), k.clone(), v.clone(), Some(ma.clone()))
             };
-            let grads = (out * wa.clone()).sum().backward();
+            // `backward` seeds `out · w` with ones, so dO = w: no scalar
+            // loss, whose reduction is not attention (`pt_attention.py`
+            // does the same).
+            let grads = (out * wa.clone()).backward();
             let _ = (q.grad(&grads), k.grad(&grads), v.grad(&grads));
         };
         let ms = time_ms(|| step(true), &sync);
@@ -227,6 +231,14 @@ where
             serde_json::json!({}),
         );
     }
+}
+
+/// Whether `AAM_BENCH_SHAPES` (comma-separated prefixes of the shapes' names,
+/// e.g. `sample`; default all) asks for the shape `name`.
+fn shape_wanted(name: &str) -> bool {
+    std::env::var("AAM_BENCH_SHAPES")
+        .map(|list| list.split(',').any(|p| name.starts_with(p.trim())))
+        .unwrap_or(true)
 }
 
 /// Whether `AAM_BENCH_DTYPES` (comma-separated, default `f32,bf16`) asks for `dtype`.

@@ -1092,7 +1092,13 @@ where
     let mask = into_contiguous(mask);
     let key_valid = empty(&mask, Shape::new([n, tk]), DType::F32);
     let tile_valid = empty(&mask, Shape::new([n, tiles]), DType::F32);
-    let (cubes, cube_dim) = one_unit_each(&mask.client, n * tiles, 256);
+    // A cube holds whole tiles: `tile_keys` is a power of two up to 32.
+    const UNITS: usize = 256;
+    assert!(
+        UNITS.is_multiple_of(tile_keys),
+        "key validity: tiles of {tile_keys} keys"
+    );
+    let (cubes, cube_dim) = one_unit_each(&mask.client, n * tiles * tile_keys, UNITS as u32);
     key_validity::launch::<R>(
         &mask.client,
         cubes,
@@ -1101,6 +1107,7 @@ where
         key_valid.clone().into_tensor_arg(),
         tile_valid.clone().into_tensor_arg(),
         tile_keys,
+        UNITS,
         mask.dtype.into(),
     );
     (key_valid, tile_valid)
