@@ -81,6 +81,8 @@
 //! - `mma_backward.rs`: on CUDA, the f16/bf16 backward the same way: a
 //!   query-major dQ kernel (which writes `Δ`), then a key-major dK/dV
 //!   kernel, FlashAttention-2's split without atomics.
+//! - `mma_io.rs`: the f16/bf16 `mma` kernels' global memory traffic: rows
+//!   staged by 16-byte vectors, a plane's own rows and results by pair.
 //! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
 //!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
 //!   best at AAM's shapes so far; the base for fusing element-wise passes

@@ -35,12 +35,14 @@
 //! zero dK and dV for masked keys; `P̃` and `dS` are rounded to the storage
 //! type before their products, as in every tensor-core attention.
 //!
-//! Staging loops are unrolled, so that a unit's global reads are in flight
-//! at once (Nsight Compute on the first version: long-scoreboard stalls
-//! led), and both kernels launch unchecked (every global read is behind a
-//! row or key guard of its own). H100, bf16, forward+backward: 2.17 ms at
-//! the ASV shape against the `cmma` backward's 3.62 and cuDNN's 3.12, 0.25
-//! at the sample shape against 0.38 and 0.38 (`benches/RESULTS.md`).
+//! Global memory goes through `mma_io.rs`: the other side's rows staged by
+//! 16-byte vectors, both layouts from one read, a plane's own rows and its
+//! results by pair (the first version read one element at a time, and
+//! global-load waits were most of both kernels' stalls). Both kernels
+//! launch unchecked (every global read is behind a row or key guard of its
+//! own). H100, bf16, forward+backward: 1.27 ms at the ASV shape against
+//! cuDNN's 3.14 (the `cmma` backward's was 3.62 with the older forward),
+//! 0.15-0.17 at the sample shape against 0.24-0.37 (`benches/RESULTS.md`).
 
 use cubecl::prelude::*;
 
