@@ -96,11 +96,11 @@ fn biased8<F: Float>(
 
 /// Copies rows `[start, start + rows)` of a head of `src` (`view`; its bias
 /// from `bias_start` added, times `scale` where `scaled`) into `by_row`
-/// where `with_rows` and `by_dim` where `with_dims`. By row, unit `row·stride + 4·s + t`
-/// holds dims `16s + 2t`, `+1`, `+8`, `+9` (the four of a unit's `B`
-/// operand of a product over head dims); by dim, unit `d·stride + 4·p + t`
-/// holds rows `16p + 2t`, `+1`, `+8`, `+9` of dim `d` (a product over
-/// rows, [`add_products_half`]). Zero for rows at or past `end` (relative
+/// where `with_rows` and `by_dim` where `with_dims`. By row, unit
+/// `row·stride + 4·s + t` holds dims `16s + 2t`, `+1`, `+8`, `+9` (the four
+/// of a unit's `B` operand of a product over head dims); by dim, unit
+/// `d·stride + 4·p + t` holds rows `16p + 2t`, `+1`, `+8`, `+9` of dim `d`
+/// (a product over rows, `add_products_half` in `mma.rs`). Zero for rows at or past `end` (relative
 /// to `start`) and, where `masked`, rows whose `valid` entry is 0.
 ///
 /// A unit takes those four rows × 16 dims: eight 16-byte loads in flight
