@@ -1728,20 +1728,21 @@ where
     let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
     let rows_per_cube = units as usize / (lanes * parts);
     let [k_offset, v_offset] = kv_offsets.map(element_offset);
-    // The f16/bf16 kernel reads its rows by pair at least and stages K and
-    // V by vectors of `width` (16 bytes where it is 8).
+    // Both kernels write their rows by pair; the f16/bf16 one reads Q by
+    // pair and stages K and V by vectors of `width` (16 bytes where it is
+    // 8), the split-TF32 one by vectors of up to four.
     let width = row_vector_width(&[(q, 0), (k, kv_offsets[0]), (v, kv_offsets[1]), (out, 0)]);
-    let mma = MmaForward::new(&client, q.dtype, dh, tq, tk).filter(|m| !m.half || width >= 2);
+    let mma = MmaForward::new(&client, q.dtype, dh, tq, tk).filter(|_| width >= 2);
     if let Some(mma) = mma {
-        // One argument list for both kernels; the f16/bf16 one takes the
-        // staging vectors' width after the cube dim.
+        // One argument list for both kernels, each with its staging
+        // vectors' width after the cube dim.
         macro_rules! launch_mma {
-            ($kernel:ident, $offset:expr, $count:expr $(, $width:expr)?) => {
+            ($kernel:ident, $offset:expr, $count:expr, $width:expr) => {
                 $kernel::launch::<R>(
                     &client,
                     CubeCount::Static($count, mma.groups as u32, 1),
                     CubeDim::new_1d(mma.units as u32),
-                    $($width,)?
+                    $width,
                     q.clone().into_tensor_arg(),
                     k.clone().into_tensor_arg(),
                     v.clone().into_tensor_arg(),
@@ -1772,7 +1773,7 @@ where
             if mma.half {
                 launch_mma!(attention_forward_mma_half, offset, count, width);
             } else {
-                launch_mma!(attention_forward_mma, offset, count);
+                launch_mma!(attention_forward_mma, offset, count, width.min(4));
             }
         }
         return lse;
@@ -1968,11 +1969,21 @@ fn scalar_backward<R, F, I, BT>(
         return;
     }
     if let Some(tiled) = layout.tiled(tk).filter(|_| tiled_setting().backward) {
+        // Rows read by vectors of up to four (16 bytes of f32).
+        let read_width = row_vector_width(&[
+            (q, 0),
+            (k, kv_offsets[0]),
+            (v, kv_offsets[1]),
+            (out, 0),
+            (dout, 0),
+        ])
+        .min(4);
         for (offset, count) in bh_chunks(n * h) {
             attention_backward_tiled::launch::<R>(
                 &client,
                 CubeCount::Static(count, 1, 1),
                 CubeDim::new_1d(tiled.units as u32),
+                read_width,
                 q.clone().into_tensor_arg(),
                 k.clone().into_tensor_arg(),
                 v.clone().into_tensor_arg(),

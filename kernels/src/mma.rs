@@ -61,8 +61,8 @@
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
-use crate::kernel::{bias_at, dropout_keep, row_start, FAST_EXP};
-use crate::mma_io::{head_rows, row_operands, stage_rows, store_pair, HeadRows, Pair};
+use crate::kernel::{bias_at, dropout_keep, row_start, Quad, FAST_EXP};
+use crate::mma_io::{head_rows, read_quad, row_operands, stage_rows, store_pair, HeadRows, Pair};
 use crate::tiled::{cube_head, TiledHead};
 
 /// One TF32 operand element of `mma.sync.m16n8k8` (a unit's register).
@@ -165,13 +165,13 @@ struct PlaneRows {
 /// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma<F: Float>(
+pub fn attention_forward_mma<F: Float, N: Size>(
     q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
     scale: f32,
     heads: u32,
@@ -211,11 +211,17 @@ pub fn attention_forward_mma<F: Float>(
         dropout_threshold,
         dropout_scale,
     };
+    let out_rows = head_rows(out, 0u32, &head);
+    let key_rows = KeyRows {
+        k: head_rows(k, k_offset, &head),
+        v: head_rows(v, v_offset, &head),
+    };
     let planes = comptime!(units / 32);
     if comptime!(keys <= block_keys) {
-        load_block_tf32(
+        load_block_tf32::<F, N>(
             k,
             v,
+            &key_rows,
             bias,
             key_valid,
             &head,
@@ -246,7 +252,7 @@ pub fn attention_forward_mma<F: Float>(
                 chunk_tiles,
                 use_dropout,
             );
-            write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+            write_rows::<F>(out, &out_rows, lse, &plane, &head, tq, head_dim);
             block += planes;
         }
     } else {
@@ -255,9 +261,10 @@ pub fn attention_forward_mma<F: Float>(
         let mut plane = plane_rows(block, head_dim);
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
-            if load_block_tf32(
+            if load_block_tf32::<F, N>(
                 k,
                 v,
+                &key_rows,
                 bias,
                 key_valid,
                 &head,
@@ -286,7 +293,7 @@ pub fn attention_forward_mma<F: Float>(
                 );
             }
         }
-        write_rows::<F>(out, lse, &plane, &head, tq, head_dim);
+        write_rows::<F>(out, &out_rows, lse, &plane, &head, tq, head_dim);
     }
 }
 
@@ -318,9 +325,10 @@ struct KeyArgs {
 /// the block otherwise). Every unit must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_block_tf32<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+fn load_block_tf32<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    key_rows: &KeyRows,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
     head: &TiledHead,
@@ -350,49 +358,84 @@ fn load_block_tf32<F: Float>(
         let k_stride = comptime!(split_stride(head_dim / 2));
         let v_stride = comptime!(split_stride(rows / 2));
         let k_bias = args.k_offset as usize + head.h * head_dim;
+        let v_bias = args.v_offset as usize + head.h * head_dim;
+        // K by key: a unit reads 8 dims of a key (two vector loads of four
+        // where `N` is 4) and writes its four split quads (dims `8s + t` and
+        // `+ 4`).
         let mut item = unit;
-        while item < comptime!(rows * head_dim / 2) {
-            let key = item / comptime!(head_dim / 2);
-            let slot = item % comptime!(head_dim / 2);
-            let d = (slot / 4) * 8 + slot % 4;
-            let mut x = SplitQuad::new(to_tf32(0.0f32));
+        while item < comptime!(rows * head_dim / 8) {
+            let key = item / comptime!(head_dim / 8);
+            let s = item % comptime!(head_dim / 8);
+            let mut low = Quad::new(0.0f32);
+            let mut high = Quad::new(0.0f32);
             if stage.valid[key / 2][key % 2] > 0.0 {
-                let at = row_start(k, args.k_offset, head.n, head.h, start + key);
+                let at = key_rows.k.base + (start + key) * key_rows.k.stride + s * 8;
+                low = read_quad::<F, N>(k, at);
+                high = read_quad::<F, N>(k, at + 4);
                 #[unroll]
-                for e in 0..2usize {
-                    let dim = d + e * 4;
-                    let value =
-                        f32::cast_from(k[at + dim]) + bias_at(bias, k_bias + dim, with_bias);
-                    let hi = to_tf32(value);
-                    x[e] = hi;
-                    x[e + 2] = to_tf32(value - f32::cast_from(hi));
+                for c in 0..4usize {
+                    low[c] += bias_at(bias, k_bias + s * 8 + c, with_bias);
+                    high[c] += bias_at(bias, k_bias + s * 8 + 4 + c, with_bias);
                 }
             }
-            stage.kt[key * k_stride + slot] = x;
+            #[unroll]
+            for t in 0..4usize {
+                stage.kt[key * k_stride + s * 4 + t] = split_pair(low[t], high[t]);
+            }
             item += units;
         }
-        let v_bias = args.v_offset as usize + head.h * head_dim;
+        // V by dim: a unit reads a quad of dims of a pair of keys and writes
+        // the four dims' split quads.
         let mut item = unit;
-        while item < comptime!(rows / 2 * head_dim) {
-            let p = item / head_dim;
-            let d = item % head_dim;
-            let mut x = SplitQuad::new(to_tf32(0.0f32));
-            #[unroll]
-            for e in 0..2usize {
-                if stage.valid[p][e] > 0.0 {
-                    let at = row_start(v, args.v_offset, head.n, head.h, start + p * 2 + e) + d;
-                    let value = f32::cast_from(v[at]) + bias_at(bias, v_bias + d, with_bias);
-                    let hi = to_tf32(value);
-                    x[e] = hi;
-                    x[e + 2] = to_tf32(value - f32::cast_from(hi));
-                }
+        while item < comptime!(rows / 2 * head_dim / 4) {
+            let p = item / comptime!(head_dim / 4);
+            let d = (item % comptime!(head_dim / 4)) * 4;
+            let mut first = Quad::new(0.0f32);
+            let mut second = Quad::new(0.0f32);
+            if stage.valid[p][0] > 0.0 {
+                first =
+                    read_quad::<F, N>(v, key_rows.v.base + (start + p * 2) * key_rows.v.stride + d);
             }
-            stage.vt[d * v_stride + p] = x;
+            if stage.valid[p][1] > 0.0 {
+                second = read_quad::<F, N>(
+                    v,
+                    key_rows.v.base + (start + p * 2 + 1) * key_rows.v.stride + d,
+                );
+            }
+            #[unroll]
+            for c in 0..4usize {
+                let b = bias_at(bias, v_bias + d + c, with_bias);
+                // A masked key's value stays 0 (its bias is not added).
+                let x0 = select(stage.valid[p][0] > 0.0, first[c] + b, 0.0f32);
+                let x1 = select(stage.valid[p][1] > 0.0, second[c] + b, 0.0f32);
+                stage.vt[(d + c) * v_stride + p] = split_pair(x0, x1);
+            }
             item += units;
         }
     }
     sync_cube();
     any
+}
+
+/// Two f32 values split into TF32 `[hi(a), hi(b), lo(a), lo(b)]`, the
+/// layout of [`SplitStage`]'s quads.
+#[cube]
+fn split_pair(a: f32, b: f32) -> SplitQuad {
+    let mut x = SplitQuad::new(to_tf32(0.0f32));
+    let ha = to_tf32(a);
+    let hb = to_tf32(b);
+    x[0] = ha;
+    x[1] = hb;
+    x[2] = to_tf32(a - f32::cast_from(ha));
+    x[3] = to_tf32(b - f32::cast_from(hb));
+    x
+}
+
+/// The split forward's K and V rows.
+#[derive(CubeType)]
+struct KeyRows {
+    k: HeadRows,
+    v: HeadRows,
 }
 
 /// Q's split operands for a plane's query block (rows g, g+8 × dims t,
@@ -647,7 +690,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
                 chunk_tiles,
                 use_dropout,
             );
-            write_rows_half::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
+            write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
             block += planes;
         }
     } else {
@@ -699,7 +742,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
                 );
             }
         }
-        write_rows_half::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
+        write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
     }
 }
 
@@ -1246,38 +1289,6 @@ pub(crate) fn add_products_half<F: Float>(
     }
 }
 
-/// Writes a plane's rows: `o / l` and the log-sum-exp (zeros for a row with
-/// no valid key). Accumulator layout: element e of pair r at row g + 8·r,
-/// column 2t + e.
-#[cube]
-fn write_rows<F: Float>(
-    out: &mut Tensor<F>,
-    lse: &mut Tensor<f32>,
-    rows: &PlaneRows,
-    head: &TiledHead,
-    tq: usize,
-    #[comptime] head_dim: usize,
-) {
-    let t = UNIT_POS_X as usize % 4;
-    let sums = row_sums(rows);
-    #[unroll]
-    for dn in 0..comptime!(head_dim / 8) {
-        let acc = rows.o.index(dn);
-        #[unroll]
-        for r in 0..2usize {
-            let row = rows.row0 + r * 8;
-            if row < tq {
-                let inv = select(sums[r] > 0.0, 1.0f32 / sums[r], 0.0f32);
-                let at = row_start(out, 0u32, head.n, head.h, row) + dn * 8 + t * 2;
-                let x = acc[r];
-                out[at] = F::cast_from(x[0] * inv);
-                out[at + 1] = F::cast_from(x[1] * inv);
-            }
-        }
-    }
-    write_lse(lse, rows, &sums, head, tq);
-}
-
 /// A plane's rows' `l` (rows g and g + 8): the sums over their four
 /// units; `l ≥ 1` once a key is valid.
 #[cube]
@@ -1314,9 +1325,11 @@ fn write_lse(
     }
 }
 
-/// [`write_rows`] for f16/bf16, by pair.
+/// Writes a plane's rows: `o / l` and the log-sum-exp (zeros for a row with
+/// no valid key). Accumulator layout: element e of pair r at row g + 8·r,
+/// column 2t + e.
 #[cube]
-fn write_rows_half<F: Float>(
+fn write_rows<F: Float>(
     out: &mut Tensor<Pair<F>>,
     view: &HeadRows,
     lse: &mut Tensor<f32>,

@@ -15,11 +15,12 @@
 //! are `Tensor<Vector<F, N>>` (staging: `N` = 8 where offsets, strides and
 //! the buffer's start allow, else 4 or 2; `row_vector_width` in
 //! `forward.rs`) and `Tensor<Pair<F>>` (a plane's own rows and results).
-//! No Burn imports here.
+//! [`read_quad`] reads four elements as f32 for the f32 kernels (the split
+//! TF32 forward's staging, `tiled.rs`'s backward). No Burn imports here.
 
 use cubecl::prelude::*;
 
-use crate::kernel::bias_at;
+use crate::kernel::{bias_at, Quad};
 use crate::mma::{half_stride, AccPair, ValidPair};
 use crate::tiled::TiledHead;
 
@@ -256,4 +257,21 @@ pub(crate) fn store_pair<F: Float>(
     y[0] = x[0] * scale;
     y[1] = x[1] * scale;
     dst[(view.base + row * view.stride + d) / 2] = Pair::<F>::cast_from(y);
+}
+
+/// Elements `at..at + 4` of `src` (`at` a multiple of 4) in f32, as
+/// `4 / N` vectors of `N` (one 16-byte load of f32 where `N` is 4).
+#[cube]
+pub(crate) fn read_quad<F: Float, N: Size>(src: &Tensor<Vector<F, N>>, at: usize) -> Quad {
+    let width = src.vector_size();
+    let mut x = Quad::new(0.0f32);
+    #[unroll]
+    for c in 0..comptime!(4 / width) {
+        let part = src[at / width + c];
+        #[unroll]
+        for e in 0..width {
+            x[c * width + e] = f32::cast_from(part[e]);
+        }
+    }
+    x
 }

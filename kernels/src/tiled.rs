@@ -51,6 +51,7 @@
 use cubecl::prelude::*;
 
 use crate::kernel::{bias_at, dropout_head_key, dropout_keep, row_start, Quad, FAST_EXP};
+use crate::mma_io::{head_rows, read_quad, HeadRows};
 
 /// Quads between two rows of a shared-memory matrix `quads` quads wide:
 /// the next odd number (see the module doc).
@@ -87,13 +88,13 @@ pub fn tiled_shared_bytes(keys: usize, head_dim: usize, tile: usize) -> usize {
 /// Launch: cube x: n·H + h − bh_offset; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_backward_tiled<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+pub fn attention_backward_tiled<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
     bias: &Tensor<F>,
-    dout: &Tensor<F>,
-    out: &Tensor<F>,
+    dout: &Tensor<Vector<F, N>>,
+    out: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     key_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
@@ -138,9 +139,16 @@ pub fn attention_backward_tiled<F: Float>(
         delta: SharedMemory::<f32>::new(tile),
     };
 
-    load_keys::<F>(
+    let views = QueryTileRows {
+        q: head_rows(q, 0u32, &head),
+        dout: head_rows(dout, 0u32, &head),
+        out: head_rows(out, 0u32, &head),
+    };
+    load_key_rows::<F, N>(
         k,
         v,
+        &head_rows(k, k_offset, &head),
+        &head_rows(v, v_offset, &head),
         bias,
         key_valid,
         &head,
@@ -172,10 +180,11 @@ pub fn attention_backward_tiled<F: Float>(
     }
 
     let n_tiles = tq.div_ceil(tile);
-    stage_query_tile::<F>(
+    stage_query_tile::<F, N>(
         q,
         dout,
         out,
+        &views,
         lse,
         bias,
         &head,
@@ -244,10 +253,11 @@ pub fn attention_backward_tiled<F: Float>(
         // This tile's q and dO (read above) are done with: the next tile's
         // take the other copy, `Qᵀ` and `dOᵀ` (read only by step 1).
         if t + 1 < n_tiles {
-            stage_query_tile::<F>(
+            stage_query_tile::<F, N>(
                 q,
                 dout,
                 out,
+                &views,
                 lse,
                 bias,
                 &head,
@@ -345,17 +355,19 @@ struct TiledShared {
 
 /// Stages the query tile at row `start`: q (scaled, with its bias) and dO
 /// by row at quad `buffer` (rows `odd_stride(head_dim/4)` quads apart) and
-/// by dimension (`Qᵀ`, `dOᵀ`: one copy, read only by step 1; a unit loads
-/// one dimension of four rows), zeros past `tq`; the log-sum-exp (`+1e30`
-/// past `tq`, so that its probabilities are 0) and `Δ = rowsum(dO ⊙ O)`,
+/// by dimension (`Qᵀ`, `dOᵀ`: one copy, read only by step 1; a unit reads
+/// four rows × one quad of dims and writes both), zeros past `tq`; the
+/// log-sum-exp (`+1e30` past `tq`, so that its probabilities are 0) and
+/// `Δ = rowsum(dO ⊙ O)`,
 /// whose quads' shares (adjacent units) meet by plane shuffles. Every unit
 /// must call it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_query_tile<F: Float>(
-    q: &Tensor<F>,
-    dout: &Tensor<F>,
-    out: &Tensor<F>,
+fn stage_query_tile<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    dout: &Tensor<Vector<F, N>>,
+    out: &Tensor<Vector<F, N>>,
+    views: &QueryTileRows,
     lse: &Tensor<f32>,
     bias: &Tensor<F>,
     head: &TiledHead,
@@ -374,61 +386,73 @@ fn stage_query_tile<F: Float>(
     let row_stride = comptime!(odd_stride(head_dim / 4));
     let query_stride = comptime!(odd_stride(tile / 4));
     let q_bias = head.h * head_dim;
-    // `Qᵀ` and `dOᵀ` come from global memory, not from the row quads below:
-    // CubeCL 0.10 compiles `shared[i][c] = x` (one float of a quad in shared
-    // memory) to a write into a copy of the quad, which is lost.
-    let mut item = unit;
-    while item < comptime!(tile / 4 * head_dim) {
-        let qb = item / head_dim;
-        let d = item % head_dim;
-        let mut xq = Quad::new(0.0f32);
-        let mut xdo = Quad::new(0.0f32);
+    let items = comptime!(tile / 4 * (head_dim / 4));
+    // A unit takes four rows × one quad of dims: q and dO by row (one
+    // vector load a row, where `N` is 4) and, transposed in registers, by
+    // dimension (`Qᵀ`, `dOᵀ`), so each is read once. Consecutive units take
+    // consecutive quads of the same rows, so that a row's `Δ` meets by
+    // shuffles within a plane (`dim_quads` divides 32).
+    #[unroll]
+    for round in 0..comptime!(items.div_ceil(units)) {
+        let item = unit + round * units;
+        let qb = item / dim_quads;
+        let d4 = item % dim_quads;
+        let mut xq = Sequence::<Quad>::new();
+        let mut xdo = Sequence::<Quad>::new();
+        let mut shares = Array::<f32>::new(4usize);
         #[unroll]
         for i in 0..4usize {
             let row = start + qb * 4 + i;
-            if row < tq {
-                let q_at = row_start(q, 0u32, head.n, head.h, row) + d;
-                let do_at = row_start(dout, 0u32, head.n, head.h, row) + d;
-                xq[i] = (f32::cast_from(q[q_at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
-                xdo[i] = f32::cast_from(dout[do_at]);
+            let mut x = Quad::new(0.0f32);
+            let mut g = Quad::new(0.0f32);
+            let mut share = 0.0f32;
+            if item < items && row < tq {
+                let d = d4 * 4;
+                let raw = read_quad::<F, N>(q, views.q.base + row * views.q.stride + d);
+                g = read_quad::<F, N>(dout, views.dout.base + row * views.dout.stride + d);
+                let o = read_quad::<F, N>(out, views.out.base + row * views.out.stride + d);
+                #[unroll]
+                for c in 0..4usize {
+                    x[c] = (raw[c] + bias_at(bias, q_bias + d + c, with_bias)) * scale;
+                    share += g[c] * o[c];
+                }
             }
+            xq.push(x);
+            xdo.push(g);
+            shares[i] = share;
         }
-        shared.qt[d * query_stride + qb] = xq;
-        shared.dot[d * query_stride + qb] = xdo;
-        item += units;
-    }
-    #[unroll]
-    for round in 0..comptime!((tile * (head_dim / 4)).div_ceil(units)) {
-        let item = unit + round * units;
-        let i = item / dim_quads;
-        let d4 = item % dim_quads;
-        let row = start + i;
-        let mut xq = Quad::new(0.0f32);
-        let mut xdo = Quad::new(0.0f32);
-        let mut share = 0.0f32;
-        if item < comptime!(tile * (head_dim / 4)) && row < tq {
-            let q_at = row_start(q, 0u32, head.n, head.h, row) + d4 * 4;
-            let do_at = row_start(dout, 0u32, head.n, head.h, row) + d4 * 4;
-            let o_at = row_start(out, 0u32, head.n, head.h, row) + d4 * 4;
+        #[unroll]
+        for i in 0..4usize {
+            let mut share = shares[i];
+            let mut offset = 1u32;
+            #[unroll]
+            for _ in 0..comptime!((head_dim / 4).ilog2() as usize) {
+                share += plane_shuffle_xor(share, offset);
+                offset *= 2;
+            }
+            shares[i] = share;
+        }
+        if item < items {
+            #[unroll]
+            for i in 0..4usize {
+                let r = qb * 4 + i;
+                shared.q_rows[buffer + r * row_stride + d4] = *xq.index(i);
+                shared.do_rows[buffer + r * row_stride + d4] = *xdo.index(i);
+                if d4 == 0 {
+                    shared.delta[r] = shares[i];
+                }
+            }
             #[unroll]
             for c in 0..4usize {
-                let b = bias_at(bias, q_bias + d4 * 4 + c, with_bias);
-                xq[c] = (f32::cast_from(q[q_at + c]) + b) * scale;
-                xdo[c] = f32::cast_from(dout[do_at + c]);
-                share += xdo[c] * f32::cast_from(out[o_at + c]);
-            }
-        }
-        let mut offset = 1u32;
-        #[unroll]
-        for _ in 0..comptime!((head_dim / 4).ilog2() as usize) {
-            share += plane_shuffle_xor(share, offset);
-            offset *= 2;
-        }
-        if item < comptime!(tile * (head_dim / 4)) {
-            shared.q_rows[buffer + i * row_stride + d4] = xq;
-            shared.do_rows[buffer + i * row_stride + d4] = xdo;
-            if d4 == 0 {
-                shared.delta[i] = share;
+                let mut tq4 = Quad::new(0.0f32);
+                let mut tdo4 = Quad::new(0.0f32);
+                #[unroll]
+                for i in 0..4usize {
+                    tq4[i] = xq.index(i)[c];
+                    tdo4[i] = xdo.index(i)[c];
+                }
+                shared.qt[(d4 * 4 + c) * query_stride + qb] = tq4;
+                shared.dot[(d4 * 4 + c) * query_stride + qb] = tdo4;
             }
         }
     }
@@ -438,6 +462,97 @@ fn stage_query_tile<F: Float>(
             lse_row = lse[head.bh * tq + start + unit];
         }
         shared.lse[unit] = lse_row;
+    }
+}
+
+/// The tiled backward's query-side rows: q, dO and the output.
+#[derive(CubeType)]
+struct QueryTileRows {
+    q: HeadRows,
+    dout: HeadRows,
+    out: HeadRows,
+}
+
+/// [`load_keys`] for the backward, by vectors: validity quads, then `Kᵀ`
+/// and `Vᵀ` with a unit reading four keys × one quad of dims of each (one
+/// vector load a key, where `N` is 4) and writing them transposed.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_key_rows<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_rows: &HeadRows,
+    v_rows: &HeadRows,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    kt: &mut SharedMemory<Quad>,
+    vt: &mut SharedMemory<Quad>,
+    valid: &mut SharedMemory<Quad>,
+    k_offset: u32,
+    v_offset: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) {
+    let key_quads = comptime!(padded_key_quads(keys));
+    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
+    let dim_quads = comptime!(head_dim / 4);
+    let unit = UNIT_POS_X as usize;
+    let mut kb = unit;
+    while kb < key_quads {
+        let mut x = Quad::new(0.0f32);
+        #[unroll]
+        for j in 0..4usize {
+            let key = kb * 4 + j;
+            if key < keys {
+                x[j] = key_valid[head.n * keys + key];
+            }
+        }
+        valid[kb] = x;
+        kb += units;
+    }
+    let k_bias = k_offset as usize + head.h * head_dim;
+    let v_bias = v_offset as usize + head.h * head_dim;
+    let mut item = unit;
+    while item < key_quads * dim_quads {
+        let kb = item / dim_quads;
+        let d = (item % dim_quads) * 4;
+        let mut xk = Sequence::<Quad>::new();
+        let mut xv = Sequence::<Quad>::new();
+        #[unroll]
+        for j in 0..4usize {
+            let key = kb * 4 + j;
+            let mut a = Quad::new(0.0f32);
+            let mut b = Quad::new(0.0f32);
+            if key < keys {
+                if key_valid[head.n * keys + key] > 0.0 {
+                    a = read_quad::<F, N>(k, k_rows.base + key * k_rows.stride + d);
+                    b = read_quad::<F, N>(v, v_rows.base + key * v_rows.stride + d);
+                    #[unroll]
+                    for c in 0..4usize {
+                        a[c] += bias_at(bias, k_bias + d + c, with_bias);
+                        b[c] += bias_at(bias, v_bias + d + c, with_bias);
+                    }
+                }
+            }
+            xk.push(a);
+            xv.push(b);
+        }
+        #[unroll]
+        for c in 0..4usize {
+            let mut tk4 = Quad::new(0.0f32);
+            let mut tv4 = Quad::new(0.0f32);
+            #[unroll]
+            for j in 0..4usize {
+                tk4[j] = xk.index(j)[c];
+                tv4[j] = xv.index(j)[c];
+            }
+            kt[(d + c) * key_stride + kb] = tk4;
+            vt[(d + c) * key_stride + kb] = tv4;
+        }
+        item += units;
     }
 }
 
