@@ -530,12 +530,16 @@ impl MmaBackward {
         if !fits(block_keys, false) || !fits(block_queries, true) {
             return None;
         }
-        // dK/dV: a plane a block of 16 keys, up to sixteen a cube (the ASV
-        // level's 10 in one: its queries are staged once a head). H100,
-        // sample level, bf16 forward+backward: 0.251 ms with 16 a cube,
-        // 0.263 with 8, 0.296 with 4 (`benches/RESULTS.md`).
+        // dK/dV: a plane a block of 16 keys, sixteen a cube where a head's
+        // queries are staged once (the ASV level's 10 in one), eight where
+        // they stream (the sample level: its cubes with valid keys each walk
+        // all 1,024 queries, so more, smaller cubes; H200, bf16
+        // forward+backward, median of four: 0.129 ms against 0.149 with 16;
+        // splitting a tile's queries over two or four planes, their sums
+        // added in shared memory, gained nothing more: `benches/RESULTS.md`).
+        let default_planes = if queries == block_queries { 16 } else { 8 };
         let dkdv_planes = key_blocks
-            .min(env_usize("AAM_KERNEL_MMA_DKDV_PLANES").unwrap_or(16))
+            .min(env_usize("AAM_KERNEL_MMA_DKDV_PLANES").unwrap_or(default_planes))
             .min(MAX_MMA_PLANES);
         Some(MmaBackward {
             dq_units: dq_planes * 32,

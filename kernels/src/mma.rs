@@ -992,12 +992,18 @@ pub(crate) fn load_validity(
         valid[pair] = x;
         pair += units;
     }
+    // Each chunk's count from shared memory (it was summed from `key_valid`
+    // by a unit a chunk: 16 dependent global loads a block).
+    sync_cube();
     if unit < chunks {
         let mut total = 0.0f32;
-        let mut key = unit * chunk_keys;
-        while key < count && key < end && key < (unit + 1) * chunk_keys {
-            total += key_valid[base + key];
-            key += 1;
+        #[unroll]
+        for i in 0..comptime!(chunk_keys / 2) {
+            let at = unit * comptime!(chunk_keys / 2) + i;
+            if at < comptime!(rows / 2) {
+                let x = valid[at];
+                total += x[0] + x[1];
+            }
         }
         chunk_valid[unit] = total;
     }
