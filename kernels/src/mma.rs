@@ -46,8 +46,9 @@
 //! elements of a unit's `B` operand. It replaces `tensor_core.rs`'s `cmma`
 //! forward where it applies (at the ASV shape on the H100 0.48 ms against
 //! the `cmma` kernel's 0.79, whose scores went through shared memory, and
-//! 0.37 since it stages K and V by 16-byte vectors, `mma_io.rs`; f32 1.04
-//! ms against the CUDA cores' 1.51: `benches/RESULTS.md`).
+//! 0.35 since it stages K and V by 16-byte vectors, `mma_io.rs`; f32 0.78
+//! ms since it stages them by vectors too, against the CUDA cores' 1.51:
+//! `benches/RESULTS.md`).
 //!
 //! Semantics are `attention_forward`'s: q scaled (and biased) as loaded, a
 //! masked key's probability 0, zero output and log-sum-exp for a row with

@@ -40,9 +40,12 @@
 //! results by pair (the first version read one element at a time, and
 //! global-load waits were most of both kernels' stalls). Both kernels
 //! launch unchecked (every global read is behind a row or key guard of its
-//! own). H100, bf16, forward+backward: 1.27 ms at the ASV shape against
-//! cuDNN's 3.14 (the `cmma` backward's was 3.62 with the older forward),
-//! 0.15-0.17 at the sample shape against 0.24-0.37 (`benches/RESULTS.md`).
+//! own). Where queries stream the dK/dV kernel runs eight planes a cube
+//! (`MmaBackward` in `forward.rs`): more, smaller cubes for the few with
+//! valid keys. H100, bf16, forward+backward: 1.24 ms at the ASV shape
+//! against cuDNN's 3.12-3.16 (the `cmma` backward's was 3.62 with the older
+//! forward), 0.127-0.159 at the sample shape against 0.31-0.43
+//! (`benches/RESULTS.md`).
 
 use cubecl::prelude::*;
 

@@ -500,19 +500,7 @@ fn load_key_rows<F: Float, N: Size>(
     let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
     let dim_quads = comptime!(head_dim / 4);
     let unit = UNIT_POS_X as usize;
-    let mut kb = unit;
-    while kb < key_quads {
-        let mut x = Quad::new(0.0f32);
-        #[unroll]
-        for j in 0..4usize {
-            let key = kb * 4 + j;
-            if key < keys {
-                x[j] = key_valid[head.n * keys + key];
-            }
-        }
-        valid[kb] = x;
-        kb += units;
-    }
+    load_key_validity(key_valid, head, valid, keys, units);
     let k_bias = k_offset as usize + head.h * head_dim;
     let v_bias = v_offset as usize + head.h * head_dim;
     let mut item = unit;
@@ -782,6 +770,31 @@ fn weights_times_keys<F: Float>(
     }
 }
 
+/// Loads a head's key validity by quad of keys (0 past `keys`), for both
+/// key loaders.
+#[cube]
+fn load_key_validity(
+    key_valid: &Tensor<f32>,
+    head: &TiledHead,
+    valid: &mut SharedMemory<Quad>,
+    #[comptime] keys: usize,
+    #[comptime] units: usize,
+) {
+    let mut kb = UNIT_POS_X as usize;
+    while kb < comptime!(padded_key_quads(keys)) {
+        let mut x = Quad::new(0.0f32);
+        #[unroll]
+        for j in 0..4usize {
+            let key = kb * 4 + j;
+            if key < keys {
+                x[j] = key_valid[head.n * keys + key];
+            }
+        }
+        valid[kb] = x;
+        kb += units;
+    }
+}
+
 /// Loads a head's key validity (by quad of keys, 0 past `keys`) and `Kᵀ`,
 /// `Vᵀ` with their biases (quad `d·key_stride + kb` holds dimension `d` of
 /// keys `4·kb..`; zero for a masked key).
@@ -806,19 +819,7 @@ fn load_keys<F: Float>(
     let key_quads = comptime!(padded_key_quads(keys));
     let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
     let unit = UNIT_POS_X as usize;
-    let mut kb = unit;
-    while kb < key_quads {
-        let mut x = Quad::new(0.0f32);
-        #[unroll]
-        for j in 0..4usize {
-            let key = kb * 4 + j;
-            if key < keys {
-                x[j] = key_valid[head.n * keys + key];
-            }
-        }
-        valid[kb] = x;
-        kb += units;
-    }
+    load_key_validity(key_valid, head, valid, keys, units);
     let k_bias = k_offset as usize + head.h * head_dim;
     let v_bias = v_offset as usize + head.h * head_dim;
     let mut item = unit;
