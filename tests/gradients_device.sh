@@ -5,7 +5,7 @@
 # [".carry/gpu", ".carry/oral2550"]:
 #   .carry/gpu/aam-rs.xz      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
 #                             --features cuda,fusion; xz
-#   .carry/gpu/cache/         optional: CubeCL's kernel cache of an earlier call (benches/kernel_cache.sh)
+#   .carry/gpu/cache/         optional: CubeCL's kernel cache of a previous run (benches/kernel_cache.sh)
 #   .carry/oral2550/*.xz      oral_2550.biom and unifrac.unweighted.h5 from ../shared/data, xz'd
 # Env: BACKEND (cuda), RUNS (";"-separated extra flags, one check each; default: the auto
 # attention path, then math), ARGS (flags for every run), GRAD_TIMEOUT (s per run, default 400:

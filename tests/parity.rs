@@ -1,6 +1,6 @@
 //! The workspace-level tests as one test binary, one module per file: each
 //! test binary builds and links the model on its backends again, so six of
-//! them took CI minutes that one does not (two cores).
+//! them take CI minutes that one does not (two cores).
 //!
 //! - `reference_parity`: 25 reference checkpoints, outputs and gradients vs PyTorch;
 //! - `loss_parity`: every loss and its gradients vs the reference's;

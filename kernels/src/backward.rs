@@ -290,7 +290,7 @@ impl<B: AttentionBackend> Backward<B, 2> for UnpackRowsBackward {
 /// to 4).
 ///
 /// The state's `activation` is `Some` for
-/// [`AttentionBackend::gelu_dropout_dense`]: then the node kept `h`, not the
+/// [`AttentionBackend::gelu_dropout_dense`]: then the node keeps `h`, not the
 /// layer's input, and the backward recomputes the input
 /// `gelu_exact_dropout(h, h_bias)` for the weight gradient, takes `dh`
 /// through the fused GELU and dropout's backward, and sums it over the rows

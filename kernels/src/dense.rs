@@ -8,7 +8,7 @@
 //! output tile to one cube, which loops over all the rows, and a 128 × 512
 //! output has a few dozen tiles for the H100's 132 SMs; its sum over the rows
 //! likewise gives each output column to one unit. Measured on an H100
-//! (`benches/matmul_device.sh`, `benches/RESULTS.md`, eighth session), at
+//! (`benches/matmul_device.sh`, `benches/RESULTS.md`, 2026-11-24), at
 //! 62,976 × 128 × 512: `dyᵀ·x` 1.07-1.14 ms and `Σ dy` 0.43-0.59 ms, against
 //! PyTorch's 0.17 and 0.10 ms. Cutting the rows into parts of
 //! [`ROWS_PER_PART`], one batched matmul (an output per part) and a sum over
@@ -130,11 +130,10 @@ fn split_rows<B: Backend>(t: Tensor<B, 2>, split: usize) -> (Tensor<B, 2>, Optio
 /// input or output feature), [`matmul`] and the add.
 ///
 /// `AAM_DENSE_FORWARD=linear` runs Burn's `linear` instead, on a contiguous
-/// copy of the transposed weight (the twenty-fourth session's forward):
-/// Burn's autotuned matmul may pick CubeCL's `double_unit` kernel, which is
-/// wrong with a transposed view as its right operand (`[1000, 24]·[24, 16]`,
-/// 0.6 relative; `forward.rs`, `dense_matmul_candidates`;
-/// `kernels/tests/ops/dense_validated_matmul.rs`).
+/// copy of the transposed weight, because Burn's autotuned matmul may pick
+/// CubeCL's `double_unit` kernel, which is wrong with a transposed view as
+/// its right operand (`[1000, 24]·[24, 16]`, 0.6 relative; `forward.rs`,
+/// `dense_matmul_candidates`; `kernels/tests/ops/dense_validated_matmul.rs`).
 ///
 /// # Shapes
 /// - x: `[M, K]`, weight: `[N, K]`, bias: `[N]`

@@ -63,7 +63,7 @@ struct Layout {
 /// at 1,024 slots (8 × 4 heads × 1024 rows = 2^15) ran its forward in 0.143
 /// ms with one lane per row in cubes of 256, in 0.159 ms over 8 lanes, and
 /// in 0.117-0.126 ms over 2 (forward+backward 0.547 → 0.533-0.539 ms;
-/// twenty-ninth session). The ASV level (~10^6 rows) never splits.
+/// 2026-11-27). The ASV level (~10^6 rows) never splits.
 const UNITS_TO_FILL: usize = 1 << 15;
 
 /// Key sequences at least this long are taken for mostly padding (see
@@ -2301,7 +2301,7 @@ enum DenseMatmul {
     /// `tuned` (default): autotune over [`dense_matmul_candidates`] only.
     Tuned,
     /// `validated`: the first of [`dense_matmul_candidates`]' fixed order
-    /// that runs, no autotune (the twenty-first session's default).
+    /// that runs, no autotune.
     Validated,
     /// `autotune`: Burn's autotuned matmul over all of CubeCL's kernels,
     /// three of them wrong on some shapes (to compare; see
@@ -2330,21 +2330,21 @@ fn dense_matmul_choice() -> DenseMatmul {
 /// once per *bucket* of problems (sizes rounded to a coarse grid, layouts)
 /// and reuses the winner for every problem in the bucket, and three
 /// candidates are wrong on problems their bucket admits (`benches/RESULTS.md`,
-/// twenty-first and twenty-second sessions):
+/// 2026-11-26):
 /// - `specialized_cyclic_{cmma,mma}` with a transposed left operand whose
 ///   inner size is 32 more than a multiple of 64 (on an H100: relative error
 ///   8-23 at `[128, 1952]ᵀ·[1952, 512]`). The dense weight gradient's leftover
-///   rows hit this once every ~64 batch sizes; autotune had picked it on a
-///   batch where it is right, so two batches an epoch got weight gradients
-///   ~5,000x too large and real-data pretraining on CUDA diverged.
+///   rows hit this once every ~64 batch sizes; if autotune picks it on a
+///   batch where it is right, two batches an epoch of oral2550 get weight
+///   gradients ~5,000x too large and real-data pretraining on CUDA diverges.
 /// - `double_unit` with a transposed right operand (CUDA and lavapipe,
 ///   e.g. `[1000, 24]·[24, 16]`, relative error 0.1-1.5).
 /// - `double_cyclic_mma` (specialized) with a transposed right operand and
 ///   an inner size 32 more than a multiple of 64 (on an H100: relative
 ///   error 0.13-5 at `[128, 1952]·[1952, 512]ᵀ`, `[40, 608]·[608, 16]ᵀ` and
-///   `[24, 96]·[96, 40]ᵀ`; twenty-second session). It is the fastest kernel
-///   on the weight gradient's leftover rows, and was on this list until
-///   `kernels/tests/matmul_kernels.rs` caught it.
+///   `[24, 96]·[96, 40]ᵀ`; 2026-11-26). It is the fastest kernel on the
+///   weight gradient's leftover rows; `kernels/tests/matmul_kernels.rs`
+///   finds it wrong.
 ///
 /// Autotune over this list is safe because every member is right wherever
 /// it runs, whichever wins a bucket. The unit kernel comes first: it runs
@@ -2376,7 +2376,7 @@ pub fn dense_matmul_candidates() -> Vec<DenseKernel> {
         Strategy::SpecializedTmaMma(Inferred(().into())),
         // Two shared-memory stages filled by TMA, two 16-row tiles a plane:
         // the dense layers' forward and input-gradient products at 302,000
-        // rows (H100, twenty-seventh session) in 0.77-0.97x
+        // rows (H100, 2026-11-27) in 0.77-0.97x
         // `simple_tma_mma`'s time (e.g. `[128→384]` 499 against 603 µs).
         Strategy::DoubleTmaMma(Inferred(double(false))),
         Strategy::DoubleTmaMma(Inferred(double(true))),
@@ -2386,7 +2386,7 @@ pub fn dense_matmul_candidates() -> Vec<DenseKernel> {
     .chain([
         // The same kernel with a 256 × 128 stage (eight planes of 32 × 128)
         // and planes that only issue the TMA loads: at 302,000 rows (H100,
-        // twenty-eighth session) 0.87-1.01x the time of the best of
+        // 2026-11-27) 0.87-1.01x the time of the best of
         // CubeCL's inferred tilings on the forward and input-gradient
         // products (`[128→512]` view 570 against 653 µs) and 0.91x on one
         // weight gradient's parts; slower on the other's parts and on the
@@ -2478,7 +2478,7 @@ fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeT
 /// by default: on the H100 at 302,000 rows it ran the forward and input
 /// gradient products at 0.9-1.4x the time of CubeCL's `simple_tma_mma`
 /// and the weight gradient's parts at ~2x (`benches/RESULTS.md`,
-/// twenty-sixth session); it is the base for fusing element-wise passes
+/// 2026-11-27); it is the base for fusing element-wise passes
 /// into a product, which CubeCL's kernels cannot take.
 fn rows_matmul_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -2648,9 +2648,9 @@ fn validated_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> C
     use cubek::matmul::routines::BlueprintStrategy;
 
     let mut strategies = dense_matmul_candidates();
-    // The twenty-first session's order: TMA, CMMA tensor cores, then the
-    // unit kernel (without `specialized_tma_mma` and the multi-row TMA
-    // kernel, added for the tuner).
+    // TMA, CMMA tensor cores, then the unit kernel: the simple kernels,
+    // fastest first (`specialized_tma_mma`, the multi-row TMA kernel and the
+    // double-buffered ones are on the list for the tuner).
     strategies.retain(|s| match s {
         DenseKernel::Cubek(Strategy::SimpleTmaMma(BlueprintStrategy::Inferred(args))) => {
             !args.multi_rows

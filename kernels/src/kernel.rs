@@ -25,7 +25,7 @@
 //! (a dot product alone is a chain of `Dh` dependent FMAs).
 //!
 //! Shared-memory tiles hold [`Quad`]s, four floats read with one 16-byte
-//! load. With one float per load the kernels were bound by shared-memory
+//! load. With one float per load the kernels would be bound by shared-memory
 //! instructions (one load per FMA, where an SM issues four FMA instructions
 //! for each shared load); a quad feeds four FMAs. A row of a tile is
 //! `ceil(Dh/4)` quads, zero-padded past `Dh` (the register rows are padded
@@ -566,7 +566,7 @@ fn sum_parts(x: f32, #[comptime] parts: usize) -> f32 {
 /// A row's head dimensions may be split over `parts` adjacent units (each
 /// keeps `head_dim / parts` of q, dO and dQ in registers and adds its partial
 /// dot products to its partners' with plane shuffles): with whole rows the
-/// backward kernels need 180-240 registers a unit, so an H100 SM held one
+/// backward kernels need 180-240 registers a unit, so an H100 SM holds one
 /// cube of 160 units (8% occupancy). `parts > 1` needs `lanes = 1`.
 ///
 /// Launch: as [`attention_forward`], units = query rows × `lanes` × `parts`.
@@ -723,11 +723,12 @@ pub fn attention_backward_dq<F: Float>(
 ///
 /// A unit sums four rows × one quad of dimensions over a `1/key_splits`
 /// share of the keys: two shared loads feed 16 multiply-adds (one row a
-/// unit over all keys did 4 for two loads; on the H100 the change took the
-/// merged kernel from 19.7 to 18.9 ms a training step). With `key_splits > 1` the partial sums meet
-/// in `ds_quads`, which must hold `key_splits · tile · ⌈head_dim/4⌉` quads,
-/// and the cube must have a unit per item (`key_splits · tile/4 ·
-/// ⌈head_dim/4⌉`). Every unit of the cube must call it (it syncs).
+/// unit over all keys does 4 for two loads; on the H100, 2026-11-26, the
+/// merged kernel took 18.9 ms a training step, against 19.7 with one row a
+/// unit). With `key_splits > 1` the partial sums meet in `ds_quads`, which
+/// must hold `key_splits · tile · ⌈head_dim/4⌉` quads, and the cube must
+/// have a unit per item (`key_splits · tile/4 · ⌈head_dim/4⌉`). Every unit
+/// of the cube must call it (it syncs).
 #[cube]
 #[allow(clippy::too_many_arguments, clippy::assign_op_pattern)]
 fn dq_from_ds_tile<F: Float>(
@@ -1172,17 +1173,18 @@ pub fn attention_backward_dkdv<F: Float>(
 /// `dQ_i = scale · Σ_j dS_ij k_j` from each query tile's `dS`, kept in
 /// shared memory with the keys (`dq_from_ds_tile`). So `P`, `dP` and the
 /// dropout hash are computed once for the three gradients, not once in each
-/// of two kernels (at the ASV level the dQ kernel was 40% of the backward).
+/// of two kernels (at the ASV level a dQ kernel of its own is 40% of the
+/// backward).
 ///
 /// The query tiles are pipelined: each unit issues its loads of the next
 /// tile's rows (q, dO and O, a quad each, and for the first `tile` units a
 /// row's log-sum-exp) before the current tile's products, and stores them
 /// to shared memory while the cube sums the current tile's dQ. `Δ_i =
 /// rowsum(dO_i ⊙ O_i)` is summed a quad at a time by the units that store
-/// them, and over the quads by one unit a row. (When each tile's loads
-/// came first, behind a barrier, and `Δ` was summed by one unit a row over
-/// its whole row, Nsight Compute showed the warps waiting at the cube's
-/// barriers and on global loads for 43% of their stall cycles.)
+/// them, and over the quads by one unit a row. (With each tile's loads
+/// first, behind a barrier, and `Δ` summed by one unit a row over its whole
+/// row, Nsight Compute shows the warps waiting at the cube's barriers and
+/// on global loads for 43% of their stall cycles.)
 ///
 /// `key_capacity` is the keys' count (the shared memory for the keys and a
 /// tile's `dS`), `key_splits` the shares of the keys a tile's dQ sums
@@ -1586,7 +1588,7 @@ fn element_keep(seed: u32, index: u32, threshold: u32) -> bool {
 ///
 /// Launch: one unit per vector of `N` elements (4 where the element count
 /// allows: one 16-byte load per tensor and unit, where one float a unit
-/// left these passes at about half of the H100's memory bandwidth), cubes from
+/// leaves these passes at about half of the H100's memory bandwidth), cubes from
 /// `calculate_cube_count_elemwise`. Element `i·N + c`'s mask is the same
 /// whatever `N`.
 #[cube(launch)]
@@ -2029,8 +2031,8 @@ pub fn column_partial_sums<F: Float>(
 /// `with_bias`), written to `dx`, and `partial[p, c] = Σ dx[m, c]` over rows
 /// `m` of part `p`, as [`column_partial_sums`] (then [`sum_partials`]).
 /// The bias gradient of a dense layer whose bias was added by the
-/// element-wise pass after it (dropout plus residual, GELU): the sum no
-/// longer reads `dx` back in a pass of its own.
+/// element-wise pass after it (dropout plus residual, GELU): the sum needs
+/// no pass of its own to read `dx` back.
 ///
 /// Launch: one unit per `(part, vector of N columns)`, index `p·(C/N) + v`
 /// for `C` columns (N = 4 where C allows: one 16-byte load per tensor and
@@ -2114,7 +2116,7 @@ pub const SUM_PARTIALS_COLUMNS: usize = 8;
 /// load in turn, took 52 µs a launch on the H100 (4 ms a training step);
 /// with 32 lanes, 19-21 µs in CubeCL's profiler, the most of it the
 /// profiler's own cost per launch (longer parts with fewer of them gave
-/// nothing back: twenty-third session).
+/// nothing back: H100, 2026-11-26).
 ///
 /// Launch: cube dim ([`SUM_PARTIALS_COLUMNS`], `lanes`), one cube per
 /// [`SUM_PARTIALS_COLUMNS`] columns; unit x is the column, unit y the lane.

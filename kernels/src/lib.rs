@@ -60,7 +60,7 @@
 //!   residual path) as the kernel writes `dx`, not in a pass of its own.
 //! - `pool.rs`: [`attention_pool`], the pooling of a row's tokens with a
 //!   learned query, one op each way (on CubeCL one kernel that reads the
-//!   states once, where the tensor ops made seven passes a step).
+//!   states once, where the tensor ops make seven passes a step).
 //! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
 //!   element-wise seeded dropout behind [`dropout`] and [`dropout_add`], and
 //!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels;
@@ -85,7 +85,7 @@
 //!   staged by 16-byte vectors, a plane's own rows and results by pair.
 //! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
 //!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
-//!   best at AAM's shapes so far; the base for fusing element-wise passes
+//!   best at AAM's shapes on the H100; the base for fusing element-wise passes
 //!   into a product).
 //! - `tma_tiling.rs`: CubeCL's TMA double-buffered matmul with a stage
 //!   shape chosen here (`TmaTiling`), one of the dense products'
@@ -257,7 +257,7 @@ pub trait AttentionBackend: Backend {
     /// `seeded_dropout(gelu_exact(x + bias))`, the feed-forward's activation
     /// and its dropout (and the bias of the dense layer before it, one value
     /// per column of `x`'s last axis): one kernel and one pass on the CubeCL
-    /// backends, where the ops wrote and read the layer's widest activation
+    /// backends, where the ops write and read the layer's widest activation
     /// once more each (~0.55 ms per ASV-level layer forward and backward on
     /// an H100 at the reference's batch, and the bias's own pass ~0.45 ms).
     /// Under autodiff the node keeps only `x` (and the bias); its backward is
@@ -691,7 +691,7 @@ pub trait AttentionBackend: Backend {
     /// shape and type, bias one value per column of their last axis): a
     /// transformer layer's residual branch, with the bias of the dense layer
     /// that made `x`, as one op and one pass (CubeCL backends), where the
-    /// bias, the dropout and the add were a pass each. Under autodiff the
+    /// bias, the dropout and the add are a pass each. Under autodiff the
     /// residual's gradient is the output's, `x`'s the seeded dropout of it,
     /// and the bias's that summed over the rows. The default is the ops.
     ///

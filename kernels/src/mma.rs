@@ -9,9 +9,9 @@
 //! products, but f32 needs the operands split: `x = hi + lo` with `hi` the
 //! TF32 rounding of `x` and `lo` that of the rest, and `a·b ≈ a_hi·b_lo +
 //! a_lo·b_hi + a_hi·b_hi` (the dropped `a_lo·b_lo` is ~2⁻²² of the product),
-//! which leaves f32-level error. The thirteenth session tried this with
-//! `cmma` fragments, whose layout is opaque, so scores went through shared
-//! memory and the kernel was slower than the CUDA cores (`benches/RESULTS.md`).
+//! which leaves f32-level error. With `cmma` fragments, whose layout is
+//! opaque, the scores go through shared memory and the kernel is slower than
+//! the CUDA cores (`benches/RESULTS.md`, 2026-11-25).
 //! Here the layout is PTX's `m16n8k8` one, so the softmax runs on the
 //! accumulator registers and `P` becomes the next product's operand without
 //! leaving them, as in FlashAttention-2:
@@ -44,10 +44,10 @@
 //! there a pair of 8-key tiles' scores is `P̃·V`'s `A` operand in PTX's own
 //! order (FlashAttention-2's layout), and `K`, `V` quads hold the four
 //! elements of a unit's `B` operand. It replaces `tensor_core.rs`'s `cmma`
-//! forward where it applies (at the ASV shape on the H100 0.48 ms against
-//! the `cmma` kernel's 0.79, whose scores went through shared memory, and
-//! 0.35 since it stages K and V by 16-byte vectors, `mma_io.rs`; f32 0.78
-//! ms since it stages them by vectors too, against the CUDA cores' 1.51:
+//! forward where it applies (at the ASV shape on the H100, 2026-11-28: 0.35
+//! ms staging K and V by 16-byte vectors, `mma_io.rs`, 0.48 element by
+//! element, against the `cmma` kernel's 0.79, whose scores go through shared
+//! memory; f32 0.78 ms, staged by vectors too, against the CUDA cores' 1.51:
 //! `benches/RESULTS.md`).
 //!
 //! Semantics are `attention_forward`'s: q scaled (and biased) as loaded, a
@@ -993,8 +993,8 @@ pub(crate) fn load_validity(
         valid[pair] = x;
         pair += units;
     }
-    // Each chunk's count from shared memory (it was summed from `key_valid`
-    // by a unit a chunk: 16 dependent global loads a block).
+    // Each chunk's count from shared memory, not from `key_valid` by a unit
+    // a chunk (16 dependent global loads a block).
     sync_cube();
     if unit < chunks {
         let mut total = 0.0f32;

@@ -5,8 +5,9 @@
 //! imports here.
 //!
 //! Why: `tensor_core.rs`'s `cmma` backward sends every score through shared
-//! memory, as its forward did (the fragments' layout is opaque); at the ASV
-//! shape on the H100 its forward+backward was 1.14x cuDNN's. Here each
+//! memory, as its forward does (the fragments' layout is opaque); at the ASV
+//! shape on the H100 its forward+backward took 1.14x cuDNN's time
+//! (2026-11-27). Here each
 //! kernel is the forward's shape with more products, FlashAttention-2's
 //! split into a query-major and a key-major pass (no atomics, so the result
 //! is deterministic):
@@ -37,14 +38,14 @@
 //!
 //! Global memory goes through `mma_io.rs`: the other side's rows staged by
 //! 16-byte vectors, both layouts from one read, a plane's own rows and its
-//! results by pair (the first version read one element at a time, and
-//! global-load waits were most of both kernels' stalls). Both kernels
+//! results by pair (read one element at a time, global-load waits are most
+//! of both kernels' stalls). Both kernels
 //! launch unchecked (every global read is behind a row or key guard of its
 //! own). Where queries stream the dK/dV kernel runs eight planes a cube
 //! (`MmaBackward` in `forward.rs`): more, smaller cubes for the few with
-//! valid keys. H100, bf16, forward+backward: 1.24 ms at the ASV shape
-//! against cuDNN's 3.12-3.16 (the `cmma` backward's was 3.62 with the older
-//! forward), 0.127-0.159 at the sample shape against 0.31-0.43
+//! valid keys. H100, bf16, forward+backward (2026-11-28): 1.24 ms at the
+//! ASV shape against cuDNN's 3.12-3.16 (with the `cmma` backward 3.62,
+//! 2026-11-27), 0.127-0.159 at the sample shape against 0.31-0.43
 //! (`benches/RESULTS.md`).
 
 use cubecl::prelude::*;

@@ -3,12 +3,13 @@
 //! rows staged in the products' shared-memory layouts by 16-byte vectors,
 //! a plane's own rows read and its results written by pair.
 //!
-//! Why: reading one element at a time (the first versions), the backward's
-//! loads were most of its time. Nsight Compute at the ASV shape on the
-//! H100 (bf16): 59% of the global sectors read were excess, and waits on
+//! Why: read one element at a time, the backward's loads are most of its
+//! time. Nsight Compute at the ASV shape on the H100 (bf16), element by
+//! element: 59% of the global sectors read were excess, and waits on
 //! global loads were most of both backward kernels' stall samples, in the
 //! staging and row loads rather than the products. With these the bf16
-//! forward+backward went from 2.17 to 1.65 ms (`benches/RESULTS.md`).
+//! forward+backward takes 1.65 ms against 2.17 element by element
+//! (`benches/RESULTS.md`, 2026-11-28).
 //!
 //! A unit reads rows at `base + row · stride + dim` ([`HeadRows`], computed
 //! once a kernel: a tensor's strides are a global read each). The views
@@ -106,7 +107,7 @@ fn biased8<F: Float>(
 ///
 /// A unit takes those four rows × 16 dims: eight 16-byte loads in flight
 /// at once (where `N` is 8), then both layouts from registers. Nsight
-/// Compute on the version that read one element at a time: global-load
+/// Compute on kernels that read one element at a time: global-load
 /// waits were most of both kernels' stalls, and 59% of the sectors read
 /// were excess. Units start at `first_unit` (mod `units`), so that two
 /// calls in a row keep different units busy.

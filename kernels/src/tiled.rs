@@ -9,7 +9,7 @@
 //! (query, key) pair then costs its unit two dot products finished by plane
 //! shuffles, an exponential and a dropout hash per half, and four quad
 //! loads for 32 multiply-adds; Nsight Compute counted ~276 instructions a
-//! pair, 168 registers a unit and one cube an SM (twenty-ninth session).
+//! pair, 168 registers a unit and one cube an SM (H100, 2026-11-27).
 //! Here the work of a query tile is three small matrix products, and each
 //! unit owns a 4 × 4 block of one of them, as a matmul's units do:
 //!
@@ -33,7 +33,7 @@
 //! staged after a tile's steps 2-3 (two copies of the row-major q and dO
 //! tiles), which leaves two cube syncs a tile. Holding it in registers
 //! across those steps instead took the kernel past 96 registers, to one cube
-//! an SM, and was slower (`benches/RESULTS.md`, thirtieth session).
+//! an SM, and was slower (`benches/RESULTS.md`, 2026-11-27).
 //!
 //! Shared memory: `Kᵀ`, `Vᵀ` of the whole head, `Qᵀ` and `dOᵀ` of a tile,
 //! two copies of the tile's q and dO by row, `P̃` and `dS` of a tile
@@ -41,7 +41,7 @@
 //! registers a unit, two cubes an H100 SM. Rows are an odd number of quads
 //! apart, so that units reading rows four apart fall in different banks.
 //! CUDA only: wgpu gives a cube 16 KiB by default, and HIP's 64 KiB would
-//! need smaller tiles, untested so far; elsewhere the merged kernel runs.
+//! need smaller tiles, which are untested; elsewhere the merged kernel runs.
 //!
 //! Semantics are the merged kernel's: q is scaled (and biased) as loaded,
 //! a masked key's `P` is zero whatever its score, rows past the end have

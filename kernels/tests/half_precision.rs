@@ -180,8 +180,8 @@ fn gradients_given_output(case: &Case, drop: AttentionDropout, out: &[f32]) -> [
 /// dropout scales it, and the rounding's residual in `Δ` becomes all of
 /// that row's `dS`, summed over a sample's queries into its key's dK:
 /// 0.24 of the largest dK at the sample level in bf16, the same in every
-/// half path (`mma.sync`, `cmma`, CUDA cores; H100, thirty-second
-/// session), as in any attention that keeps its output in half precision.
+/// half path (`mma.sync`, `cmma`, CUDA cores; H100, 2026-11-27), as in
+/// any attention that keeps its output in half precision.
 #[test]
 fn half_gradients_with_dropout_match_the_math_path_given_the_output() {
     check_gradients(900, "p=0.2, math path given out", |case, dtype, i| {

@@ -9,7 +9,7 @@
 //! consecutive inner sizes (one of Burn's candidates is wrong at one residue
 //! modulo 64), and every candidate of Burn's matmul autotune on AAM's
 //! weight-gradient shapes, printing each one's error and time: the table
-//! behind the list (`benches/RESULTS.md`, twenty-first session).
+//! behind the list (`benches/RESULTS.md`, 2026-11-26).
 //!
 //! Runs on CUDA when built with `--features cuda`, else on wgpu: in CI
 //! through Mesa's lavapipe (a CPU Vulkan driver, where the unit kernel runs).
@@ -92,7 +92,7 @@ fn dense_matmul(lhs: Tensor<B, 3>, rhs: Tensor<B, 3>) -> Vec<f32> {
 
 #[test]
 fn dense_products_equal_a_float64_product_in_every_layout() {
-    // `[b, m, k, n]`: the forward's shapes where `double_unit` went wrong
+    // `[b, m, k, n]`: the forward's shapes where `double_unit` goes wrong
     // with a transposed right operand, a weight gradient's batched parts, and
     // inner sizes 32 more than a multiple of 64 (`specialized_cyclic` with a
     // transposed left operand on CUDA).

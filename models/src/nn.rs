@@ -170,7 +170,7 @@ impl<B: AttentionBackend> Linear<B> {
 /// faster, `benches/RESULTS.md`). A product with a unit dimension (one input
 /// or output feature, or one row) is a multiply and a sum there (why:
 /// [`aam_kernels::matmul`]). Flattening also keeps the fusion backend off the
-/// rank-3 batched `linear`, whose gradients Burn 0.21's fusion backend got
+/// rank-3 batched `linear`, whose gradients Burn 0.21's fusion backend gets
 /// wrong on CUDA (the parity suite's count-embedding and predictor cases,
 /// 0.66-1.1 relative;
 /// `benches/results/h100_backend_parity_cuda_fusion_batched_linear.log`).

@@ -1,5 +1,5 @@
-//! Inputs the fuzz targets (`crates/data/fuzz`) found to crash a reader, kept
-//! so the fix stays fixed: each must now give an error that names the file.
+//! Inputs found by the fuzz targets (`crates/data/fuzz`) that crash an
+//! unguarded reader: each must give an error that names the file.
 //!
 //! Files in `tests/fixtures/fuzz/` are named `<target>-<what>.<ext>`; the
 //! target says which reader the bytes go to, as in the fuzz target.
@@ -16,7 +16,7 @@ fn fixture(name: &str) -> (Vec<u8>, std::path::PathBuf) {
 }
 
 /// A vlen-string dataset whose chunked layout declares 2^62 bytes of fill
-/// value: the HDF5 reader allocated it and the process aborted.
+/// value: an unguarded HDF5 parser allocates it and the process aborts.
 #[test]
 fn hdf5_dataset_larger_than_the_file_is_an_error_not_an_abort() {
     let (bytes, path) = fixture("biom_hdf5-vlen-fill-exabytes.biom");

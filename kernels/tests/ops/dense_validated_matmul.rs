@@ -3,7 +3,7 @@
 //! autotune) give the CPU's gradients, through the split weight gradient with
 //! its batched parts and leftover rows; and the forward gives the CPU's
 //! output at a shape where CubeCL's autotuned matmul with the transposed
-//! weight as a view was wrong (`dense_forward` copies it).
+//! weight as a view is wrong (`dense_forward` copies it).
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -1,7 +1,7 @@
 //! The one-op kernels' tests (Adam, attention pooling, the validated dense
 //! products, GELU, LayerNorm, packed self-attention, seeded dropout, slot
 //! unpacking) as one test binary: each test binary builds and links the
-//! backends again, so eight took CI ~5 minutes more than one (two cores).
+//! backends again, so eight take CI ~5 minutes more than one (two cores).
 //! Run one file's tests with its module name as the filter, e.g.
 //! `cargo test -p aam-kernels --features wgpu,ndarray --test ops layer_norm::`.
 //!
