@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fused attention kernel on the device machine (README, "GPU runs"): its parity tests on
+# The fused attention kernels on a GPU machine (docs/gpu-benchmarks.md): their parity tests on
 # CUDA, then `attention-bench` beside PyTorch SDPA (`pt_attention.py`) in the same call.
 # Binaries built on the build machine and carried in .carry/gpu/ (xz):
 #   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-benches --features cuda \
@@ -19,8 +19,8 @@
 # "AAM_KERNEL_MERGED_PARTS=2": also time with each of these settings, one run each), PARITY_THREADS
 # (tests at once, default 8: their kernels compile in parallel), PARITY_FILTER (test name
 # filter), WGPU_PARITY (1: also run fused_parity, fused_lanes and fused_native_layout built with --features
-# wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the H100 through
-# Vulkan; carry .gl too, device README), REGISTERS (1: after the timings, registers and spills
+# wgpu,ndarray, carried as .carry/gpu/<test>_wgpu.xz, on the GPU through
+# Vulkan; carry .gl too: the Vulkan loader's .deb packages), REGISTERS (1: after the timings, registers and spills
 # of each compiled CUDA kernel, from CubeCL's PTX cache, by benches/ptx_registers.py), TC_COMPARE
 # (1: also time each of TC_DTYPES, default "bf16", alone, one process each, with each of
 # TC_MODES, default "auto forward 0", as AAM_KERNEL_TC: tensor cores both ways, forward only,

@@ -1,6 +1,6 @@
 # Sourced by the device scripts: CubeCL's on-disk caches (compiled kernels and autotune
-# results, under target/) carried between device calls. A call's compiled kernels can pass
-# 16 MiB, the most one returned file may hold, so the cache travels xz-compressed in 15 MiB
+# results, under target/) carried between runs on a GPU machine. A run's compiled kernels can
+# pass 16 MiB, the most one returned file may hold, so the cache travels xz-compressed in 15 MiB
 # parts: $OUT/cache.txz.00, .01, ... Put them in .carry/gpu/cache/ and carry that folder.
 restore_kernel_cache() {
   if compgen -G ".carry/gpu/cache/cache.txz.*" >/dev/null; then

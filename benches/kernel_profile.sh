@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Why the attention kernels take the time they take, on the device machine: registers and
+# Why the attention kernels take the time they take, on a GPU machine: registers and
 # spills of each kernel (ptxas -v on CubeCL's cached PTX, benches/ptx_registers.py) and Nsight
 # Compute's view of the ASV-shape launches (the first forward, dQ and dK/dV launches of
 # `attention-bench`: its accuracy check at the ASV shape), f32 (PROFILE_DTYPE=bf16: the bf16

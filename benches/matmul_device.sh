@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The training step's dense matmuls on the device machine: `matmul-bench` (Burn's fusion
+# The training step's dense matmuls on a GPU machine: `matmul-bench` (Burn's fusion
 # backend and the plain CubeCL backend on CUDA) beside PyTorch (benches/pt_matmul.py) in one call.
 #
-# Run from the repository root on the device (README, "GPU runs"), with carry [".carry/gpu"]:
+# Run from the repository root on the GPU machine (docs/gpu-benchmarks.md), with carry [".carry/gpu"]:
 #   .carry/gpu/matmul-bench.xz   CUDARC_CUDA_VERSION=12080 cargo build --profile device \
 #                                -p aam-benches --bin matmul-bench --features matmul; xz
 #   .carry/gpu/cache/            optional: CubeCL's kernel cache (benches/kernel_cache.sh)

@@ -1,6 +1,6 @@
 """Summarises an Nsight Systems trace (exported to SQLite) of a few training steps: where
 the host thread spends its time in CUDA driver calls and OS runtime calls, and how busy the
-GPU is, over the window of the last `--steps` timed steps (the tail of the trace).
+GPU is, over the last `--window-ms` of GPU activity (the tail of the trace: the last steps).
 
     nsys export --type sqlite -o step.sqlite step.nsys-rep
     python3 benches/nsys_summary.py step.sqlite [--window-ms 500]

@@ -5,7 +5,7 @@
 # masking 0.15, ASV chunk 256), beside the PyTorch reference's optimiser step at the same
 # model measured in the same call (shared/bench/pt_reference_bench.py).
 #
-# Run from the repository root on the device (see README "GPU runs"), with carried:
+# Run from the repository root on the GPU machine (docs/gpu-benchmarks.md), with carried:
 #   .carry/gpu/aam-rs.xz      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
 #                             --features cuda,fusion; xz
 #   .carry/gpu/cache/         optional: CubeCL's compiled kernels and autotune results from an

@@ -1,6 +1,6 @@
 """PyTorch masked attention at AAM's two shapes, forward and forward+backward,
 for every SDPA backend: the baseline `attention-bench` is compared with in the
-same device call (see benches/RESULTS.md). Inputs match `attention-bench`:
+same run on the same GPU (docs/performance.md). Inputs match `attention-bench`:
 ASV level 2048x4x151x32 with 400 rows 100 long, sample level 8x4x1024x32 with
 valid slots 120/250/80/400/300/150/500/200. Forward+backward differentiates
 `out * w` seeded with ones (dO = w), as `attention-bench` does with Burn's

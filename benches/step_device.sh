@@ -5,9 +5,9 @@
 # slots), once per attention path; then the reference script measures its own step (with and
 # without gradient checkpointing, per SDPA backend) in the same call.
 #
-# Run from the repository root on the device (README, "GPU runs"), with carry [".carry"]:
-#   .carry/gpu/aam-rs.{gz,xz}      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
-#                              --features cuda,wgpu; gzip
+# Run from the repository root on the GPU machine (docs/gpu-benchmarks.md), with carry [".carry"]:
+#   .carry/gpu/aam-rs.{xz,gz}  CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
+#                              --features cuda,fusion; xz (or gzip)
 #   .carry/gpu/cache/          optional: CubeCL's compiled kernels and autotune results from an
 #                              earlier call ($OUT/cache.txz.*; benches/kernel_cache.sh), so the
 #                              first step skips the JIT
