@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarise folded CPU stacks (`aam-rs diagnose step --cpu-profile FILE`).
+"""Summarise folded CPU stacks (`aam-dev step --cpu-profile FILE`).
 
 Prints, per thread, the share of samples: (1) self time by crate (the leaf
 frame's first path segment), (2) inclusive time by crate (a sample counts once

@@ -3,7 +3,7 @@
 
 CubeCL prints a table of kernel names, total durations and launch counts each
 time its profile summary is flushed (at a device sync, so about once a step in
-`aam-rs diagnose step`). This prints one line per table (total GPU time and
+`aam-dev step`). This prints one line per table (total GPU time and
 launches) and the heaviest kernels of the last large table, grouped by kernel
 (the name's first field, plus the fusion kind for fused kernels).
 

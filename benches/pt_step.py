@@ -5,7 +5,7 @@ shared/bench/pt_reference_bench.py times the reference's step on one fixed
 batch (8 samples, 120-500 ASVs, 2,000 in all). Real oral2550 batches are about
 five times lighter (median 45 ASVs a sample), so this reuses that script's
 step with `STEP_ASVS` (comma-separated ASVs per sample) instead, for a
-comparison with `aam-rs diagnose step --asvs-per-sample` on the same counts.
+comparison with `aam-dev step --asvs-per-sample` on the same counts.
 
 Env: AAM_SRC (folder holding the reference `aam` package), BENCH (path of
 pt_reference_bench.py), STEP_ASVS, PT_VARIANTS ("attn:ckpt ..." with ckpt 1/0;

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Training step on the device machine, aam-rs beside the PyTorch reference, on identical
-# tensors: `aam-rs diagnose step` times pretrain's optimiser step (default model, AdamW) on the
+# tensors: `aam-dev step` times pretrain's optimiser step (default model, AdamW) on the
 # batch of shared/bench/pt_reference_bench.py (8 samples, 120-500 ASVs of 150 nt in 1024
 # slots), once per attention path; then the reference script measures its own step (with and
 # without gradient checkpointing, per SDPA backend) in the same call.
 #
 # Run from the repository root on the GPU machine (docs/gpu-benchmarks.md), with carry [".carry"]:
-#   .carry/gpu/aam-rs.{xz,gz}  CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli \
+#   .carry/gpu/aam-dev.{xz,gz} CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-dev \
 #                              --features cuda,fusion; xz (or gzip)
 #   .carry/gpu/cache/          optional: CubeCL's compiled kernels and autotune results from an
 #                              earlier call ($OUT/cache.txz.*; benches/kernel_cache.sh), so the
@@ -28,7 +28,7 @@
 #      `linear` (a copy of each transposed weight) instead of the validated kernels,
 #      rowsmm = AAM_ROWS_MATMUL=1: the dense products on aam-kernels' TF32 kernel where it applies,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
-#      BINS (default "aam-rs": binaries .carry/gpu/<name>.xz to time, each on every variant,
+#      BINS (default "aam-dev": binaries .carry/gpu/<name>.xz to time, each on every variant,
 #      in this order), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
 #      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT,
@@ -41,7 +41,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/bin
 BACKEND=${BACKEND:-cuda}
-BINS=${BINS:-aam-rs}
+BINS=${BINS:-aam-dev}
 for bin in $BINS; do
   if [ -f ".carry/gpu/$bin.xz" ]; then xz -dc ".carry/gpu/$bin.xz" > "/tmp/bin/$bin"  # smaller carry
   else gunzip -c ".carry/gpu/$bin.gz" > "/tmp/bin/$bin"; fi; chmod +x "/tmp/bin/$bin"
@@ -55,7 +55,7 @@ STEP_ARGS="${STEP_ARGS:-}${STEP_ASVS:+ --asvs-per-sample $STEP_ASVS}"
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== profiled step (CUBECL_DEBUG_OPTION=profile)"
   CUBECL_DEBUG_LOG="$OUT/cubecl_profile.log" CUBECL_DEBUG_OPTION=profile \
-    timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$first_bin" diagnose step --backend "$BACKEND" \
+    timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$first_bin" step --backend "$BACKEND" \
     --warmup 2 --steps 2 $(echo "$STEP_ARGS" | sed -E 's/--steps [0-9]+//') 2>&1 | tail -2
   python3 benches/kernel_summary.py "$OUT/cubecl_profile.log"
   gzip -f "$OUT/cubecl_profile.log"
@@ -81,12 +81,12 @@ for variant in ${VARIANTS:-auto auto:ckpt math}; do
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac
   done
-  name=${variant//:/_}; [ "$bin" != aam-rs ] && name="${bin#aam-rs-}_$name"
+  name=${variant//:/_}; [ "$bin" != aam-dev ] && name="${bin#aam-dev-}_$name"
   [ -e "$OUT/step_$name.json" ] && name="${name}_again"  # a repeated variant
-  echo "== $bin diagnose step --attn-implementation $attn$flags"
+  echo "== $bin step --attn-implementation $attn$flags"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
   smi=$!
-  env $vars timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" diagnose step --backend "$BACKEND" \
+  env $vars timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" step --backend "$BACKEND" \
     --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" $STEP_ARGS 2>&1 \
     | tee "$OUT/step_$name.log" | tail -4
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1

@@ -11,11 +11,12 @@
 //! of that tensor (`max_rel_diff`), so one number serves logits of ~10 and
 //! attention weights of ~0.1. Bool outputs must agree exactly. Every case
 //! prints its worst forward and gradient error (`--nocapture`), which is how
-//! the README's backend matrix gets its measured numbers.
+//! the backend matrix in docs/backends.md gets its measured numbers.
 //!
 //! `cargo test -p aam-tests --features wgpu --test parity -- --nocapture backend_parity::wgpu::`
 
-use aam_models::import::{infer_config, AamModel, ModelConfig, TorchCheckpoint};
+use aam_models::import::{infer_config, TorchCheckpoint};
+use aam_models::model::{AamModel, ModelConfig};
 use aam_models::output::OutputTensor;
 use aam_models::{autocast, AttentionBackend, MixedPrecision};
 use aam_tests::*;

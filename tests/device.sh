@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks on the device machine (README, "GPU runs"): `aam-rs diagnose attention` on CUDA and
+# GPU checks on the device machine (docs/gpu-benchmarks.md): `aam-rs diagnose attention` on CUDA and
 # on wgpu (Vulkan), then the cross-backend parity suite (tests/backend_parity.rs, module
 # `backend_parity` of the `parity` test binary) on both, from
 # binaries built on the build machine and carried:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `aam-rs diagnose gradients` on the device machine: pretraining's losses and every parameter
 # gradient on CUDA against the CPU's, from the same weights, on real oral2550 batches at the
-# default model size (README "GPU runs"). Run from the repository root with carry
+# default model size (docs/gpu-benchmarks.md). Run from the repository root with carry
 # [".carry/gpu", ".carry/oral2550"]:
 #   .carry/gpu/aam-rs.xz      CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
 #                             --features cuda,fusion; xz

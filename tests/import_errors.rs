@@ -2,8 +2,9 @@
 //! tensors by name, and damaged model files by path.
 
 use aam_models::import::{
-    infer_config, load_model_dir, save_model_dir, ImportError, StateTensor, TorchCheckpoint,
+    infer_config, load_model_dir, save_model_dir, ImportError, TorchCheckpoint,
 };
+use aam_models::model::StateTensor;
 use aam_tests::Case;
 use burn::backend::NdArray;
 
@@ -95,7 +96,7 @@ fn model_dir_round_trips_and_a_truncated_weights_file_is_detected() {
 
 #[test]
 fn a_frozen_base_stays_frozen_after_loading_weights() {
-    use aam_models::import::{AamModel, ModelConfig};
+    use aam_models::model::{AamModel, ModelConfig};
     use burn::backend::Autodiff;
     type Ad = Autodiff<Cpu>;
     let case = Case::load("predictor_default");

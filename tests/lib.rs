@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use aam_models::import::{ImportHints, ModelConfig};
+use aam_models::import::ImportHints;
+use aam_models::model::ModelConfig;
 use aam_models::output::ModelInput;
 use aam_models::sequence_encoder::EncoderType;
 use aam_models::sequence_predictor::OutputActivation;

@@ -19,7 +19,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use aam_models::import::{infer_config, AamModel, ModelConfig, TorchCheckpoint};
+use aam_models::import::{infer_config, TorchCheckpoint};
+use aam_models::model::{AamModel, ModelConfig};
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_tests::*;
 use aam_train::loss::{

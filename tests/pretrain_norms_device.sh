@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Gradient norms of `aam-rs pretrain`'s first steps on the device, one short run per variant of
-# the flags, on the full oral2550 at the default model (README "GPU runs"): which part of the
+# the flags, on the full oral2550 at the default model (docs/gpu-benchmarks.md): which part of the
 # training loop (dropout, nucleotide masking, the optimiser) makes the norms grow. Run from the
 # repository root with carry [".carry/gpu", ".carry/oral2550"] (as tests/gradients_device.sh).
 # Env: VARIANTS (";"-separated flag sets, one run each), ARGS (flags for every run),

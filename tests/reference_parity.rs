@@ -7,7 +7,8 @@
 //! mode. Gradients use the same weights in a dropout-free copy on
 //! `Autodiff<NdArray>`, against `f = Σ_k Σ out_k ⊙ W_k` with the reference's W.
 
-use aam_models::import::{infer_config, AamModel, TorchCheckpoint};
+use aam_models::import::{infer_config, TorchCheckpoint};
+use aam_models::model::AamModel;
 use aam_tests::*;
 use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
@@ -18,7 +19,7 @@ type CpuAd = Autodiff<Cpu>;
 fn load<B: Backend>(
     case: &Case,
     device: &B::Device,
-) -> (aam_models::import::ModelConfig, AamModel<B>) {
+) -> (aam_models::model::ModelConfig, AamModel<B>) {
     let ckpt = TorchCheckpoint::read(&case.checkpoint()).unwrap();
     let config = infer_config(&ckpt.shapes(), &case.hints(), &ckpt.path).unwrap();
     let mut model = config.init::<B>(device).unwrap();

@@ -8,7 +8,7 @@
 //! masking, whose random draws differ between backends.
 //!
 //! Runs on wgpu (lavapipe in CI) and, built with the `cuda` feature, on
-//! CUDA (the device machine; README "GPU runs"). `AAM_GRADIENTS_MODEL=default`
+//! CUDA (the device machine; docs/gpu-benchmarks.md). `AAM_GRADIENTS_MODEL=default`
 //! checks the default-size model (D=128, 4 heads, 4 layers per stack)
 //! instead of the small one CI runs.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -21,7 +21,7 @@ use aam_data::{
     BatchConfig, BatchLoader, BiomTable, Dataset, DistanceMatrix, MatrixIds, MissingPolicy,
 };
 use aam_models::asv_encoder::AsvEncoderConfig;
-use aam_models::import::{ModelConfig, StateTensor};
+use aam_models::model::{ModelConfig, StateTensor};
 use aam_models::sample_encoder::SampleSequenceEncoderConfig;
 use aam_models::sequence_encoder::SequenceEncoderConfig;
 use aam_models::AttentionBackend;

@@ -7,7 +7,7 @@
 //! (a dozen element-wise ops) already fuses into one kernel, but the host
 //! still records, fuses and launches every op one by one. For the default
 //! model's ~170 parameters that is ~2,000 ops a step, and an H100 training
-//! step is bound by the host's work per op (`benches/RESULTS.md`). As one
+//! step is bound by the host's work per op (`docs/performance.md`). As one
 //! custom op the update of a parameter is one op and one kernel; and the
 //! updates of all parameters of a step ([`AdamItem`]s) are one op under
 //! fusion, with no reshapes around them.

@@ -8,7 +8,7 @@
 //! output tile to one cube, which loops over all the rows, and a 128 × 512
 //! output has a few dozen tiles for the H100's 132 SMs; its sum over the rows
 //! likewise gives each output column to one unit. Measured on an H100
-//! (`benches/matmul_device.sh`, `benches/RESULTS.md`, 2026-11-24), at
+//! (`benches/matmul_device.sh`, `docs/performance.md`, 2026-11-24), at
 //! 62,976 × 128 × 512: `dyᵀ·x` 1.07-1.14 ms and `Σ dy` 0.43-0.59 ms, against
 //! PyTorch's 0.17 and 0.10 ms. Cutting the rows into parts of
 //! [`ROWS_PER_PART`], one batched matmul (an output per part) and a sum over

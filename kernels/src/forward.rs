@@ -536,7 +536,7 @@ impl MmaBackward {
         // all 1,024 queries, so more, smaller cubes; H200, bf16
         // forward+backward, median of four: 0.129 ms against 0.149 with 16;
         // splitting a tile's queries over two or four planes, their sums
-        // added in shared memory, gained nothing more: `benches/RESULTS.md`).
+        // added in shared memory, gained nothing more: `docs/performance.md`).
         let default_planes = if queries == block_queries { 16 } else { 8 };
         let dkdv_planes = key_blocks
             .min(env_usize("AAM_KERNEL_MMA_DKDV_PLANES").unwrap_or(default_planes))
@@ -2329,7 +2329,7 @@ fn dense_matmul_choice() -> DenseMatmul {
 /// Why not all of Burn's autotune candidates: autotune times the candidates
 /// once per *bucket* of problems (sizes rounded to a coarse grid, layouts)
 /// and reuses the winner for every problem in the bucket, and three
-/// candidates are wrong on problems their bucket admits (`benches/RESULTS.md`,
+/// candidates are wrong on problems their bucket admits (`docs/performance.md`,
 /// 2026-11-26):
 /// - `specialized_cyclic_{cmma,mma}` with a transposed left operand whose
 ///   inner size is 32 more than a multiple of 64 (on an H100: relative error
@@ -2477,7 +2477,7 @@ fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeT
 /// through it; unset or `0`, every product stays on CubeCL's kernels. Off
 /// by default: on the H100 at 302,000 rows it ran the forward and input
 /// gradient products at 0.9-1.4x the time of CubeCL's `simple_tma_mma`
-/// and the weight gradient's parts at ~2x (`benches/RESULTS.md`,
+/// and the weight gradient's parts at ~2x (`docs/performance.md`,
 /// 2026-11-27); it is the base for fusing element-wise passes
 /// into a product, which CubeCL's kernels cannot take.
 fn rows_matmul_enabled() -> bool {

@@ -11,7 +11,7 @@
 //! a_lo·b_hi + a_hi·b_hi` (the dropped `a_lo·b_lo` is ~2⁻²² of the product),
 //! which leaves f32-level error. With `cmma` fragments, whose layout is
 //! opaque, the scores go through shared memory and the kernel is slower than
-//! the CUDA cores (`benches/RESULTS.md`, 2026-11-25).
+//! the CUDA cores (`docs/performance.md`, 2026-11-25).
 //! Here the layout is PTX's `m16n8k8` one, so the softmax runs on the
 //! accumulator registers and `P` becomes the next product's operand without
 //! leaving them, as in FlashAttention-2:
@@ -48,7 +48,7 @@
 //! ms staging K and V by 16-byte vectors, `mma_io.rs`, 0.48 element by
 //! element, against the `cmma` kernel's 0.79, whose scores go through shared
 //! memory; f32 0.78 ms, staged by vectors too, against the CUDA cores' 1.51:
-//! `benches/RESULTS.md`).
+//! `docs/performance.md`).
 //!
 //! Semantics are `attention_forward`'s: q scaled (and biased) as loaded, a
 //! masked key's probability 0, zero output and log-sum-exp for a row with
@@ -104,7 +104,7 @@ pub const fn mma_key_rows(keys: usize, half: bool) -> usize {
 
 /// Keys a block of the streamed kernels takes by default (see
 /// [`block_rows`]): 76 KB of split f32 keys and values at head dim 32 (256
-/// did not fit; 64 was slower at the sample level, `benches/RESULTS.md`).
+/// did not fit; 64 was slower at the sample level, `docs/performance.md`).
 pub const BLOCK_KEYS: usize = 128;
 
 /// Key rows a cube holds in shared memory at a time: all of a head's keys

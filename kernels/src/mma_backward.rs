@@ -46,7 +46,7 @@
 //! valid keys. H100, bf16, forward+backward (2026-11-28): 1.24 ms at the
 //! ASV shape against cuDNN's 3.12-3.16 (with the `cmma` backward 3.62,
 //! 2026-11-27), 0.127-0.159 at the sample shape against 0.31-0.43
-//! (`benches/RESULTS.md`).
+//! (`docs/performance.md`).
 
 use cubecl::prelude::*;
 

@@ -6,7 +6,7 @@
 //! outputs, and in the backward pass runs the backward of each, with a
 //! reduction for every broadcast operand. A step of the default model holds
 //! ~28 LayerNorms over up to ~63,000 rows, and on the H100 the step is bound by
-//! the host's work per op (`benches/RESULTS.md`, 2026-11-24). As one node
+//! the host's work per op (`docs/performance.md`, 2026-11-24). As one node
 //! the backward is the closed form, from the normalised rows `x̂` and the
 //! reciprocal standard deviations `r`:
 //!
@@ -37,7 +37,7 @@
 //! same model bit for bit (`gradient_checkpointing_trains_the_same_model`).
 //! The cost: on the H100 a real-sized batch's checkpointed live peak was
 //! 3,944 MiB, against 3,601 with Burn's decomposition, whose memory-bound ops
-//! the strategy recomputes (`benches/RESULTS.md`, 2026-11-24). Making the
+//! the strategy recomputes (`docs/performance.md`, 2026-11-24). Making the
 //! node memory-bound with a retro-forward would recover that.
 
 use burn::prelude::*;

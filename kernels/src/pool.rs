@@ -8,7 +8,7 @@
 //! multiply and a sum over the ASV level's `[rows, 151, 128]` states (see
 //! [`crate::matmul`]), and their backward passes are more of them: on the
 //! H100 at the reference's batch, ~0.65 ms forward and ~1.2 ms backward a
-//! step in seven passes over the states (`benches/RESULTS.md`, 2026-11-27).
+//! step in seven passes over the states (`docs/performance.md`, 2026-11-27).
 //! The CubeCL kernels read the states once each way:
 //!
 //! - forward: per row, an online softmax over the tokens (running max and

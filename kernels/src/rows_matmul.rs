@@ -7,7 +7,7 @@
 //! products (four forward, four `dx`, four weight gradients) moves a few
 //! hundred megabytes and has almost no arithmetic per byte. CubeCL's fastest
 //! kernel at those shapes (`simple_tma_mma`) ran them at ~35% of the H100's
-//! bandwidth (`benches/RESULTS.md`, 2026-11-26), and the products
+//! bandwidth (`docs/performance.md`, 2026-11-26), and the products
 //! were a third of the training step's GPU time.
 //!
 //! The kernel is a plain one, tuned only for that case: a cube of

@@ -12,7 +12,7 @@
 //! dK/dV) and does the products for 16 rows of the other side at a time as
 //! cooperative matrix products; its units only do the softmax and its
 //! gradient, a few values each (forward 0.82 ms, forward+backward 3.97 ms;
-//! `benches/RESULTS.md`).
+//! `docs/performance.md`).
 //!
 //! The accumulator's element-to-unit layout is opaque (it differs between
 //! CUDA, HIP and Vulkan), so the scores go through shared memory: the plane

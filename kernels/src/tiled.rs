@@ -33,7 +33,7 @@
 //! staged after a tile's steps 2-3 (two copies of the row-major q and dO
 //! tiles), which leaves two cube syncs a tile. Holding it in registers
 //! across those steps instead took the kernel past 96 registers, to one cube
-//! an SM, and was slower (`benches/RESULTS.md`, 2026-11-27).
+//! an SM, and was slower (`docs/performance.md`, 2026-11-27).
 //!
 //! Shared memory: `Kᵀ`, `Vᵀ` of the whole head, `Qᵀ` and `dOᵀ` of a tile,
 //! two copies of the tile's q and dO by row, `P̃` and `dS` of a tile

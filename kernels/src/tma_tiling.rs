@@ -6,7 +6,7 @@
 //! 8-column tiles) 32 deep, or `64 × 32` where a contiguous right operand
 //! limits the shared-memory swizzle to 128 bytes a row. At AAM's tall,
 //! narrow products (302,000 token rows against widths of 128-512) those
-//! kernels run at ~40% of the H100's bandwidth (`benches/RESULTS.md`). This
+//! kernels run at ~40% of the H100's bandwidth (`docs/performance.md`). This
 //! module is cubek's own routine — the same batch, global, stage and tile
 //! matmuls and TMA loaders as `Strategy::DoubleTmaMma` — whose blueprint
 //! is inferred from options set here ([`TmaTiling`]), so that other stage

@@ -9,7 +9,7 @@
 //! consecutive inner sizes (one of Burn's candidates is wrong at one residue
 //! modulo 64), and every candidate of Burn's matmul autotune on AAM's
 //! weight-gradient shapes, printing each one's error and time: the table
-//! behind the list (`benches/RESULTS.md`, 2026-11-26).
+//! behind the list (`docs/performance.md`, 2026-11-26).
 //!
 //! Runs on CUDA when built with `--features cuda`, else on wgpu: in CI
 //! through Mesa's lavapipe (a CPU Vulkan driver, where the unit kernel runs).

@@ -274,7 +274,7 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         // before the next runs (inference: validation, predict). In training
         // every chunk's activations are kept for the backward pass anyway, so
         // chunks would save nothing and multiply the launches (H100, reference
-        // batch: 325 → 277 ms a step at the same live peak; benches/RESULTS.md).
+        // batch: 325 → 277 ms a step at the same live peak; docs/performance.md).
         let chunk = match self.asv_chunk_size {
             Some(c) if !B::ad_enabled(&device) => c,
             _ => n,
@@ -320,7 +320,7 @@ impl<B: AttentionBackend> AsvEncoder<B> {
     /// column of the table (128) over all N·L tokens (~300k a batch) in
     /// series. With the row packing above, the H100's step on the reference
     /// batch took 283 ms this way against 380 with `Embedding::forward`
-    /// (2026-11-23, `benches/RESULTS.md`).
+    /// (2026-11-23, `docs/performance.md`).
     ///
     /// # Shapes
     /// - rows: `[N, L]` → `[N, L, D]`
@@ -368,7 +368,7 @@ impl<B: AttentionBackend> AsvEncoder<B> {
                         .convert::<f32>()
                         .to_vec::<f32>()
                         .expect("f32 data");
-                let eligible_host = bool_vec(eligible);
+                let eligible_host = crate::nn::bool_vec(eligible);
                 let chosen = span_mask(&eligible_host, length, self.mask_ratio, &draws);
                 Tensor::from_data(TensorData::new(chosen, [n, length]), &device)
             }
@@ -439,14 +439,6 @@ pub fn span_mask(eligible: &[bool], length: usize, ratio: f64, draws: &[f32]) ->
     chosen
 }
 
-/// A bool tensor's values on the host.
-pub(crate) fn bool_vec<B: Backend, const D: usize>(t: Tensor<B, D, Bool>) -> Vec<bool> {
-    t.into_data()
-        .convert::<bool>()
-        .to_vec::<bool>()
-        .expect("bool data")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,7 +489,7 @@ mod tests {
             .nucleotides
             .and_then(|n| n.mask_indices)
             .expect("masking ran");
-        let mask = bool_vec(mask);
+        let mask = crate::nn::bool_vec(mask);
         let toks = tokens.into_data().convert::<i64>().to_vec::<i64>().unwrap();
         let eligible = toks.iter().filter(|&&t| (1..=4).contains(&t)).count();
         for (m, t) in mask.iter().zip(&toks) {
@@ -629,7 +621,7 @@ mod tests {
             true,
         );
         let packed_tokens = AsvTokens::<Cpu>::from_host(&host, [2, 8, 60], &device);
-        let mask = bool_vec(packed_tokens.slot_mask());
+        let mask = crate::nn::bool_vec(packed_tokens.slot_mask());
         assert_eq!(mask.iter().filter(|&&m| m).count(), 13);
         assert!(!mask[3] && !mask[12] && !mask[13] && mask[14]);
         let packed = enc.forward(packed_tokens, true);

@@ -13,7 +13,6 @@
 //! the same, and a Rust service never sees a NaN.
 
 use burn::module::Param;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use aam_kernels::AttentionBackend;
 use aam_kernels::{fused_attention, fused_packed_attention, matmul, AttentionDropout};
@@ -50,7 +49,7 @@ impl AttnImplementation {
     /// `Auto` trains with the fused kernel too: its backward agrees with a
     /// float64 oracle on wgpu and CUDA (`aam-rs diagnose attention`), and a
     /// CUDA pretraining run with it follows the math path's loss curve
-    /// (`benches/RESULTS.md`).
+    /// (`docs/performance.md`).
     pub fn uses_fused<B: AttentionBackend>(self) -> bool {
         match self {
             AttnImplementation::Auto => B::has_fused_attention(),
@@ -64,23 +63,6 @@ impl AttnImplementation {
             }
         }
     }
-}
-
-/// Seeds of attention dropout on the fused path: one per call, from a
-/// process-wide counter (set it with [`set_attention_dropout_seed`] for
-/// reproducible training), so no device→host read is needed per call.
-static DROPOUT_SEED: AtomicU32 = AtomicU32::new(0x5eed_0001);
-
-/// Sets the counter behind the seeded dropout masks: fused attention's, and
-/// the transformer layers' on backends with the seeded dropout kernel
-/// ([`crate::nn::dropout`]).
-pub fn set_attention_dropout_seed(seed: u64) {
-    DROPOUT_SEED.store((seed ^ (seed >> 32)) as u32, Ordering::Relaxed);
-}
-
-/// The next seed of a seeded dropout mask (one per call).
-pub(crate) fn next_dropout_seed() -> u32 {
-    DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed)
 }
 
 /// Fill value for masked scores before the softmax. Finite so that a fully
@@ -126,7 +108,7 @@ fn fused_dropout<B: Backend>(device: &B::Device, dropout: &Dropout) -> Attention
     if B::ad_enabled(device) && dropout.prob > 0.0 {
         AttentionDropout {
             prob: dropout.prob,
-            seed: next_dropout_seed(),
+            seed: crate::nn::next_dropout_seed(),
         }
     } else {
         AttentionDropout::NONE

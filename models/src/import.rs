@@ -22,316 +22,24 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::module::ParamId;
 use burn::prelude::*;
-use burn::tensor::{DType, TensorData};
-use burn_store::{ModuleSnapshot, TensorSnapshot};
+use burn::tensor::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::asv_encoder::AsvEncoderConfig;
 use crate::categorical::CategoricalEmbedDim;
+pub use crate::error::ImportError;
+use crate::model::{AamModel, ModelConfig, StateTensor};
 use crate::nn::Activation;
 use crate::sample_encoder::{CountEmbeddingMethod, SampleSequenceEncoderConfig};
-use crate::sequence_encoder::{EncoderType, SequenceEncoder, SequenceEncoderConfig};
-use crate::sequence_predictor::{
-    CategoricalFusion, OutputActivation, SequencePredictor, SequencePredictorConfig,
-};
+use crate::sequence_encoder::{EncoderType, SequenceEncoderConfig};
+use crate::sequence_predictor::{CategoricalFusion, OutputActivation, SequencePredictorConfig};
 use crate::AttnImplementation;
 
 /// File name of the weights inside a model directory.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// File name of the architecture inside a model directory.
 pub const CONFIG_FILE: &str = "config.json";
-
-/// Errors reading or writing weights.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ImportError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// A file is not a readable checkpoint / weights file.
-    #[error("{path}: {reason}")]
-    Format {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// Tensor names or shapes do not fit the architecture.
-    #[error("{path}: weights do not fit the model:{}", mismatch_lines(.unknown, .missing, .misshaped))]
-    Mismatch {
-        /// The file.
-        path: PathBuf,
-        /// In the file, not in the model.
-        unknown: Vec<String>,
-        /// In the model, not in the file.
-        missing: Vec<String>,
-        /// `(key, file shape, model shape)`.
-        misshaped: Vec<(String, Vec<usize>, Vec<usize>)>,
-    },
-    /// The architecture cannot be worked out from the tensors.
-    #[error("{path}: cannot infer the architecture: {reason}")]
-    Inference {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
-    /// The configuration is invalid.
-    #[error(transparent)]
-    Config(#[from] crate::ModelError),
-}
-
-fn mismatch_lines(
-    unknown: &[String],
-    missing: &[String],
-    misshaped: &[(String, Vec<usize>, Vec<usize>)],
-) -> String {
-    let mut out = String::new();
-    let list = |out: &mut String, what: &str, items: Vec<String>| {
-        if !items.is_empty() {
-            out.push_str(&format!(
-                "\n  {what} ({}): {}",
-                items.len(),
-                items.join(", ")
-            ));
-        }
-    };
-    list(&mut out, "unknown tensors", unknown.to_vec());
-    list(&mut out, "missing tensors", missing.to_vec());
-    list(
-        &mut out,
-        "wrong shapes",
-        misshaped
-            .iter()
-            .map(|(k, f, m)| format!("{k} is {f:?} in the file, {m:?} in the model"))
-            .collect(),
-    );
-    out
-}
-
-/// Every architecture field of a model: enough to rebuild it from nothing.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "class")]
-pub enum ModelConfig {
-    /// The pre-trainable base model (§1.7).
-    SequenceEncoder(SequenceEncoderConfig),
-    /// The fine-tuning model (§1.8).
-    SequencePredictor(SequencePredictorConfig),
-}
-
-impl ModelConfig {
-    /// Builds the model with fresh weights.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<AamModel<B>, crate::ModelError> {
-        Ok(match self {
-            ModelConfig::SequenceEncoder(c) => AamModel::SequenceEncoder(c.init(device)),
-            ModelConfig::SequencePredictor(c) => {
-                c.validate()?;
-                AamModel::SequencePredictor(c.init(device))
-            }
-        })
-    }
-
-    /// The base model's configuration.
-    pub fn base(&self) -> &SequenceEncoderConfig {
-        match self {
-            ModelConfig::SequenceEncoder(c) => c,
-            ModelConfig::SequencePredictor(c) => &c.base,
-        }
-    }
-
-    /// Whether the model computes the same for every filled ASV slot and
-    /// every sample when empty slots after each sample's last filled one are
-    /// dropped: true when every sample-level stack masks empty slots (the
-    /// transformers' key padding mask, the masked poolings, the count loss),
-    /// so a batch can run on its largest sample's slots instead of
-    /// `token_limit`. False with perceiver fusion, whose latents attend over
-    /// every slot, padding included, as in the reference.
-    pub fn empty_slots_are_masked(&self) -> bool {
-        match self {
-            ModelConfig::SequenceEncoder(_) => true,
-            ModelConfig::SequencePredictor(c) => {
-                c.categorical_fusion != crate::sequence_predictor::CategoricalFusion::Perceiver
-            }
-        }
-    }
-
-    /// The torch state-dict key of a Burn parameter path (the rename table).
-    pub fn torch_key(&self, burn_path: &str) -> String {
-        match self {
-            ModelConfig::SequenceEncoder(_) => burn_path.to_string(),
-            ModelConfig::SequencePredictor(c) => predictor_torch_key(c, burn_path),
-        }
-    }
-}
-
-fn predictor_torch_key(c: &SequencePredictorConfig, path: &str) -> String {
-    let parts: Vec<&str> = path.split('.').collect();
-    let column = |list: Vec<String>, i: &str| list[i.parse::<usize>().expect("index")].clone();
-    match parts.as_slice() {
-        ["target_head", "linear", rest @ ..] => format!("target_head.{}", rest.join(".")),
-        ["target_head", "mlp", i, rest @ ..] => {
-            let stride = if c.regressor_dropout > 0.0 { 3 } else { 2 };
-            let k = i.parse::<usize>().expect("index") * stride;
-            if c.residual_regression_head {
-                format!("target_head.mlp.{k}.{}", rest.join("."))
-            } else {
-                format!("target_head.{k}.{}", rest.join("."))
-            }
-        }
-        ["categorical_embedder", "embeddings", i, rest @ ..] => {
-            let cols = c
-                .categorical_cardinalities
-                .clone()
-                .unwrap_or_default()
-                .into_keys()
-                .collect();
-            format!(
-                "categorical_embedder.embeddings.{}.{}",
-                column(cols, i),
-                rest.join(".")
-            )
-        }
-        [dict @ ("output_scales" | "output_biases"), i, rest @ ..] => {
-            let cols = c.conditional_scaling_columns.clone().unwrap_or_default();
-            format!("{dict}.{}.{}", column(cols, i), rest.join("."))
-        }
-        _ => path.to_string(),
-    }
-}
-
-/// An AAM model of either class.
-#[derive(Debug)]
-pub enum AamModel<B: Backend> {
-    /// A [`SequenceEncoder`].
-    SequenceEncoder(SequenceEncoder<B>),
-    /// A [`SequencePredictor`].
-    SequencePredictor(SequencePredictor<B>),
-}
-
-/// One tensor of a state dict: shape and f32 values (row-major).
-#[derive(Debug, Clone)]
-pub struct StateTensor {
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Values.
-    pub values: Vec<f32>,
-}
-
-impl<B: Backend> AamModel<B> {
-    fn snapshots(&self) -> Vec<TensorSnapshot> {
-        match self {
-            AamModel::SequenceEncoder(m) => m.collect(None, None, false),
-            AamModel::SequencePredictor(m) => m.collect(None, None, false),
-        }
-    }
-
-    /// `(torch key, shape)` of every parameter, in module order.
-    pub fn state_dict_shapes(&self, config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-        self.snapshots()
-            .iter()
-            .map(|s| (config.torch_key(&s.full_path()), s.shape.to_vec()))
-            .collect()
-    }
-
-    /// The weights as a torch-named state dict.
-    pub fn state_dict(&self, config: &ModelConfig) -> Vec<(String, StateTensor)> {
-        self.snapshots()
-            .iter()
-            .map(|s| {
-                let data = s.to_data().expect("in-memory tensor").convert::<f32>();
-                let values = data.to_vec::<f32>().expect("f32 data");
-                (
-                    config.torch_key(&s.full_path()),
-                    StateTensor {
-                        shape: s.shape.to_vec(),
-                        values,
-                    },
-                )
-            })
-            .collect()
-    }
-
-    /// Replaces every weight by the torch-named tensors in `state`; any
-    /// unknown, missing or mis-shaped tensor is an error naming it.
-    pub fn load_state_dict(
-        &mut self,
-        config: &ModelConfig,
-        state: HashMap<String, StateTensor>,
-        source: &Path,
-    ) -> Result<(), ImportError> {
-        let expected: Vec<(String, String, Vec<usize>)> = self
-            .snapshots()
-            .iter()
-            .map(|s| {
-                (
-                    config.torch_key(&s.full_path()),
-                    s.full_path(),
-                    s.shape.to_vec(),
-                )
-            })
-            .collect();
-        let expected_keys: BTreeSet<&str> = expected.iter().map(|(k, _, _)| k.as_str()).collect();
-        let mut unknown: Vec<String> = state
-            .keys()
-            .filter(|k| !expected_keys.contains(k.as_str()))
-            .cloned()
-            .collect();
-        unknown.sort();
-        let mut missing = Vec::new();
-        let mut misshaped = Vec::new();
-        for (key, _, shape) in &expected {
-            match state.get(key) {
-                None => missing.push(key.clone()),
-                Some(t) if &t.shape != shape => {
-                    misshaped.push((key.clone(), t.shape.clone(), shape.clone()))
-                }
-                Some(_) => {}
-            }
-        }
-        if !(unknown.is_empty() && missing.is_empty() && misshaped.is_empty()) {
-            return Err(ImportError::Mismatch {
-                path: source.to_path_buf(),
-                unknown,
-                missing,
-                misshaped,
-            });
-        }
-        let mut state = state;
-        let snapshots = expected
-            .into_iter()
-            .map(|(key, burn_path, shape)| {
-                let t = state.remove(&key).expect("checked above");
-                TensorSnapshot::from_data(
-                    TensorData::new(t.values, shape),
-                    burn_path.split('.').map(str::to_string).collect(),
-                    Vec::new(),
-                    ParamId::new(),
-                )
-            })
-            .collect();
-        let result = match self {
-            AamModel::SequenceEncoder(m) => m.apply(snapshots, None, None, false),
-            AamModel::SequencePredictor(m) => m.apply(snapshots, None, None, false),
-        };
-        if !result.errors.is_empty() || !result.missing.is_empty() {
-            return Err(ImportError::Format {
-                path: source.to_path_buf(),
-                reason: format!(
-                    "applying weights failed: {:?} {:?}",
-                    result.errors, result.missing
-                ),
-            });
-        }
-        Ok(())
-    }
-}
 
 /// A reference checkpoint's tensors, prefixes stripped.
 #[derive(Debug)]
@@ -848,22 +556,15 @@ pub fn save_model_dir<B: Backend>(
     Ok(())
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ImportError> {
-    use std::io::Write;
-    let io = |source| ImportError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let tmp = path.with_extension(format!(
-        "{}.tmp{}",
-        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
-        std::process::id()
-    ));
-    let mut file = std::fs::File::create(&tmp).map_err(io)?;
-    file.write_all(bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+/// [`aam_data::write_atomic`], with its error as an [`ImportError`].
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ImportError> {
+    aam_data::write_atomic(path, bytes).map_err(|e| match e {
+        aam_data::Error::Io { path, source } => ImportError::Io { path, source },
+        e => ImportError::Format {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        },
+    })
 }
 
 /// Reads a model directory written by [`save_model_dir`].
@@ -930,96 +631,4 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, StateTensor>, Imp
         );
     }
     Ok(out)
-}
-
-impl ModelConfig {
-    /// The same architecture with every dropout at 0 and masking off: the
-    /// configuration under which training-mode gradients are deterministic.
-    /// (Load weights into it with [`AamModel::with_weights_of`]: the torch key
-    /// table depends on `regressor_dropout`, the module structure does not.)
-    pub fn without_dropout(&self) -> ModelConfig {
-        let strip_base = |b: &SequenceEncoderConfig| {
-            let mut b = b.clone();
-            b.sample.asv.dropout = 0.0;
-            b.sample.asv.mask_ratio = 0.0;
-            b.sample.sample_dropout = 0.0;
-            b.encoder_dropout = 0.0;
-            b
-        };
-        match self {
-            ModelConfig::SequenceEncoder(b) => ModelConfig::SequenceEncoder(strip_base(b)),
-            ModelConfig::SequencePredictor(c) => {
-                let mut c = c.clone();
-                c.base = strip_base(&c.base);
-                c.count_dropout = 0.0;
-                c.target_dropout = 0.0;
-                c.categorical_dropout = 0.0;
-                c.regressor_dropout = 0.0;
-                ModelConfig::SequencePredictor(c)
-            }
-        }
-    }
-}
-
-impl<B: Backend> AamModel<B> {
-    /// This model's structure with the weights of `other` (same architecture).
-    ///
-    /// # Panics
-    /// If the two models are of different classes.
-    pub fn with_weights_of(self, other: AamModel<B>) -> AamModel<B> {
-        match (self, other) {
-            (AamModel::SequenceEncoder(m), AamModel::SequenceEncoder(o)) => {
-                AamModel::SequenceEncoder(m.load_record(o.into_record()))
-            }
-            (AamModel::SequencePredictor(m), AamModel::SequencePredictor(o)) => {
-                AamModel::SequencePredictor(m.load_record(o.into_record()))
-            }
-            _ => panic!("with_weights_of: model classes differ"),
-        }
-    }
-
-    /// Every parameter's gradient in `grads`, by torch key (None where the
-    /// parameter took no part in the computation).
-    pub fn named_gradients(
-        &self,
-        config: &ModelConfig,
-        grads: &<B as burn::tensor::backend::AutodiffBackend>::Gradients,
-    ) -> Vec<(String, Option<TensorData>)>
-    where
-        B: burn::tensor::backend::AutodiffBackend,
-    {
-        struct GradCollector<'a, B: burn::tensor::backend::AutodiffBackend> {
-            grads: &'a B::Gradients,
-            path: Vec<String>,
-            out: Vec<(String, Option<TensorData>)>,
-        }
-        impl<B: burn::tensor::backend::AutodiffBackend> burn::module::ModuleVisitor<B>
-            for GradCollector<'_, B>
-        {
-            fn enter_module(&mut self, name: &str, _container_type: &str) {
-                self.path.push(name.to_string());
-            }
-            fn exit_module(&mut self, _name: &str, _container_type: &str) {
-                self.path.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
-                let grad = param.val().grad(self.grads).map(|g| g.into_data());
-                self.out.push((self.path.join("."), grad));
-            }
-        }
-        let mut collector = GradCollector::<B> {
-            grads,
-            path: Vec::new(),
-            out: Vec::new(),
-        };
-        match self {
-            AamModel::SequenceEncoder(m) => m.visit(&mut collector),
-            AamModel::SequencePredictor(m) => m.visit(&mut collector),
-        }
-        collector
-            .out
-            .into_iter()
-            .map(|(path, g)| (config.torch_key(&path), g))
-            .collect()
-    }
 }

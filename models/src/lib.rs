@@ -5,7 +5,8 @@
 //! (`../shared/reference/aam-reference.md` §1; upstream `jbk708/aam`).
 //!
 //! Job: the model and nothing else. This crate never reads BIOM tables, parses
-//! arguments or trains; it depends on no other `aam-*` crate.
+//! arguments or trains; of the other `aam-*` crates it uses `aam-kernels` (the
+//! fused ops) and `aam-data`'s atomic file writer only.
 //!
 //! The design choice to defend: **parameter paths are the reference's
 //! state-dict keys.** Linear weights keep torch's `[out, in]` layout, LayerNorm
@@ -24,8 +25,10 @@ pub mod asv_encoder;
 pub mod attention;
 pub mod categorical;
 pub mod embedding;
+pub mod error;
 pub mod fusion;
 pub mod import;
+pub mod model;
 pub mod nn;
 pub mod output;
 pub mod pooling;
@@ -38,20 +41,8 @@ pub mod transformer;
 #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
 pub use aam_kernels::persist_compiled_kernels;
 pub use aam_kernels::{AdamItem, AdamStep, AttentionBackend};
-pub use attention::{set_attention_dropout_seed, AttnImplementation};
-pub use nn::Activation;
+pub use attention::AttnImplementation;
+pub use error::{ImportError, ModelError};
+pub use model::{AamModel, ModelConfig};
+pub use nn::{set_attention_dropout_seed, Activation};
 pub use precision::{autocast, MixedPrecision};
-
-/// Errors of this crate: invalid configurations and weight files.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ModelError {
-    /// A configuration field has an invalid value.
-    #[error("invalid model configuration: `{field}` {reason}")]
-    InvalidConfig {
-        /// The field at fault.
-        field: &'static str,
-        /// Why.
-        reason: String,
-    },
-}

@@ -7,6 +7,8 @@
 //! aam-rs model *is* the reference state-dict key and checkpoint import is a
 //! table of renames, never a transpose (see `import.rs`).
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 use burn::module::{Initializer, Param};
 use burn::prelude::*;
 use burn::tensor::{activation, TensorPrimitive};
@@ -152,7 +154,7 @@ impl<B: AttentionBackend> Linear<B> {
             bias,
             aam_kernels::AttentionDropout {
                 prob: dropout.prob,
-                seed: crate::attention::next_dropout_seed(),
+                seed: next_dropout_seed(),
             },
         );
         let mut out = dims;
@@ -167,13 +169,13 @@ impl<B: AttentionBackend> Linear<B> {
 /// [`aam_kernels::dense`]: Burn's `linear` in value, with a backward that sums
 /// the weight and bias gradients over the rows in parts (the ASV level has
 /// tens of thousands of rows; on an H100 that made those gradients 7-15x
-/// faster, `benches/RESULTS.md`). A product with a unit dimension (one input
+/// faster, `docs/performance.md`). A product with a unit dimension (one input
 /// or output feature, or one row) is a multiply and a sum there (why:
 /// [`aam_kernels::matmul`]). Flattening also keeps the fusion backend off the
 /// rank-3 batched `linear`, whose gradients Burn 0.21's fusion backend gets
 /// wrong on CUDA (the parity suite's count-embedding and predictor cases,
 /// 0.66-1.1 relative;
-/// `benches/results/h100_backend_parity_cuda_fusion_batched_linear.log`).
+/// `benches/results/2026-11-23_h100_backend_parity_cuda_fusion_batched_linear.log`).
 /// The cost: CubeCL's matmul autotune key holds the row count's bucket,
 /// which for packed ASVs changes from batch to batch, so a cold machine
 /// autotunes tens of shapes (minutes, once; the results are cached).
@@ -291,7 +293,7 @@ pub fn dropout<B: AttentionBackend, const D: usize>(
         x,
         aam_kernels::AttentionDropout {
             prob: dropout.prob,
-            seed: crate::attention::next_dropout_seed(),
+            seed: next_dropout_seed(),
         },
     )
 }
@@ -315,7 +317,7 @@ pub fn dropout_add<B: AttentionBackend, const D: usize>(
         bias,
         aam_kernels::AttentionDropout {
             prob: dropout.prob,
-            seed: crate::attention::next_dropout_seed(),
+            seed: next_dropout_seed(),
         },
     )
 }
@@ -432,4 +434,29 @@ mod tests {
             -y
         }
     }
+}
+
+/// Seeds of attention dropout on the fused path: one per call, from a
+/// process-wide counter (set it with [`set_attention_dropout_seed`] for
+/// reproducible training), so no device→host read is needed per call.
+static DROPOUT_SEED: AtomicU32 = AtomicU32::new(0x5eed_0001);
+
+/// Sets the counter behind the seeded dropout masks: fused attention's, and
+/// the transformer layers' on backends with the seeded dropout kernel
+/// ([`dropout`]).
+pub fn set_attention_dropout_seed(seed: u64) {
+    DROPOUT_SEED.store((seed ^ (seed >> 32)) as u32, Ordering::Relaxed);
+}
+
+/// The next seed of a seeded dropout mask (one per call).
+pub(crate) fn next_dropout_seed() -> u32 {
+    DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed)
+}
+
+/// A bool tensor's values on the host.
+pub(crate) fn bool_vec<B: Backend, const D: usize>(t: Tensor<B, D, Bool>) -> Vec<bool> {
+    t.into_data()
+        .convert::<bool>()
+        .to_vec::<bool>()
+        .expect("bool data")
 }

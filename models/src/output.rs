@@ -7,9 +7,7 @@ use std::collections::BTreeMap;
 use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 
-use crate::asv_encoder::Nucleotides;
-use crate::import::AamModel;
-use crate::sequence_predictor::TargetPrediction;
+use crate::nn::bool_vec;
 
 /// A batch's ASV token ids `[B, S, L]` (0 = padding), as the model reads them.
 ///
@@ -175,7 +173,7 @@ impl<B: Backend> AsvTokens<B> {
             SlotIds::Dense { ids, non_empty } => {
                 let all = ids.reshape([b * s, length]);
                 let non_empty = non_empty.unwrap_or_else(|| {
-                    crate::asv_encoder::bool_vec(all.clone().greater_elem(0).any_dim(1))
+                    bool_vec(all.clone().greater_elem(0).any_dim(1))
                         .into_iter()
                         .enumerate()
                         .filter_map(|(i, keep)| keep.then_some(i as i64))
@@ -266,81 +264,5 @@ impl<B: AttentionBackend> OutputTensor<B> {
             Self::F4(t) => Some(sum(t, weights)),
             Self::Bool3(_) => None,
         }
-    }
-}
-
-/// `nuc_predictions` and `mask_indices` as the reference gives them, `[B, S, …]`.
-fn push_nucleotides<B: AttentionBackend>(
-    out: &mut Vec<(&'static str, OutputTensor<B>)>,
-    nucleotides: Option<Nucleotides<B>>,
-) {
-    if let Some(n) = nucleotides {
-        out.push(("nuc_predictions", OutputTensor::F4(n.unpacked_logits())));
-        if let Some(mask) = n.unpacked_mask_indices() {
-            out.push(("mask_indices", OutputTensor::Bool3(mask)));
-        }
-    }
-}
-
-impl<B: AttentionBackend> AamModel<B> {
-    /// Runs the model and returns every output it has, named as the
-    /// reference's output dict (with `return_sample_embeddings=True`).
-    pub fn forward_named(
-        &self,
-        input: ModelInput<B>,
-        return_nucleotides: bool,
-    ) -> Vec<(&'static str, OutputTensor<B>)> {
-        use OutputTensor::*;
-        let mut out: Vec<(&'static str, OutputTensor<B>)> = Vec::new();
-        let push2 = |out: &mut Vec<_>, name, t: Option<Tensor<B, 2>>| {
-            if let Some(t) = t {
-                out.push((name, F2(t)));
-            }
-        };
-        match self {
-            AamModel::SequenceEncoder(m) => {
-                let o = m.forward(input.tokens, input.counts, return_nucleotides);
-                push2(&mut out, "embeddings", o.embeddings);
-                push2(&mut out, "base_prediction", o.base_prediction);
-                push2(&mut out, "unifrac_pred", o.unifrac_pred);
-                push2(&mut out, "faith_pred", o.faith_pred);
-                push2(&mut out, "tax_pred", o.tax_pred);
-                out.push(("sample_embeddings", F3(o.sample_embeddings)));
-                push_nucleotides(&mut out, o.nucleotides);
-            }
-            AamModel::SequencePredictor(m) => {
-                let o = m.forward(
-                    input.tokens,
-                    input.counts,
-                    input.categorical_ids.as_ref(),
-                    return_nucleotides,
-                );
-                out.push((
-                    "target_prediction",
-                    match o.target_prediction {
-                        TargetPrediction::Point(t) => F2(t),
-                        TargetPrediction::Quantiles(t) => F3(t),
-                    },
-                ));
-                out.push(("base_embeddings", F3(o.base_embeddings)));
-                if let Some(t) = o.count_prediction {
-                    out.push(("count_prediction", F3(t)));
-                }
-                push2(&mut out, "gmu_gate", o.gmu_gate);
-                if let Some(t) = o.cross_attn_weights {
-                    out.push(("cross_attn_weights", F4(t)));
-                }
-                if let Some(t) = o.perceiver_attn_weights {
-                    out.push(("perceiver_attn_weights", F4(t)));
-                }
-                push2(&mut out, "embeddings", o.embeddings);
-                push2(&mut out, "base_prediction", o.base_prediction);
-                push2(&mut out, "unifrac_pred", o.unifrac_pred);
-                push2(&mut out, "faith_pred", o.faith_pred);
-                push2(&mut out, "tax_pred", o.tax_pred);
-                push_nucleotides(&mut out, o.nucleotides);
-            }
-        }
-        out
     }
 }

@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use aam_models::import::{infer_config, AamModel, ImportHints, ModelConfig, TorchCheckpoint};
+use aam_models::import::{infer_config, ImportHints, TorchCheckpoint};
+use aam_models::model::{AamModel, ModelConfig};
 use aam_models::output::ModelInput;
 use aam_models::AttnImplementation;
 use burn::backend::{Autodiff, Wgpu};

@@ -110,60 +110,149 @@ impl BackendKind {
 /// Runs `$body` with the type alias `$B` bound to the chosen backend and
 /// `$device` to its default device. `$body` is an `anyhow::Result`; a backend
 /// without a usable device fails with an error before `$body` runs.
+///
+/// The backends are those compiled into this crate: each one's branch is
+/// emitted through a hidden macro that exists in a full or an empty form
+/// depending on this crate's features, so a crate that expands the macro
+/// (`aam-dev`) needs no backend features of its own.
 #[macro_export]
 macro_rules! with_backend {
     ($kind:expr, |$B:ident, $device:ident| $body:expr) => {{
         let kind: $crate::backend::BackendKind = $kind;
         match kind.ensure_available() {
             Err(err) => Err(err),
-            Ok(()) => match kind {
-                #[cfg(feature = "ndarray")]
-                $crate::backend::BackendKind::Ndarray => {
-                    type $B = burn::backend::NdArray<f32>;
-                    let $device = burn::backend::ndarray::NdArrayDevice::Cpu;
-                    $body
+            Ok(()) => 'dispatch: {
+                $crate::__if_ndarray! {
+                    if kind == $crate::backend::BackendKind::Ndarray {
+                        type $B = $crate::__burn::backend::NdArray<f32>;
+                        let $device = $crate::__burn::backend::ndarray::NdArrayDevice::Cpu;
+                        break 'dispatch $body;
+                    }
                 }
-                #[cfg(feature = "candle")]
-                $crate::backend::BackendKind::Candle => {
-                    #[allow(deprecated)] // burn-candle: deprecated upstream after 0.21, kept while it works
-                    type $B = burn::backend::Candle<f32, i64>;
-                    #[allow(deprecated)]
-                    let $device = burn::backend::candle::CandleDevice::Cpu;
-                    $body
+                $crate::__if_candle! {
+                    if kind == $crate::backend::BackendKind::Candle {
+                        #[allow(deprecated)] type $B = $crate::__burn::backend::Candle<f32, i64>;
+                        #[allow(deprecated)] let $device = $crate::__burn::backend::candle::CandleDevice::Cpu;
+                        break 'dispatch $body;
+                    }
                 }
-                #[cfg(feature = "wgpu")]
-                $crate::backend::BackendKind::Wgpu => {
-                    type $B = burn::backend::Wgpu<f32, i32>;
-                    let $device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
-                    $body
+                $crate::__if_wgpu! {
+                    if kind == $crate::backend::BackendKind::Wgpu {
+                        type $B = $crate::__burn::backend::Wgpu<f32, i32>;
+                        let $device = $crate::__burn::backend::wgpu::WgpuDevice::DefaultDevice;
+                        break 'dispatch $body;
+                    }
                 }
-                #[cfg(feature = "cuda")]
-                $crate::backend::BackendKind::Cuda => {
-                    type $B = burn::backend::Cuda<f32, i32>;
-                    let $device = burn::backend::cuda::CudaDevice::new(0);
-                    $body
+                $crate::__if_cuda! {
+                    if kind == $crate::backend::BackendKind::Cuda {
+                        type $B = $crate::__burn::backend::Cuda<f32, i32>;
+                        let $device = $crate::__burn::backend::cuda::CudaDevice::new(0);
+                        break 'dispatch $body;
+                    }
                 }
-                #[cfg(feature = "rocm")]
-                $crate::backend::BackendKind::Rocm => {
-                    type $B = burn::backend::Rocm<f32, i32>;
-                    let $device = burn::backend::rocm::RocmDevice::new(0);
-                    $body
+                $crate::__if_rocm! {
+                    if kind == $crate::backend::BackendKind::Rocm {
+                        type $B = $crate::__burn::backend::Rocm<f32, i32>;
+                        let $device = $crate::__burn::backend::rocm::RocmDevice::new(0);
+                        break 'dispatch $body;
+                    }
                 }
-                #[cfg(feature = "tch")]
-                $crate::backend::BackendKind::Tch => {
-                    type $B = burn::backend::LibTorch<f32>;
-                    let $device = burn::backend::libtorch::LibTorchDevice::Cpu;
-                    $body
+                $crate::__if_tch! {
+                    if kind == $crate::backend::BackendKind::Tch {
+                        type $B = $crate::__burn::backend::LibTorch<f32>;
+                        let $device = $crate::__burn::backend::libtorch::LibTorchDevice::Cpu;
+                        break 'dispatch $body;
+                    }
                 }
-                #[cfg(feature = "tch")]
-                $crate::backend::BackendKind::TchGpu => {
-                    type $B = burn::backend::LibTorch<f32>;
-                    let $device = burn::backend::libtorch::LibTorchDevice::Cuda(0);
-                    $body
+                $crate::__if_tch! {
+                    if kind == $crate::backend::BackendKind::TchGpu {
+                        type $B = $crate::__burn::backend::LibTorch<f32>;
+                        let $device = $crate::__burn::backend::libtorch::LibTorchDevice::Cuda(0);
+                        break 'dispatch $body;
+                    }
                 }
-            },
+                unreachable!("backend {kind:?} is compiled in but not dispatched")
+            }
         }
     }};
+}
+
+#[cfg(feature = "ndarray")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_ndarray {
+    ($($t:tt)*) => { $($t)* };
+}
+#[cfg(not(feature = "ndarray"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_ndarray {
+    ($($t:tt)*) => {};
+}
+
+#[cfg(feature = "candle")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_candle {
+    ($($t:tt)*) => { $($t)* };
+}
+#[cfg(not(feature = "candle"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_candle {
+    ($($t:tt)*) => {};
+}
+
+#[cfg(feature = "wgpu")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_wgpu {
+    ($($t:tt)*) => { $($t)* };
+}
+#[cfg(not(feature = "wgpu"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_wgpu {
+    ($($t:tt)*) => {};
+}
+
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_cuda {
+    ($($t:tt)*) => { $($t)* };
+}
+#[cfg(not(feature = "cuda"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_cuda {
+    ($($t:tt)*) => {};
+}
+
+#[cfg(feature = "rocm")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_rocm {
+    ($($t:tt)*) => { $($t)* };
+}
+#[cfg(not(feature = "rocm"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_rocm {
+    ($($t:tt)*) => {};
+}
+
+#[cfg(feature = "tch")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_tch {
+    ($($t:tt)*) => { $($t)* };
+}
+#[cfg(not(feature = "tch"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_tch {
+    ($($t:tt)*) => {};
 }
 
 /// `aam-rs backends`: one block per compiled backend with the devices it sees.

@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use aam_models::import::{infer_config, save_model_dir, AamModel, ImportHints, TorchCheckpoint};
+use aam_models::import::{infer_config, save_model_dir, ImportHints, TorchCheckpoint};
+use aam_models::model::AamModel;
 use aam_models::sequence_encoder::EncoderType;
 use aam_models::sequence_predictor::OutputActivation;
 use aam_models::{Activation, AttnImplementation};
@@ -178,8 +179,8 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     let class = match &config {
-        aam_models::import::ModelConfig::SequenceEncoder(_) => "SequenceEncoder",
-        aam_models::import::ModelConfig::SequencePredictor(_) => "SequencePredictor",
+        aam_models::model::ModelConfig::SequenceEncoder(_) => "SequenceEncoder",
+        aam_models::model::ModelConfig::SequencePredictor(_) => "SequencePredictor",
     };
     tracing::info!(
         "converted {} ({class}, {n_tensors} tensors, {params} parameters{}) -> {}",

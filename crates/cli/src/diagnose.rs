@@ -1,7 +1,6 @@
 //! `aam-rs diagnose attention`: is masked attention computed correctly here?
-//! (`aam-rs diagnose step`, the training-speed check, lives in `step.rs`;
-//! `aam-rs diagnose gradients`, the whole training step on real data against
-//! the CPU, in `gradients.rs`.)
+//! (`aam-rs diagnose gradients`, the whole training step on real data against
+//! the CPU, lives in `gradients.rs`.)
 //!
 //! What `python -m aam.tools.rocm_attention_diagnostic` was for the reference,
 //! on any backend this binary has. Every attention path the chosen backend can
@@ -40,7 +39,7 @@ use aam_kernels::{fused_packed_attention, AttentionDropout};
 use aam_models::attention::attention;
 use aam_models::{AttentionBackend, AttnImplementation};
 
-use crate::backend::BackendKind;
+use aam_cli::backend::BackendKind;
 
 /// `aam-rs diagnose ...`.
 #[derive(Args, Debug)]
@@ -53,14 +52,9 @@ pub struct DiagnoseArgs {
 enum Diagnosis {
     /// Check every attention path of a backend against a float64 oracle.
     Attention(AttentionArgs),
-    /// Time pretrain's optimiser step on the reference benchmark's batch.
-    Step(crate::step::StepArgs),
     /// Compare pretrain's losses and gradients on a backend with the CPU's,
     /// on real batches of a table.
     Gradients(crate::gradients::GradientsArgs),
-    /// Check a dense layer's split weight gradient on random inputs against
-    /// a float64 product, part by part.
-    Dense(crate::dense_check::DenseArgs),
 }
 
 /// `aam-rs diagnose attention`.
@@ -445,9 +439,7 @@ struct Report {
 pub fn run(args: DiagnoseArgs) -> Result<()> {
     match args.what {
         Diagnosis::Attention(a) => run_attention(a),
-        Diagnosis::Step(a) => crate::step::run(a),
         Diagnosis::Gradients(a) => crate::gradients::run(a),
-        Diagnosis::Dense(a) => crate::dense_check::run(a),
     }
 }
 
@@ -466,7 +458,7 @@ fn run_attention(args: AttentionArgs) -> Result<()> {
             print_row(row);
         }
     };
-    let rows = crate::with_backend!(args.backend, |B, device| Ok(check_backend::<B>(
+    let rows = aam_cli::with_backend!(args.backend, |B, device| Ok(check_backend::<B>(
         &args,
         &device,
         &mut on_row

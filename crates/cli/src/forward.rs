@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use aam_models::import::{load_model_dir, write_atomic, ModelConfig};
+use aam_data::write_atomic;
+use aam_models::import::load_model_dir;
+use aam_models::model::ModelConfig;
 use aam_models::output::ModelInput;
 use anyhow::{bail, ensure, Context, Result};
 use burn::prelude::*;
@@ -13,7 +15,7 @@ use clap::Args;
 use ndarray::{ArrayD, IxDyn};
 use ndarray_npy::{NpzReader, NpzWriter, ReadNpyExt};
 
-use crate::backend::BackendKind;
+use aam_cli::backend::BackendKind;
 
 /// Inputs are the model's raw tensors (tokens as the tokenizer makes them:
 /// START=5, A/C/G/T=1..4, 0 = padding).
@@ -45,7 +47,7 @@ pub struct ForwardArgs {
 
 /// Runs the forward pass on the chosen backend.
 pub fn run(args: ForwardArgs) -> Result<()> {
-    crate::with_backend!(args.backend, |B, device| run_on::<B>(&args, &device))
+    aam_cli::with_backend!(args.backend, |B, device| run_on::<B>(&args, &device))
 }
 
 fn run_on<B: aam_models::AttentionBackend>(args: &ForwardArgs, device: &B::Device) -> Result<()> {

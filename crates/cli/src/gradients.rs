@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use aam_data::{BatchConfig, BatchLoader, Transforms};
-use aam_models::import::{ModelConfig, StateTensor};
+use aam_models::model::{ModelConfig, StateTensor};
 use aam_models::sequence_encoder::EncoderType;
 use aam_train::checkpoint::read_checkpoint;
 use aam_train::gradcheck::{compare, compare_draws, step_gradients, Comparison, StepGradients};
@@ -34,8 +34,8 @@ use anyhow::{ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use crate::backend::BackendKind;
-use crate::train::{base_config, prepare, DataArgs, ModelArgs};
+use aam_cli::args::{prepare, DataArgs, ModelArgs};
+use aam_cli::backend::BackendKind;
 
 /// `aam-rs diagnose gradients`.
 #[derive(Args, Debug)]
@@ -154,8 +154,7 @@ pub fn run(args: GradientsArgs) -> Result<()> {
     let (config, loss) = match &checkpoint {
         Some(c) => (c.meta.model.clone(), c.meta.run.loss.clone()),
         None => (
-            ModelConfig::SequenceEncoder(base_config(
-                &args.model,
+            ModelConfig::SequenceEncoder(args.model.encoder_config(
                 args.data.max_bp,
                 args.data.token_limit,
                 EncoderType::Unifrac,
@@ -209,7 +208,7 @@ pub fn run(args: GradientsArgs) -> Result<()> {
         (None, WeightsOn::Cpu) => cpu_draw()?,
         (None, WeightsOn::Backend) => {
             let drawn: HashMap<String, StateTensor> =
-                crate::with_backend!(args.backend, |B, device| {
+                aam_cli::with_backend!(args.backend, |B, device| {
                     <B as burn::prelude::Backend>::seed(&device, args.seed);
                     Ok::<_, anyhow::Error>(
                         config
@@ -250,7 +249,7 @@ pub fn run(args: GradientsArgs) -> Result<()> {
             &config, &state, &batch, &loss, slots, &cpu,
         )?;
         for _ in 0..args.repeats.max(1) {
-            let mut got: StepGradients = crate::with_backend!(args.backend, |B, device| {
+            let mut got: StepGradients = aam_cli::with_backend!(args.backend, |B, device| {
                 Ok::<_, anyhow::Error>(step_gradients::<B>(
                     &config, &state, &batch, &loss, slots, &device,
                 )?)

@@ -1,18 +1,19 @@
 //! `aam-rs`: the command line of aam-rs.
 //!
-//! The only crate that picks a backend, parses arguments and uses `anyhow`.
-//! Subcommands: `pretrain` and `train` (training, in `aam-train`),
-//! `predict` (a trained checkpoint + a table → TSV), `convert` (reference
-//! PyTorch checkpoint → aam-rs model directory), `forward` (run a model on
-//! raw token tensors, write every output to .npz), `backends` (what this
-//! binary can run on, here), `inspect` (check a run's inputs) and `diagnose
-//! attention` (does this platform compute attention correctly?).
+//! The binary parses flags, picks a backend, calls the libraries and prints;
+//! it and `aam-dev` are the only crates that use `anyhow`. One module per
+//! subcommand: `pretrain` and `train` (`train.rs`; the loop is
+//! `aam_train::run::fit`), `predict` (a trained checkpoint + a table → TSV),
+//! `convert` (reference PyTorch checkpoint → aam-rs model directory),
+//! `forward` (run a model on raw token tensors, write every output to .npz),
+//! `backends` (what this binary can run on, here), `inspect` (check a run's
+//! inputs), `diagnose attention` (does this platform compute attention
+//! correctly?) and `diagnose gradients` (does this backend's training step
+//! give the CPU's gradients on my data?). The flag groups several commands
+//! share and the backend choice are the crate's library (`aam_cli::args`,
+//! `aam_cli::backend`); every option is listed in `docs/cli.md`.
 
-mod backend;
 mod convert;
-#[cfg(feature = "cpu-profile")]
-mod cpu_profile;
-mod dense_check;
 mod diagnose;
 mod forward;
 mod gradients;
@@ -20,7 +21,6 @@ mod inspect;
 mod plot;
 mod predict;
 mod progress;
-mod step;
 mod train;
 
 use std::process::ExitCode;
@@ -56,41 +56,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AAM_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .without_time()
-        .init();
+    aam_cli::init();
     let cli = Cli::parse();
-    #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
-    aam_models::persist_compiled_kernels();
     let result = match cli.command {
         Command::Pretrain(args) => train::pretrain(args),
         Command::Train(args) => train::train(args),
         Command::Predict(args) => predict::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Forward(args) => forward::run(args),
-        Command::Backends => backend::list(),
+        Command::Backends => aam_cli::backend::list(),
         Command::Inspect(args) => inspect::run(args),
         Command::Diagnose(args) => diagnose::run(args),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            // The causes, once each: some error types print their source in
-            // their own message as well, which `{:#}` would repeat.
-            let mut message = err.to_string();
-            for cause in err.chain().skip(1).map(|c| c.to_string()) {
-                if !message.ends_with(&cause) {
-                    message = format!("{message}: {cause}");
-                }
-            }
-            eprintln!("error: {message}");
-            ExitCode::FAILURE
-        }
-    }
+    aam_cli::exit_code(result)
 }

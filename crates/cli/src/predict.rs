@@ -6,8 +6,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use aam_data::write_atomic;
 use aam_data::{BatchConfig, BatchLoader, BiomTable, Dataset, Metadata, Transforms};
-use aam_models::import::{write_atomic, ModelConfig};
+use aam_models::model::ModelConfig;
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_models::AttentionBackend;
 use aam_train::checkpoint::{read_checkpoint, Checkpoint};
@@ -15,7 +16,7 @@ use aam_train::run::{batch_tensors, predict_batch, Slots};
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 
-use crate::backend::BackendKind;
+use aam_cli::backend::BackendKind;
 
 /// Flags of `aam-rs predict`.
 #[derive(Args, Debug)]
@@ -116,7 +117,7 @@ pub fn run(args: PredictArgs) -> Result<()> {
         batch_transforms,
         cfg,
     )?;
-    let rows = crate::with_backend!(args.backend, |B, device| predict_on::<B>(
+    let rows = aam_cli::with_backend!(args.backend, |B, device| predict_on::<B>(
         &ckpt, &loader, &dataset, classifier, &device
     ))?;
     let width = rows.first().map_or(1, |r| r.1.len());

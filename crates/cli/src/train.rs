@@ -1,237 +1,32 @@
-//! `aam-rs pretrain` and `aam-rs train`: flags (reference §5.1, §5.2), data
-//! preparation, model construction, and the hand-off to [`aam_train::run::fit`].
+//! `aam-rs pretrain` and `aam-rs train`: their flags (reference §5.1, §5.2),
+//! turned into `aam-train`'s data and run specifications, the backend chosen,
+//! and the hand-off to [`aam_train::run::fit`] with a progress bar.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use aam_data::{
-    AsvSampling, BiomTable, Dataset, DistanceMatrix, MatrixIds, Metadata, MissingPolicy,
-    TargetTransform, Transforms,
-};
-use aam_models::asv_encoder::{AsvEncoderConfig, MaskStrategy};
+use aam_data::{TargetTransform, Transforms};
 use aam_models::categorical::CategoricalEmbedDim;
-use aam_models::import::{AamModel, ModelConfig};
-use aam_models::sample_encoder::{CountEmbeddingMethod, SampleSequenceEncoderConfig};
-use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
+use aam_models::model::{AamModel, ModelConfig};
+use aam_models::sequence_encoder::EncoderType;
 use aam_models::sequence_predictor::{
     CategoricalFusion, OutputActivation, SequencePredictorConfig,
 };
-use aam_models::{AttentionBackend, AttnImplementation, MixedPrecision};
+use aam_models::AttentionBackend;
 use aam_train::checkpoint::{read_checkpoint, Checkpoint, DataInfo};
+use aam_train::config::{BestMetric, RunConfig, Task};
 use aam_train::loss::{BaseLoss, LossConfig, TargetLossKind};
-use aam_train::optim::{OptimizerConfig, OptimizerKind};
-use aam_train::run::{fit, BestMetric, RunConfig, Task, TrainData};
-use aam_train::schedule::{SchedulerConfig, SchedulerKind};
-use aam_train::TrainError;
+use aam_train::optim::OptimizerConfig;
+use aam_train::prepare::{Prepared, TargetSpec};
+use aam_train::run::{fit, TrainData};
+use aam_train::schedule::SchedulerConfig;
 use anyhow::{bail, ensure, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
-use burn::prelude::Backend;
 use clap::Args;
-use serde::de::DeserializeOwned;
 
-use crate::backend::BackendKind;
+use aam_cli::args::{flagged, prepare, serde_value, DataArgs, ModelArgs, OptimArgs, RunArgs};
+
 use crate::progress::Progress;
-
-/// Parses a value by its serde (snake/kebab-case) spelling.
-fn serde_value<T: DeserializeOwned>(s: &str) -> Result<T, String> {
-    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
-}
-
-/// Inputs and their preparation (both commands).
-#[derive(Args, Debug, Clone)]
-pub struct DataArgs {
-    /// BIOM table (HDF5 2.x or JSON 1.0); observation IDs are the ASV sequences.
-    #[arg(long, value_name = "BIOM")]
-    pub table: PathBuf,
-    /// UniFrac distances (.h5 from ssu, .npy/.npz with a sample-ID sidecar, .csv/.tsv).
-    #[arg(long, value_name = "FILE")]
-    pub unifrac_matrix: PathBuf,
-    /// Reads per sample after rarefaction (samples with fewer are dropped, with a warning).
-    #[arg(long, default_value_t = 5000)]
-    pub rarefy_depth: u64,
-    /// Fraction of samples held out for validation.
-    #[arg(long, default_value_t = 0.2)]
-    pub test_size: f64,
-    /// Bases kept per ASV.
-    #[arg(long, default_value_t = 150)]
-    pub max_bp: usize,
-    /// ASV slots per sample.
-    #[arg(long, default_value_t = 1024)]
-    pub token_limit: usize,
-    /// Which ASVs fill the slots of a sample with more: first, abundance or random.
-    #[arg(long, default_value = "first", value_parser = serde_value::<AsvSampling>)]
-    pub asv_sampling: AsvSampling,
-    /// Drop (with a warning listing them) table samples absent from the matrix
-    /// or metadata, instead of stopping.
-    #[arg(long)]
-    pub drop_missing: bool,
-    /// Run the sample level on all --token-limit slots, as the reference
-    /// (default: on each batch's filled slots, rounded up to 32, where the
-    /// model masks empty slots; the losses and gradients are the same).
-    #[arg(long)]
-    pub all_slots: bool,
-}
-
-/// Architecture flags shared by both commands.
-#[derive(Args, Debug, Clone)]
-pub struct ModelArgs {
-    /// Model width D.
-    #[arg(long, default_value_t = 128)]
-    pub embedding_dim: usize,
-    /// Attention heads of every transformer stack.
-    #[arg(long, default_value_t = 4)]
-    pub attention_heads: usize,
-    /// Layers of every transformer stack.
-    #[arg(long, default_value_t = 4)]
-    pub attention_layers: usize,
-    /// Dropout of every transformer stack.
-    #[arg(long, default_value_t = 0.1)]
-    pub dropout: f64,
-    /// Feed per-ASV read counts into the sample encoder.
-    #[arg(long)]
-    pub count_embedding: bool,
-    /// How counts enter: add, concat or film.
-    #[arg(long, default_value = "add", value_parser = serde_value::<CountEmbeddingMethod>)]
-    pub count_embedding_method: CountEmbeddingMethod,
-    /// Fraction of nucleotides masked for the nucleotide loss (0 disables).
-    #[arg(long, default_value_t = 0.15)]
-    pub nuc_mask_ratio: f64,
-    /// Masking strategy: random or span.
-    #[arg(long, default_value = "random", value_parser = serde_value::<MaskStrategy>)]
-    pub nuc_mask_strategy: MaskStrategy,
-    /// ASVs per chunk through the ASV encoder at inference (validation; 0: all at once);
-    /// bounds activation memory there. Training runs all at once: every chunk's
-    /// activations are kept for the backward pass, so chunks would save nothing.
-    #[arg(long, default_value_t = 256)]
-    pub asv_chunk_size: usize,
-    /// Attention implementation: math, fused (the CubeCL kernel) or auto.
-    #[arg(long, default_value = "auto", value_parser = serde_value::<AttnImplementation>)]
-    pub attn_implementation: AttnImplementation,
-}
-
-/// Optimisation flags shared by both commands.
-#[derive(Args, Debug, Clone)]
-pub struct OptimArgs {
-    /// Maximum epochs.
-    #[arg(long, default_value_t = 100)]
-    pub epochs: usize,
-    /// Samples per batch (even: the UniFrac loss compares pairs).
-    #[arg(long, default_value_t = 8)]
-    pub batch_size: usize,
-    /// Batches per optimiser step.
-    #[arg(long, default_value_t = 1)]
-    pub gradient_accumulation_steps: usize,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 1e-4)]
-    pub lr: f64,
-    /// Weight decay.
-    #[arg(long, default_value_t = 0.01)]
-    pub weight_decay: f64,
-    /// adamw, adam or sgd.
-    #[arg(long, default_value = "adamw", value_parser = serde_value::<OptimizerKind>)]
-    pub optimizer: OptimizerKind,
-    /// warmup_cosine, cosine, cosine_restarts, plateau, onecycle or none.
-    #[arg(long, default_value = "warmup_cosine", value_parser = serde_value::<SchedulerKind>)]
-    pub scheduler: SchedulerKind,
-    /// Warm-up steps of warmup_cosine (clamped, with a warning, when ≥ the run).
-    #[arg(long, default_value_t = 10000)]
-    pub warmup_steps: u64,
-    /// cosine_restarts: first period in steps (default: a quarter of the run).
-    #[arg(long)]
-    pub scheduler_t0: Option<u64>,
-    /// cosine_restarts: period multiplier (default 2).
-    #[arg(long)]
-    pub scheduler_t_mult: Option<u64>,
-    /// cosine schedules: floor (default 0).
-    #[arg(long)]
-    pub scheduler_eta_min: Option<f64>,
-    /// plateau: epochs without improvement before a reduction (default 5).
-    #[arg(long)]
-    pub scheduler_patience: Option<u64>,
-    /// plateau: reduction factor (default 0.3).
-    #[arg(long)]
-    pub scheduler_factor: Option<f64>,
-    /// plateau: floor (default 0).
-    #[arg(long)]
-    pub scheduler_min_lr: Option<f64>,
-    /// Clip the global gradient norm to this value.
-    #[arg(long)]
-    pub max_grad_norm: Option<f64>,
-    /// Early stopping: epochs without improvement.
-    #[arg(long, default_value_t = 10)]
-    pub patience: usize,
-    /// Seed of rarefaction, split, batch order, dropout and masking.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
-    /// Batch-building threads.
-    #[arg(long, default_value_t = 4)]
-    pub num_workers: usize,
-}
-
-/// Where to run and write.
-#[derive(Args, Debug, Clone)]
-pub struct RunArgs {
-    /// Output directory (checkpoints/, metrics.csv, plots, sample lists).
-    #[arg(long, value_name = "DIR")]
-    pub output_dir: PathBuf,
-    /// Continue the run of this checkpoint (its configuration is used; data
-    /// must be the same).
-    #[arg(long, value_name = "CHECKPOINT")]
-    pub resume_from: Option<PathBuf>,
-    /// Compute backend (`aam-rs backends` lists those compiled in).
-    #[arg(long, value_enum, default_value_t = BackendKind::default())]
-    pub backend: BackendKind,
-    #[command(flatten)]
-    pub checkpointing: CheckpointingArgs,
-    #[command(flatten)]
-    pub precision: PrecisionArgs,
-    /// Log device memory per phase of the training step (data, upload,
-    /// forward, loss, backward, optimizer) each epoch and write
-    /// memory_profile.csv (CubeCL backends; slows the run a little).
-    #[arg(long)]
-    pub memory_profile: bool,
-}
-
-/// `--mixed-precision`.
-#[derive(Args, Debug, Clone, Copy)]
-pub struct PrecisionArgs {
-    /// Mixed precision: run the transformer layers' matmuls, attention and
-    /// feed-forward in bf16 or fp16 (fp16 with dynamic loss scaling), keeping
-    /// weights, norms and losses in f32. GPU backends only. Default: none.
-    #[arg(long, default_value = "none", value_parser = serde_value::<MixedPrecision>)]
-    pub mixed_precision: MixedPrecision,
-}
-
-impl PrecisionArgs {
-    /// Fails, naming the flag, when backend `B` cannot compute in the type.
-    pub fn check<B: Backend>(&self, device: &B::Device, backend: &str) -> Result<()> {
-        if let Some(dtype) = self.mixed_precision.dtype() {
-            anyhow::ensure!(
-                B::supports_dtype(device, dtype),
-                "--mixed-precision {}: the {backend} backend has no {dtype:?} arithmetic on this device (use none, or a GPU backend)",
-                serde_json::to_value(self.mixed_precision)?
-                    .as_str()
-                    .unwrap_or_default()
-            );
-        }
-        Ok(())
-    }
-}
-
-/// `--gradient-checkpointing` / `--no-gradient-checkpointing`.
-#[derive(Args, Debug, Clone, Copy)]
-pub struct CheckpointingArgs {
-    /// Gradient checkpointing: recompute memory-bound operations (activations,
-    /// norms, dropout) in the backward pass instead of keeping their outputs.
-    /// Less memory, more time; works with every attention path. Default: off.
-    #[arg(long, overrides_with = "no_gradient_checkpointing")]
-    pub gradient_checkpointing: bool,
-    /// Keep every intermediate for the backward pass (the default).
-    #[arg(long, overrides_with = "gradient_checkpointing")]
-    pub no_gradient_checkpointing: bool,
-}
 
 /// `aam-rs pretrain`: self-supervised pre-training of the base model on
 /// UniFrac distances and masked nucleotides.
@@ -354,53 +149,6 @@ pub struct TrainArgs {
     best_metric: BestMetric,
 }
 
-pub fn base_config(
-    m: &ModelArgs,
-    max_bp: usize,
-    token_limit: usize,
-    encoder_type: EncoderType,
-) -> Result<SequenceEncoderConfig> {
-    ensure!(
-        m.embedding_dim > 0 && m.embedding_dim % m.attention_heads.max(1) == 0,
-        "--embedding-dim {} must be a positive multiple of --attention-heads {}",
-        m.embedding_dim,
-        m.attention_heads
-    );
-    ensure!(
-        (0.0..1.0).contains(&m.dropout),
-        "--dropout must lie in [0, 1), got {}",
-        m.dropout
-    );
-    ensure!(
-        (0.0..1.0).contains(&m.nuc_mask_ratio),
-        "--nuc-mask-ratio must lie in [0, 1), got {}",
-        m.nuc_mask_ratio
-    );
-    let asv = AsvEncoderConfig::new()
-        .with_embedding_dim(m.embedding_dim)
-        .with_max_bp(max_bp)
-        .with_num_layers(m.attention_layers)
-        .with_num_heads(m.attention_heads)
-        .with_dropout(m.dropout)
-        .with_predict_nucleotides(true)
-        .with_asv_chunk_size((m.asv_chunk_size > 0).then_some(m.asv_chunk_size))
-        .with_attn_implementation(m.attn_implementation)
-        .with_mask_ratio(m.nuc_mask_ratio)
-        .with_mask_strategy(m.nuc_mask_strategy);
-    let sample = SampleSequenceEncoderConfig::new(asv)
-        .with_token_limit(token_limit)
-        .with_sample_num_layers(m.attention_layers)
-        .with_sample_num_heads(m.attention_heads)
-        .with_sample_dropout(m.dropout)
-        .with_count_embedding(m.count_embedding)
-        .with_count_embedding_method(m.count_embedding_method);
-    Ok(SequenceEncoderConfig::new(sample)
-        .with_encoder_num_layers(m.attention_layers)
-        .with_encoder_num_heads(m.attention_heads)
-        .with_encoder_dropout(m.dropout)
-        .with_encoder_type(encoder_type))
-}
-
 fn run_config(
     task: Task,
     o: &OptimArgs,
@@ -446,190 +194,10 @@ fn run_config(
     }
 }
 
-/// The table, rarefied, and the dataset joined with the matrix (and metadata).
-pub(crate) struct Prepared {
-    pub(crate) dataset: Arc<Dataset>,
-    pub(crate) train: Vec<usize>,
-    validation: Vec<usize>,
-    sources: BTreeMap<String, String>,
-    /// The classifier's labels (index = class), when the target is a label column.
-    class_labels: Option<Vec<String>>,
-}
-
-/// The target of `train`: a metadata column, numeric or (with `--classifier`)
-/// labels; `labels` fixes the label order (a resumed run's).
-pub(crate) struct TargetSpec<'a> {
-    path: &'a Path,
-    column: &'a str,
-    classifier: bool,
-    labels: Option<&'a [String]>,
-}
-
-pub(crate) fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
-    ensure!(
-        (0.0..1.0).contains(&d.test_size),
-        "--test-size must lie in [0, 1), got {}",
-        d.test_size
-    );
-    let table = BiomTable::read(&d.table)
-        .with_context(|| format!("reading --table {}", d.table.display()))?;
-    let rarefied = table.rarefy(d.rarefy_depth, seed).with_context(|| {
-        format!(
-            "rarefying {} to --rarefy-depth {}",
-            d.table.display(),
-            d.rarefy_depth
-        )
-    })?;
-    if !rarefied.dropped.is_empty() {
-        tracing::warn!(
-            "{} sample(s) have fewer than {} reads and were dropped by rarefaction: {}",
-            rarefied.dropped.len(),
-            d.rarefy_depth,
-            aam_data::IdList::new(&rarefied.dropped)
-        );
-    }
-    let matrix = DistanceMatrix::read(&d.unifrac_matrix, &MatrixIds::Auto)
-        .with_context(|| format!("reading --unifrac-matrix {}", d.unifrac_matrix.display()))?;
-    let policy = if d.drop_missing {
-        MissingPolicy::Drop
-    } else {
-        MissingPolicy::Error
-    };
-    let mut builder = Dataset::builder(&rarefied.table)
-        .max_bp(d.max_bp)
-        .unifrac(Arc::new(matrix), policy);
-    let mut sources = BTreeMap::from([
-        ("table".to_string(), d.table.display().to_string()),
-        (
-            "unifrac_matrix".to_string(),
-            d.unifrac_matrix.display().to_string(),
-        ),
-    ]);
-    let mut class_labels = None;
-    if let Some(t) = target {
-        let mut meta = Metadata::read(t.path)
-            .with_context(|| format!("reading --metadata {}", t.path.display()))?;
-        if t.classifier {
-            // The dataset reads numeric targets: labels become class indices.
-            let (indexed, labels) =
-                class_indexed(&meta, t.column, rarefied.table.sample_ids(), t.labels)?;
-            meta = indexed;
-            class_labels = Some(labels);
-        }
-        builder = builder.metadata(Arc::new(meta)).target(t.column, policy);
-        sources.insert("metadata".into(), t.path.display().to_string());
-    }
-    let dataset = builder
-        .build()
-        .context("matching the table, the UniFrac matrix and the metadata by sample ID")?;
-    let split = dataset.split(d.test_size, seed)?;
-    tracing::info!(
-        "{} samples ({} train, {} validation), {} ASVs",
-        dataset.len(),
-        split.train.len(),
-        split.validation.len(),
-        dataset.asv_ids().len()
-    );
-    Ok(Prepared {
-        dataset: Arc::new(dataset),
-        train: split.train,
-        validation: split.validation,
-        sources,
-        class_labels,
-    })
-}
-
-/// A copy of `meta` whose `column` holds class indices instead of labels, and
-/// the labels (index = class): `known` ones (a resumed run's), or the sorted
-/// distinct labels of the samples in `ids` (missing values stay missing).
-fn class_indexed(
-    meta: &Metadata,
-    column: &str,
-    ids: &[String],
-    known: Option<&[String]>,
-) -> Result<(Metadata, Vec<String>)> {
-    let col = meta.column(column)?;
-    let labels: Vec<String> = match known {
-        Some(l) => l.to_vec(),
-        None => {
-            let mut l: Vec<String> = ids
-                .iter()
-                .filter_map(|id| meta.row(id).and_then(|r| meta.value(r, col)))
-                .map(str::to_string)
-                .collect();
-            l.sort();
-            l.dedup();
-            l
-        }
-    };
-    ensure!(
-        !labels.is_empty(),
-        "{}: column {column} has no values for the table's samples",
-        meta.source().display()
-    );
-    let index: BTreeMap<&str, usize> = labels
-        .iter()
-        .enumerate()
-        .map(|(i, l)| (l.as_str(), i))
-        .collect();
-    let in_table: std::collections::HashSet<&str> = ids.iter().map(String::as_str).collect();
-    let mut text = std::iter::once(meta.id_column())
-        .chain(meta.columns().iter().map(String::as_str))
-        .collect::<Vec<_>>()
-        .join("\t");
-    text.push('\n');
-    for (row, id) in meta.sample_ids().iter().enumerate() {
-        text.push_str(id);
-        for c in 0..meta.columns().len() {
-            text.push('\t');
-            match (meta.value(row, c), c == col) {
-                (Some(v), true) => match index.get(v) {
-                    Some(i) => text.push_str(&i.to_string()),
-                    // Only a resumed run's labels can miss one; a sample outside the table is left out.
-                    None if in_table.contains(id.as_str()) => bail!(
-                        "{}: sample {id:?} has label {v:?} in column {column}, not one of the checkpoint's {labels:?}",
-                        meta.source().display()
-                    ),
-                    None => {}
-                },
-                (Some(v), false) => text.push_str(v),
-                (None, _) => {}
-            }
-        }
-        text.push('\n');
-    }
-    let indexed = Metadata::from_bytes(text.as_bytes(), meta.source())?;
-    Ok((indexed, labels))
-}
-
-fn info(
-    p: &Prepared,
-    d: &DataArgs,
-    transforms: Transforms,
-    class_labels: Option<Vec<String>>,
-    target: Option<String>,
-) -> DataInfo {
-    let ids = |pos: &[usize]| {
-        pos.iter()
-            .map(|&s| p.dataset.sample_ids()[s].clone())
-            .collect()
-    };
-    DataInfo {
-        transforms,
-        class_labels,
-        max_bp: d.max_bp,
-        target_column: target,
-        rarefy_depth: Some(d.rarefy_depth as usize),
-        sources: p.sources.clone(),
-        train_ids: ids(&p.train),
-        validation_ids: ids(&p.validation),
-    }
-}
-
 fn write_ids(path: &Path, ids: &[String]) -> Result<()> {
     let mut text = ids.join("\n");
     text.push('\n');
-    aam_models::import::write_atomic(path, text.as_bytes())?;
+    aam_data::write_atomic(path, text.as_bytes())?;
     Ok(())
 }
 
@@ -658,12 +226,7 @@ fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
 
 /// Checks a run configuration; an error names the flag at fault (`invalid --batch-size: ...`).
 fn check_run(run: &RunConfig) -> Result<()> {
-    run.validate().map_err(|e| match e {
-        TrainError::InvalidArgument { field, reason } => {
-            anyhow::anyhow!("invalid --{}: {reason}", field.replace('_', "-"))
-        }
-        e => e.into(),
-    })
+    run.validate().map_err(flagged)
 }
 
 /// Whether a `--resume-from` checkpoint ends a finished run (all epochs, or
@@ -694,8 +257,7 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
     let (model_config, run) = match &resume {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
         None => {
-            let base = base_config(
-                &args.model,
+            let base = args.model.encoder_config(
                 args.data.max_bp,
                 args.data.token_limit,
                 EncoderType::Unifrac,
@@ -728,7 +290,7 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
     };
     let info = match &resume {
         Some(c) => c.meta.data.clone(),
-        None => info(&prepared, &args.data, transforms, None, None),
+        None => prepared.data_info(&args.data.spec(run.seed), transforms, None, None),
     };
     start(
         args.run.clone(),
@@ -805,8 +367,7 @@ fn train_setup(
     p: &Prepared,
     pretrained: Option<&Checkpoint>,
 ) -> Result<(ModelConfig, RunConfig, DataInfo)> {
-    let mut base = base_config(
-        &args.model,
+    let mut base = args.model.encoder_config(
         args.data.max_bp,
         args.data.token_limit,
         EncoderType::Unifrac,
@@ -952,9 +513,8 @@ fn train_setup(
         args.categorical_lr,
         args.best_metric,
     );
-    let info = info(
-        p,
-        &args.data,
+    let info = p.data_info(
+        &args.data.spec(args.optim.seed),
         transforms,
         class_labels,
         Some(args.metadata_column.clone()),
@@ -992,7 +552,7 @@ fn start(
         validation: prepared.validation,
         info,
     };
-    crate::with_backend!(r.backend, |B, device| fit_on::<B>(
+    aam_cli::with_backend!(r.backend, |B, device| fit_on::<B>(
         &device,
         &r,
         model_config,
@@ -1041,7 +601,7 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
     if let Some(dir) = target.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    aam_models::import::write_atomic(&target, &bytes)?;
+    aam_data::write_atomic(&target, &bytes)?;
     tracing::info!(
         "copied the best checkpoint so far (epoch {}) to {}",
         best.epoch + 1,
@@ -1165,7 +725,7 @@ fn load_encoder<B: burn::tensor::backend::Backend>(
     config: &ModelConfig,
     encoder: &Checkpoint,
 ) -> Result<()> {
-    let mut state: std::collections::HashMap<String, aam_models::import::StateTensor> =
+    let mut state: std::collections::HashMap<String, aam_models::model::StateTensor> =
         model.state_dict(config).into_iter().collect();
     let mut loaded = 0;
     for (key, tensor) in &encoder.model {

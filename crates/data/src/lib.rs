@@ -74,6 +74,7 @@ mod split;
 pub mod summary;
 pub mod tokenize;
 mod unifrac;
+mod write;
 
 pub use batch::{AsvSampling, Batch, BatchConfig, BatchLoader, Prefetch, Transforms};
 pub use biom::{BiomTable, SampleCounts};
@@ -92,3 +93,4 @@ pub use tokenize::TokenCache;
 pub use unifrac::{
     read_id_file, sidecar_candidates, DistanceMatrix, MatrixIds, MissingPolicy, TOLERANCE,
 };
+pub use write::write_atomic;

@@ -15,14 +15,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use aam_data::write_atomic;
 use aam_data::Transforms;
-use aam_models::import::{write_atomic, AamModel, ModelConfig, StateTensor};
+use aam_models::model::{AamModel, ModelConfig, StateTensor};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::optim::LossScaler;
-use crate::run::RunConfig;
 use crate::schedule::Scheduler;
 
 /// The metadata key holding [`CheckpointMeta`].

@@ -53,6 +53,16 @@ pub enum TrainError {
         #[source]
         source: std::io::Error,
     },
+    /// An input file given by an option could not be used (`option` is the
+    /// option's command-line spelling without dashes; the source names the file).
+    #[error("--{option}: {source}")]
+    Input {
+        /// The option that named the input.
+        option: &'static str,
+        /// The cause.
+        #[source]
+        source: aam_data::Error,
+    },
     /// The data pipeline failed.
     #[error(transparent)]
     Data(#[from] aam_data::Error),

@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use aam_data::Batch;
-use aam_models::import::{AamModel, ModelConfig, StateTensor};
+use aam_models::model::{AamModel, ModelConfig, StateTensor};
 use aam_models::AttentionBackend;
 use burn::backend::Autodiff;
 use burn::prelude::*;

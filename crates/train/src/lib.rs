@@ -1,12 +1,22 @@
 //! `aam-train`: everything between a batch and a trained checkpoint.
 //!
-//! **Job.** The reference's losses and metrics (§3: [`loss`], [`metrics`]),
-//! optimisers and learning-rate schedules (§4.1–4.2: [`optim`],
-//! [`schedule`]), checkpoints ([`checkpoint`]) and the epoch loop with
-//! validation, early stopping and logs (§4.3–4.4: [`run::fit`]), generic
-//! over any Burn autodiff backend that implements the attention extension;
-//! and [`gradcheck`], which compares a backend's training step with the
-//! CPU's on the same weights and batch.
+//! **Job.** What a run is asked to do, checked before anything is loaded
+//! ([`config`]: the run's hyper-parameters and the model's architecture from
+//! the user's options), the run's samples from the user's files ([`prepare`]:
+//! read, rarefied, joined by sample ID, split), the reference's losses and
+//! metrics (§3: [`loss`], [`metrics`]), optimisers and learning-rate schedules
+//! (§4.1–4.2: [`optim`], [`schedule`]), checkpoints ([`checkpoint`]) and the
+//! epoch loop with validation, early stopping and logs (§4.3–4.4:
+//! [`run::fit`]), generic over any Burn autodiff backend that implements the
+//! attention extension; and [`gradcheck`], which compares a backend's
+//! training step with the CPU's on the same weights and batch.
+//!
+//! **How a run goes.** A front end (the `aam-rs` binary) turns flags into a
+//! [`prepare::DataSpec`], a [`config::ModelSpec`] and a [`config::RunConfig`],
+//! calls [`prepare::prepare`], builds the model, and hands everything to
+//! [`run::fit`]. `fit` owns the loop; progress comes back through a
+//! [`run::Observer`]. Modules depend downwards only: `config` ← `checkpoint`
+//! ← `run`; `prepare` and `gradcheck` sit beside `run`.
 //!
 //! **Design choices to defend.**
 //! - *Parameters are named by their torch state-dict key everywhere*: in
@@ -29,11 +39,13 @@
 #![deny(missing_docs)]
 
 pub mod checkpoint;
+pub mod config;
 mod error;
 pub mod gradcheck;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
+pub mod prepare;
 pub mod run;
 pub mod schedule;
 

@@ -316,7 +316,7 @@ impl<B: AttentionBackend> Optimizer<B> {
     /// model). The arithmetic per element is unchanged (bit for bit). A group
     /// that updates again reuses its flat moments instead of concatenating
     /// the per-parameter views (on the H100 that took the optimiser phase of a
-    /// real-data step from 19.8 to 14.6 ms, `benches/RESULTS.md`).
+    /// real-data step from 19.8 to 14.6 ms, `docs/performance.md`).
     ///
     /// Per parameter ([`Optimizer::with_per_parameter_updates`]) where the
     /// backend fuses element-wise chains: there each parameter's update is

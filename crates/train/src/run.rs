@@ -19,153 +19,27 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use aam_data::{AsvSampling, Batch, BatchConfig, BatchLoader, Dataset};
-use aam_models::import::{write_atomic, AamModel, ModelConfig};
+use aam_data::{write_atomic, Batch, BatchConfig, BatchLoader, Dataset};
+use aam_models::model::{AamModel, ModelConfig};
 use aam_models::output::{AsvTokens, ModelInput};
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPrecision};
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{
     write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochRecord, Progress,
     FORMAT_VERSION,
 };
+use crate::config::{RunConfig, Task};
 use crate::error::{Result, TrainError};
 use crate::loss::{
-    nucleotide_accuracy, pairwise_tanh_distances, LossConfig, LossParts, LossTargets, Predictions,
-    Target,
+    nucleotide_accuracy, pairwise_tanh_distances, LossParts, LossTargets, Predictions, Target,
 };
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
-use crate::optim::{GradientBuffer, LossScaler, Optimizer, OptimizerConfig};
-use crate::schedule::{Scheduler, SchedulerConfig};
-
-/// Self-supervised pre-training or supervised training.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Task {
-    /// `aam-rs pretrain`.
-    Pretrain,
-    /// `aam-rs train`.
-    Train,
-}
-
-/// The metric that selects the best epoch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum BestMetric {
-    /// Validation total loss (lower is better).
-    #[default]
-    ValLoss,
-    /// R² (higher).
-    R2,
-    /// MAE (lower).
-    Mae,
-    /// Accuracy (higher).
-    Accuracy,
-    /// Weighted F1 (higher).
-    F1,
-}
-
-impl BestMetric {
-    /// The key in the validation results.
-    pub fn key(self) -> &'static str {
-        match self {
-            Self::ValLoss => "total_loss",
-            Self::R2 => "r2",
-            Self::Mae => "mae",
-            Self::Accuracy => "accuracy",
-            Self::F1 => "f1",
-        }
-    }
-
-    fn higher_is_better(self) -> bool {
-        matches!(self, Self::R2 | Self::Accuracy | Self::F1)
-    }
-}
-
-/// The run's hyper-parameters (everything but the model and the data).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RunConfig {
-    /// Pretrain or train.
-    pub task: Task,
-    /// Maximum epochs.
-    pub epochs: usize,
-    /// Samples per batch (even).
-    pub batch_size: usize,
-    /// Batches per optimiser step.
-    pub gradient_accumulation_steps: usize,
-    /// Global gradient-norm clipping threshold.
-    pub max_grad_norm: Option<f64>,
-    /// Learning rate of the categorical modules (default: the base lr).
-    pub categorical_lr: Option<f64>,
-    /// Optimiser.
-    pub optimizer: OptimizerConfig,
-    /// Learning-rate schedule (`total_steps` is filled in by [`fit`]).
-    pub scheduler: SchedulerConfig,
-    /// Loss weights and kinds.
-    pub loss: LossConfig,
-    /// Early-stopping patience in epochs.
-    pub patience: usize,
-    /// The metric that selects the best epoch.
-    pub best_metric: BestMetric,
-    /// Seed of the split, batch order, dropout and masking.
-    pub seed: u64,
-    /// ASV slots per sample.
-    pub token_limit: usize,
-    /// Which ASVs fill the slots when a sample has more.
-    pub asv_sampling: AsvSampling,
-    /// Run every batch on all `token_limit` slots, as the reference
-    /// (`--all-slots`), instead of [`Slots::for_model`]'s choice.
-    #[serde(default)]
-    pub all_slots: bool,
-    /// Batch-building threads.
-    pub workers: usize,
-    /// Record device memory per phase of the training step (`--memory-profile`);
-    /// synchronises the device after each phase, so the run is slower.
-    #[serde(default)]
-    pub memory_profile: bool,
-    /// Mixed precision of the transformer stacks (`--mixed-precision`); fp16
-    /// adds dynamic loss scaling.
-    #[serde(default)]
-    pub mixed_precision: MixedPrecision,
-}
-
-impl RunConfig {
-    /// Checks ranges, naming the flag at fault.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |f: &str, r: String| Err(TrainError::arg(f, r));
-        if self.epochs == 0 {
-            return bad("epochs", "must be ≥ 1".into());
-        }
-        if self.batch_size < 2 || self.batch_size % 2 == 1 {
-            return bad(
-                "batch-size",
-                format!(
-                    "must be even and ≥ 2 (UniFrac pairs), got {}",
-                    self.batch_size
-                ),
-            );
-        }
-        if self.gradient_accumulation_steps == 0 {
-            return bad("gradient-accumulation-steps", "must be ≥ 1".into());
-        }
-        if !(self.scheduler.lr > 0.0 && self.scheduler.lr.is_finite()) {
-            return bad("lr", format!("must be > 0, got {}", self.scheduler.lr));
-        }
-        if let Some(n) = self.max_grad_norm {
-            if !(n > 0.0) {
-                return bad("max-grad-norm", format!("must be > 0, got {n}"));
-            }
-        }
-        if self.token_limit == 0 {
-            return bad("token-limit", "must be ≥ 1".into());
-        }
-        self.loss.validate()
-    }
-}
+use crate::optim::{GradientBuffer, LossScaler, Optimizer};
+use crate::schedule::Scheduler;
 
 /// The samples of a run.
 #[derive(Clone, Debug)]
@@ -579,6 +453,12 @@ impl StepProfiler {
 
 /// Trains `model` (fresh, or restored from `resume`) and writes checkpoints
 /// and logs under `out_dir`.
+///
+/// An epoch is [`Trainer::train_epoch`] (each batch one
+/// [`Trainer::forward_backward`], and an optimiser step every
+/// `gradient_accumulation_steps` batches, [`Trainer::optimizer_step`]), then
+/// [`validate`] on the validation samples, then [`Trainer::end_epoch`] (best
+/// epoch, early stopping, checkpoints, metrics).
 #[allow(clippy::too_many_arguments)]
 pub fn fit<AB>(
     device: &AB::Device,
@@ -597,42 +477,14 @@ where
     run.validate()?;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
     let slots = Slots::for_model(&model_config, run.all_slots);
-    let mut train_cfg = BatchConfig::train(run.batch_size, run.token_limit, run.seed);
-    train_cfg.asv_sampling = run.asv_sampling;
-    train_cfg.workers = run.workers.max(1);
-    train_cfg.prefetch = 2 * train_cfg.workers;
-    let transforms = Arc::new(data.info.transforms.clone());
-    let train_loader = BatchLoader::new(
-        data.dataset.clone(),
-        data.train.clone(),
-        transforms.clone(),
-        train_cfg.clone(),
-    )?;
-    let val_loader = if data.validation.is_empty() {
-        None
-    } else {
-        let cfg = BatchConfig {
-            shuffle: false,
-            drop_last: false,
-            require_even: false,
-            ..train_cfg.clone()
-        };
-        Some(BatchLoader::new(
-            data.dataset.clone(),
-            data.validation.clone(),
-            transforms,
-            cfg,
-        )?)
-    };
+    let (train_loader, val_loader) = loaders(&run, &data)?;
     let batches = train_loader.num_batches();
-    let accum = run.gradient_accumulation_steps;
-    run.scheduler.total_steps = (batches.div_ceil(accum) * run.epochs) as u64;
+    run.scheduler.total_steps =
+        (batches.div_ceil(run.gradient_accumulation_steps) * run.epochs) as u64;
 
-    let name = |path: &str| model_config.torch_key(path);
-    let base_lr = run.scheduler.lr;
     let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone())
         .with_per_parameter_updates(AB::fuses_elementwise());
-    let (mut scheduler, mut progress) = match resume {
+    let (scheduler, mut progress) = match resume {
         Some(ckpt) => {
             if ckpt.meta.data.train_ids != data.info.train_ids
                 || ckpt.meta.data.validation_ids != data.info.validation_ids
@@ -659,7 +511,6 @@ where
             },
         ),
     };
-    let return_nucleotides = run.loss.nuc_penalty > 0.0;
     // fp16 needs loss scaling; a resumed run keeps its scale.
     match run.mixed_precision {
         MixedPrecision::Fp16 => {
@@ -667,112 +518,176 @@ where
         }
         _ => progress.loss_scaler = None,
     }
-    let out = |rel: &str| out_dir.join(rel);
+    let mut trainer = Trainer {
+        device,
+        model_config: &model_config,
+        run: &run,
+        data: &data,
+        out_dir,
+        optimizer,
+        scheduler,
+        progress,
+        classifier,
+        slots,
+        return_nucleotides: run.loss.nuc_penalty > 0.0,
+        batches,
+    };
     let mut stopped_early = false;
+    for epoch in trainer.progress.epochs_done..run.epochs {
+        let (trained, training) = trainer.train_epoch(model, &train_loader, epoch, observer)?;
+        model = trained;
+        // Validation (eval mode: the inner backend has no autodiff).
+        let (validation, val_rows) = match &val_loader {
+            Some(loader) => {
+                observer.validating(loader.num_batches());
+                let eval_model = valid(&model);
+                validate(&eval_model, loader, &run, &data, classifier, slots, device)?
+            }
+            None => (BTreeMap::new(), Vec::new()),
+        };
+        let (record, improved) =
+            trainer.end_epoch(&model, epoch, training, validation, &val_rows)?;
+        observer.epoch(&record, improved);
+        if trainer.progress.bad_epochs >= run.patience.max(1) {
+            tracing::info!(
+                "early stopping: no improvement of {} for {} epochs",
+                run.best_metric.key(),
+                trainer.progress.bad_epochs
+            );
+            stopped_early = true;
+            break;
+        }
+        if observer.should_stop() {
+            break;
+        }
+    }
+    Ok(FitSummary {
+        history: trainer.progress.history,
+        best: trainer.progress.best,
+        best_checkpoint: out_dir.join(files::BEST),
+        last_checkpoint: out_dir.join(files::LAST),
+        stopped_early,
+    })
+}
 
-    for epoch in progress.epochs_done..run.epochs {
+/// The training and (when there are validation samples) validation loaders.
+fn loaders(run: &RunConfig, data: &TrainData) -> Result<(BatchLoader, Option<BatchLoader>)> {
+    let mut train_cfg = BatchConfig::train(run.batch_size, run.token_limit, run.seed);
+    train_cfg.asv_sampling = run.asv_sampling;
+    train_cfg.workers = run.workers.max(1);
+    train_cfg.prefetch = 2 * train_cfg.workers;
+    let transforms = Arc::new(data.info.transforms.clone());
+    let train = BatchLoader::new(
+        data.dataset.clone(),
+        data.train.clone(),
+        transforms.clone(),
+        train_cfg.clone(),
+    )?;
+    let validation = if data.validation.is_empty() {
+        None
+    } else {
+        let cfg = BatchConfig {
+            shuffle: false,
+            drop_last: false,
+            require_even: false,
+            ..train_cfg
+        };
+        Some(BatchLoader::new(
+            data.dataset.clone(),
+            data.validation.clone(),
+            transforms,
+            cfg,
+        )?)
+    };
+    Ok((train, validation))
+}
+
+/// What one epoch's training passes leave for its record.
+struct EpochTraining {
+    /// Loss (and gradient-norm) means over the epoch's batches.
+    means: BTreeMap<String, f64>,
+    /// Training samples seen.
+    seen: usize,
+    /// Seconds of training (without validation).
+    seconds: f64,
+    /// Learning rate of the epoch's last optimiser step.
+    last_lr: f64,
+    /// When the epoch started.
+    started: Instant,
+}
+
+/// One batch's forward and backward pass, before the optimiser.
+struct BatchPass<AB: AutodiffBackend> {
+    parts: LossParts<AB>,
+    accuracy: Option<(Tensor<AB, 1>, Tensor<AB, 1>)>,
+}
+
+/// The state a run carries from batch to batch: optimiser, schedule and
+/// progress counters (everything a checkpoint stores besides the weights).
+struct Trainer<'a, AB: AutodiffBackend> {
+    device: &'a AB::Device,
+    model_config: &'a ModelConfig,
+    run: &'a RunConfig,
+    data: &'a TrainData,
+    out_dir: &'a Path,
+    optimizer: Optimizer<AB::InnerBackend>,
+    scheduler: Scheduler,
+    progress: Progress,
+    classifier: bool,
+    slots: Slots,
+    return_nucleotides: bool,
+    /// Training batches per epoch.
+    batches: usize,
+}
+
+impl<AB> Trainer<'_, AB>
+where
+    AB: AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    /// One epoch over the training batches: a forward and backward pass per
+    /// batch, an optimiser step every `gradient_accumulation_steps` batches
+    /// (and after the last), one host read per batch.
+    fn train_epoch(
+        &mut self,
+        mut model: AamModel<AB>,
+        loader: &BatchLoader,
+        epoch: usize,
+        observer: &mut dyn Observer,
+    ) -> Result<(AamModel<AB>, EpochTraining)> {
+        let (run, device) = (self.run, self.device);
+        let accum = run.gradient_accumulation_steps;
         let started = Instant::now();
         let mut means = Means::default();
         let mut buffer = GradientBuffer::<AB::InnerBackend>::default();
         let mut pending = 0usize;
         let mut seen = 0usize;
-        let mut last_lr = scheduler.lr();
+        let mut last_lr = self.scheduler.lr();
         let mut timer = StepProfiler::new(run.memory_profile);
-        for (k, batch) in train_loader.epoch(epoch as u64).enumerate() {
+        for (k, batch) in loader.epoch(epoch as u64).enumerate() {
             let batch = batch?;
-            let stream = mix(run.seed, progress.micro_step);
+            let stream = mix(run.seed, self.progress.micro_step);
             AB::seed(device, stream);
             set_attention_dropout_seed(stream);
-            progress.micro_step += 1;
+            self.progress.micro_step += 1;
             timer.mark::<AB>(device, "data");
-            let (input, targets) = batch_tensors::<AB>(&batch, device, classifier, slots);
-            timer.mark::<AB>(device, "upload");
-            let predictions = {
-                let _autocast = autocast(run.mixed_precision);
-                predict_batch(&model, input, return_nucleotides)
-            };
-            timer.mark::<AB>(device, "forward");
-            let parts = run.loss.forward(&predictions, &targets)?;
-            let accuracy = predictions
-                .nuc_logits
-                .as_ref()
-                .map(|logits| {
-                    Ok::<_, TrainError>(nucleotide_accuracy(
-                        logits.clone().detach(),
-                        predictions.nuc_targets(&targets)?,
-                        predictions.mask_indices.clone(),
-                    ))
-                })
-                .transpose()?;
-            timer.mark::<AB>(device, "loss");
-            let loss_scale = progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
-            let grads = if loss_scale == 1.0 {
-                parts.total.backward()
-            } else {
-                (parts.total.clone() * loss_scale).backward()
-            };
-            timer.mark::<AB>(device, "backward");
-            buffer.accumulate(GradientBuffer::collect_model(
-                &model,
-                &grads,
-                &name,
-                1.0 / (accum as f64 * loss_scale),
-            ));
-            timer.mark::<AB>(device, "collect");
+            let pass = self.forward_backward(&model, &batch, &mut buffer, &mut timer)?;
             pending += 1;
             seen += batch.batch_size();
             // The gradient norm before clipping, still on the device.
             let mut grad_norm = None;
-            if pending == accum || k + 1 == batches {
-                if let Some(scaler) = progress.loss_scaler.as_mut() {
-                    // fp16: the norm is read here (one host read serves the
-                    // overflow check and clipping). A step whose scaled
-                    // gradients overflowed is skipped (its gradients dropped)
-                    // and the scale lowered.
-                    let norm = buffer.global_norm();
-                    if !scaler.update(norm.is_finite()) {
-                        tracing::debug!(
-                            "fp16 gradients overflowed: step skipped, loss scale now {}",
-                            scaler.scale
-                        );
-                        buffer.clear();
-                    }
-                    if let Some(max_norm) = run.max_grad_norm {
-                        if !buffer.is_empty() {
-                            buffer.clip_to_norm(max_norm, norm);
-                            means.add("grad_norm", norm);
-                        }
-                    }
-                } else if let Some(max_norm) = run.max_grad_norm {
-                    // On the device: the optimiser is queued behind the backward
-                    // pass, and the norm is read below with the losses.
-                    grad_norm = buffer
-                        .clip_global_norm(max_norm)
-                        .map(Tensor::<AB, 1>::from_inner);
-                }
-                last_lr = scheduler.lr();
-                let factor = last_lr / base_lr;
-                let group_lr = |key: &str| match run.categorical_lr {
-                    Some(c) if is_categorical_param(key) => c * factor,
-                    _ => last_lr,
-                };
-                model = step_model(
-                    &mut optimizer,
-                    model,
-                    std::mem::take(&mut buffer),
-                    &name,
-                    &group_lr,
-                    scheduler.beta1(),
-                );
-                scheduler.step();
-                progress.global_step += 1;
+            if pending == accum || k + 1 == self.batches {
+                last_lr = self.scheduler.lr();
+                let (stepped, norm) = self.optimizer_step(model, &mut buffer, &mut means);
+                model = stepped;
+                grad_norm = norm;
                 pending = 0;
                 timer.mark::<AB>(device, "optimizer");
             }
             // The step's one host read (losses, accuracy counts, gradient norm),
             // after everything is queued. A non-finite loss stops the run before
             // any checkpoint is written from the weights it produced.
-            let total = record_batch(&parts, accuracy, grad_norm, &mut means);
+            let total = record_batch(&pass.parts, pass.accuracy, grad_norm, &mut means);
             timer.mark::<AB>(device, "read");
             tracing::debug!(
                 "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples, {} filled slots",
@@ -784,7 +699,7 @@ where
                     what: "training loss".into(),
                     value: total,
                     epoch,
-                    step: progress.global_step,
+                    step: self.progress.global_step,
                 });
             }
             timer.step();
@@ -792,38 +707,160 @@ where
                 epoch,
                 epochs: run.epochs,
                 batch: k + 1,
-                batches,
+                batches: self.batches,
                 loss: total,
                 lr: last_lr,
                 samples_per_sec: seen as f64 / started.elapsed().as_secs_f64().max(1e-9),
             });
         }
-        let train_seconds = started.elapsed().as_secs_f64();
-        let train_means = means.finish();
-        timer.epoch_end(epoch, &out(files::MEMORY_PROFILE))?;
+        let seconds = started.elapsed().as_secs_f64();
+        timer.epoch_end(epoch, &self.out_dir.join(files::MEMORY_PROFILE))?;
+        Ok((
+            model,
+            EpochTraining {
+                means: means.finish(),
+                seen,
+                seconds,
+                last_lr,
+                started,
+            },
+        ))
+    }
 
-        // Validation (eval mode: the inner backend has no autodiff).
-        let (validation, val_rows) = match &val_loader {
-            Some(loader) => {
-                observer.validating(loader.num_batches());
-                let eval_model = valid(&model);
-                validate(&eval_model, loader, &run, &data, classifier, slots, device)?
-            }
-            None => (BTreeMap::new(), Vec::new()),
+    /// The forward pass, losses and backward pass of one batch; its
+    /// gradients are added to `buffer`, scaled for accumulation and fp16.
+    fn forward_backward(
+        &self,
+        model: &AamModel<AB>,
+        batch: &Batch,
+        buffer: &mut GradientBuffer<AB::InnerBackend>,
+        timer: &mut StepProfiler,
+    ) -> Result<BatchPass<AB>> {
+        let device = self.device;
+        let (input, targets) = batch_tensors::<AB>(batch, device, self.classifier, self.slots);
+        timer.mark::<AB>(device, "upload");
+        let predictions = {
+            let _autocast = autocast(self.run.mixed_precision);
+            predict_batch(model, input, self.return_nucleotides)
         };
+        timer.mark::<AB>(device, "forward");
+        let parts = self.run.loss.forward(&predictions, &targets)?;
+        let accuracy = predictions
+            .nuc_logits
+            .as_ref()
+            .map(|logits| {
+                Ok::<_, TrainError>(nucleotide_accuracy(
+                    logits.clone().detach(),
+                    predictions.nuc_targets(&targets)?,
+                    predictions.mask_indices.clone(),
+                ))
+            })
+            .transpose()?;
+        timer.mark::<AB>(device, "loss");
+        let loss_scale = self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
+        let grads = if loss_scale == 1.0 {
+            parts.total.backward()
+        } else {
+            (parts.total.clone() * loss_scale).backward()
+        };
+        timer.mark::<AB>(device, "backward");
+        let name = |path: &str| self.model_config.torch_key(path);
+        buffer.accumulate(GradientBuffer::collect_model(
+            model,
+            &grads,
+            &name,
+            1.0 / (self.run.gradient_accumulation_steps as f64 * loss_scale),
+        ));
+        timer.mark::<AB>(device, "collect");
+        Ok(BatchPass { parts, accuracy })
+    }
+
+    /// Clips the accumulated gradients (fp16: skips the step when they
+    /// overflowed) and takes one optimiser step. Returns the stepped model
+    /// and, when clipping ran on the device, the gradient norm before it.
+    fn optimizer_step(
+        &mut self,
+        model: AamModel<AB>,
+        buffer: &mut GradientBuffer<AB::InnerBackend>,
+        means: &mut Means,
+    ) -> (AamModel<AB>, Option<Tensor<AB, 1>>) {
+        let run = self.run;
+        let mut grad_norm = None;
+        if let Some(scaler) = self.progress.loss_scaler.as_mut() {
+            // fp16: the norm is read here (one host read serves the overflow
+            // check and clipping). A step whose scaled gradients overflowed is
+            // skipped (its gradients dropped) and the scale lowered.
+            let norm = buffer.global_norm();
+            if !scaler.update(norm.is_finite()) {
+                tracing::debug!(
+                    "fp16 gradients overflowed: step skipped, loss scale now {}",
+                    scaler.scale
+                );
+                buffer.clear();
+            }
+            if let Some(max_norm) = run.max_grad_norm {
+                if !buffer.is_empty() {
+                    buffer.clip_to_norm(max_norm, norm);
+                    means.add("grad_norm", norm);
+                }
+            }
+        } else if let Some(max_norm) = run.max_grad_norm {
+            // On the device: the optimiser is queued behind the backward
+            // pass, and the norm is read with the losses.
+            grad_norm = buffer
+                .clip_global_norm(max_norm)
+                .map(Tensor::<AB, 1>::from_inner);
+        }
+        let lr = self.scheduler.lr();
+        let factor = lr / run.scheduler.lr;
+        let group_lr = |key: &str| match run.categorical_lr {
+            Some(c) if is_categorical_param(key) => c * factor,
+            _ => lr,
+        };
+        let name = |path: &str| self.model_config.torch_key(path);
+        let model = step_model(
+            &mut self.optimizer,
+            model,
+            std::mem::take(buffer),
+            &name,
+            &group_lr,
+            self.scheduler.beta1(),
+        );
+        self.scheduler.step();
+        self.progress.global_step += 1;
+        (model, grad_norm)
+    }
+
+    /// Closes an epoch: steps the plateau schedule, decides whether the
+    /// monitored metric improved, and writes the checkpoints (`last`, and
+    /// `best` with its validation predictions on improvement) and metrics.
+    fn end_epoch(
+        &mut self,
+        model: &AamModel<AB>,
+        epoch: usize,
+        training: EpochTraining,
+        validation: BTreeMap<String, f64>,
+        val_rows: &[PredictionRow],
+    ) -> Result<(EpochRecord, bool)> {
+        let run = self.run;
+        let progress = &mut self.progress;
         let monitored = if validation.is_empty() {
             // Without validation the training loss decides (as the reference).
-            train_means.get("total_loss").copied().unwrap_or(f64::NAN)
+            training
+                .means
+                .get("total_loss")
+                .copied()
+                .unwrap_or(f64::NAN)
         } else {
             validation
                 .get(run.best_metric.key())
                 .copied()
                 .unwrap_or(f64::NAN)
         };
-        scheduler.epoch_end(
+        self.scheduler.epoch_end(
             validation
                 .get("total_loss")
-                .or(train_means.get("total_loss"))
+                .or(training.means.get("total_loss"))
                 .copied()
                 .unwrap_or(f64::NAN),
         );
@@ -848,55 +885,37 @@ where
         let record = EpochRecord {
             epoch,
             step: progress.global_step,
-            lr: last_lr,
-            train: train_means,
+            lr: training.last_lr,
+            train: training.means,
             validation,
-            samples_per_sec: seen as f64 / train_seconds.max(1e-9),
-            seconds: started.elapsed().as_secs_f64(),
+            samples_per_sec: training.seen as f64 / training.seconds.max(1e-9),
+            seconds: training.started.elapsed().as_secs_f64(),
         };
         progress.history.push(record.clone());
         progress.epochs_done = epoch + 1;
 
-        let (optim_tensors, optimizer_steps) = optimizer.state_tensors();
+        let out = |rel: &str| self.out_dir.join(rel);
+        let (optim_tensors, optimizer_steps) = self.optimizer.state_tensors();
         let meta = CheckpointMeta {
             format: FORMAT_VERSION,
             producer: format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
-            model: model_config.clone(),
+            model: self.model_config.clone(),
             run: run.clone(),
-            data: data.info.clone(),
+            data: self.data.info.clone(),
             progress: progress.clone(),
-            scheduler: scheduler.clone(),
+            scheduler: self.scheduler.clone(),
             optimizer_steps,
         };
-        write_checkpoint(&out(files::LAST), &meta, &model, optim_tensors.clone())?;
+        write_checkpoint(&out(files::LAST), &meta, model, optim_tensors.clone())?;
         if improved {
-            write_checkpoint(&out(files::BEST), &meta, &model, optim_tensors)?;
+            write_checkpoint(&out(files::BEST), &meta, model, optim_tensors)?;
             if !val_rows.is_empty() {
-                write_predictions(&out(files::VAL_PREDICTIONS), &val_rows)?;
+                write_predictions(&out(files::VAL_PREDICTIONS), val_rows)?;
             }
         }
         write_metrics_csv(&out(files::METRICS), &progress.history)?;
-        observer.epoch(&record, improved);
-        if progress.bad_epochs >= run.patience.max(1) {
-            tracing::info!(
-                "early stopping: no improvement of {} for {} epochs",
-                run.best_metric.key(),
-                progress.bad_epochs
-            );
-            stopped_early = true;
-            break;
-        }
-        if observer.should_stop() {
-            break;
-        }
+        Ok((record, improved))
     }
-    Ok(FitSummary {
-        history: progress.history,
-        best: progress.best,
-        best_checkpoint: out(files::BEST),
-        last_checkpoint: out(files::LAST),
-        stopped_early,
-    })
 }
 
 fn step_model<AB>(

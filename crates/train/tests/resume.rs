@@ -8,13 +8,14 @@ use std::sync::Arc;
 
 use aam_data::{BiomTable, Dataset, DistanceMatrix, MatrixIds, MissingPolicy, Transforms};
 use aam_models::asv_encoder::AsvEncoderConfig;
-use aam_models::import::ModelConfig;
+use aam_models::model::ModelConfig;
 use aam_models::sample_encoder::SampleSequenceEncoderConfig;
 use aam_models::sequence_encoder::SequenceEncoderConfig;
 use aam_train::checkpoint::{read_checkpoint, DataInfo};
+use aam_train::config::{BestMetric, RunConfig, Task};
 use aam_train::loss::LossConfig;
 use aam_train::optim::OptimizerConfig;
-use aam_train::run::{files, fit, BestMetric, Observer, RunConfig, Silent, Task, TrainData};
+use aam_train::run::{files, fit, Observer, Silent, TrainData};
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
 use burn::backend::{Autodiff, NdArray};
 

@@ -14,7 +14,7 @@ use aam_data::{
     Metadata, MissingPolicy, Transforms,
 };
 use aam_models::asv_encoder::AsvEncoderConfig;
-use aam_models::import::ModelConfig;
+use aam_models::model::ModelConfig;
 use aam_models::sample_encoder::SampleSequenceEncoderConfig;
 use aam_models::sequence_encoder::SequenceEncoderConfig;
 use aam_models::sequence_predictor::{CategoricalFusion, SequencePredictorConfig};

@@ -1,8 +1,8 @@
-//! `diagnose step --cpu-profile`: where the host's time goes.
+//! `aam-dev step --cpu-profile`: where the host's time goes.
 //!
 //! On a GPU the training step is bound by the host's work per op (Burn's
 //! autodiff and fusion bookkeeping, CubeCL's launch preparation;
-//! `benches/RESULTS.md`, eighth session), and the device machine has no
+//! `docs/performance.md`), and the device machine has no
 //! `perf`. This samples every thread's call stack on `SIGPROF` (pprof-rs's
 //! handler, no kernel perf events needed) and writes the stacks folded, one
 //! `thread;outer;…;inner count` line each: the input of `inferno-flamegraph` /
@@ -11,8 +11,8 @@
 //!
 //! Why a timer per thread: pprof-rs's own timer (`setitimer(ITIMER_PROF)`)
 //! counts the whole process's CPU time and Linux sends its signal to one
-//! thread, mostly the main one; in the ninth session the busy device threads
-//! (Burn fusion's stream, CubeCL's server) got 31 of 145 samples. Here each
+//! thread, mostly the main one: on an H100 step (2026-11-25) the busy device
+//! threads (Burn fusion's stream, CubeCL's server) got 31 of 145 samples. Here each
 //! thread alive at the start gets a POSIX timer on its own CPU-time clock
 //! whose signal goes to that thread alone (`SIGEV_THREAD_ID`), so each thread
 //! is sampled in proportion to the CPU time it uses.
@@ -148,7 +148,7 @@ impl CpuProfile {
             samples += count.max(0) as usize;
             writeln!(text, "{stack} {count}").expect("writing to a String");
         }
-        aam_models::import::write_atomic(&self.path, text.as_bytes())
+        aam_data::write_atomic(&self.path, text.as_bytes())
             .with_context(|| format!("--cpu-profile: writing {}", self.path.display()))?;
         Ok(samples)
     }

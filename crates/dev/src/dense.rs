@@ -1,4 +1,4 @@
-//! `aam-rs diagnose dense`: is a dense layer's weight gradient right on this
+//! `aam-dev dense`: is a dense layer's weight gradient right on this
 //! backend, at the row counts a real batch gives?
 //!
 //! A dense layer's weight gradient `dyᵀ·x` sums over every row; aam-rs cuts
@@ -15,9 +15,9 @@ use burn::prelude::*;
 use clap::Args;
 use rand::{Rng, SeedableRng};
 
-use crate::backend::BackendKind;
+use aam_cli::backend::BackendKind;
 
-/// `aam-rs diagnose dense`.
+/// `aam-dev dense`.
 #[derive(Args, Debug)]
 pub struct DenseArgs {
     /// Backend to check.
@@ -100,7 +100,7 @@ pub fn run(args: DenseArgs) -> Result<()> {
                 .map(|k| host_product(&a, &b, p, q, k * rows..(k + 1) * rows))
                 .collect();
             // `(what, rel err)` of each check.
-            let lines: Vec<(String, f64)> = crate::with_backend!(args.backend, |B, device| {
+            let lines: Vec<(String, f64)> = aam_cli::with_backend!(args.backend, |B, device| {
                 let ta = Tensor::<B, 2>::from_data(TensorData::new(a.clone(), [m, p]), &device);
                 let tb = Tensor::<B, 2>::from_data(TensorData::new(b.clone(), [m, q]), &device);
                 let mut lines = vec![(

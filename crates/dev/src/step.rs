@@ -1,4 +1,4 @@
-//! `aam-rs diagnose step`: how fast does this machine train?
+//! `aam-dev step`: how fast does this machine train?
 //!
 //! Times the optimiser step of `aam-rs pretrain` (forward, losses, backward,
 //! AdamW) on one fixed synthetic batch, the way `pretrain` runs it, and reports
@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use aam_data::Batch;
-use aam_models::import::{AamModel, ModelConfig};
+use aam_models::model::{AamModel, ModelConfig};
 use aam_models::sequence_encoder::EncoderType;
 use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPrecision};
 use aam_train::loss::LossConfig;
@@ -35,10 +35,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::backend::BackendKind;
-use crate::train::{base_config, CheckpointingArgs, ModelArgs, PrecisionArgs};
+use aam_cli::args::{CheckpointingArgs, ModelArgs, PrecisionArgs};
+use aam_cli::backend::BackendKind;
 
-/// `aam-rs diagnose step`.
+/// `aam-dev step`.
 #[derive(Args, Debug)]
 pub struct StepArgs {
     /// Backend to time (one compiled into this binary; `aam-rs backends`).
@@ -85,7 +85,7 @@ pub struct StepArgs {
     cpu_profile: Option<std::path::PathBuf>,
 }
 
-/// What `diagnose step` measured.
+/// What `aam-dev step` measured.
 #[derive(Debug, Serialize)]
 struct StepReport {
     backend: String,
@@ -171,14 +171,13 @@ pub fn run(args: StepArgs) -> Result<()> {
         args.cpu_profile.is_none() || cfg!(feature = "cpu-profile"),
         "--cpu-profile: this binary was built without the `cpu-profile` feature"
     );
-    let config = ModelConfig::SequenceEncoder(base_config(
-        &args.model,
+    let config = ModelConfig::SequenceEncoder(args.model.encoder_config(
         args.max_bp,
         args.token_limit,
         EncoderType::Unifrac,
     )?);
     let batch = synthetic_batch(&args);
-    let report = crate::with_backend!(args.backend, |B, device| {
+    let report = aam_cli::with_backend!(args.backend, |B, device| {
         args.precision.check::<B>(&device, &args.backend.name())?;
         if args.checkpointing.gradient_checkpointing {
             time_steps::<Autodiff<B, BalancedCheckpointing>>(&args, &config, &batch, &device)
@@ -187,7 +186,7 @@ pub fn run(args: StepArgs) -> Result<()> {
         }
     })?;
     println!(
-        "aam-rs diagnose step: backend {}, attention {}, gradient checkpointing {}, mixed precision {:?}, batch {} ({} ASVs), {} parameters",
+        "aam-dev step: backend {}, attention {}, gradient checkpointing {}, mixed precision {:?}, batch {} ({} ASVs), {} parameters",
         report.backend,
         report.attn_implementation,
         if report.gradient_checkpointing { "on" } else { "off" },
@@ -290,7 +289,7 @@ where
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     let AamModel::SequenceEncoder(mut encoder) = model else {
-        unreachable!("diagnose step builds a SequenceEncoder")
+        unreachable!("aam-dev step builds a SequenceEncoder")
     };
     let loss = LossConfig {
         penalty: 1.0,

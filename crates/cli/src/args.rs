@@ -1,0 +1,280 @@
+//! The flags that several commands share (data, model, optimisation, run,
+//! precision), each group a clap `Args` struct, and their translation into
+//! `aam-train`'s specifications. An invalid value is reported by its flag
+//! ([`flagged`]).
+
+use std::path::PathBuf;
+
+use aam_data::AsvSampling;
+use aam_models::asv_encoder::MaskStrategy;
+use aam_models::sample_encoder::CountEmbeddingMethod;
+use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
+use aam_models::{AttnImplementation, MixedPrecision};
+use aam_train::config::ModelSpec;
+use aam_train::optim::OptimizerKind;
+use aam_train::prepare::{DataSpec, Prepared, TargetSpec};
+use aam_train::schedule::SchedulerKind;
+use aam_train::TrainError;
+use anyhow::Result;
+use burn::prelude::Backend;
+use clap::Args;
+use serde::de::DeserializeOwned;
+
+use crate::backend::BackendKind;
+
+/// Parses a value by its serde (snake/kebab-case) spelling.
+pub fn serde_value<T: DeserializeOwned>(s: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
+}
+
+/// Inputs and their preparation (both commands).
+#[derive(Args, Debug, Clone)]
+pub struct DataArgs {
+    /// BIOM table (HDF5 2.x or JSON 1.0); observation IDs are the ASV sequences.
+    #[arg(long, value_name = "BIOM")]
+    pub table: PathBuf,
+    /// UniFrac distances (.h5 from ssu, .npy/.npz with a sample-ID sidecar, .csv/.tsv).
+    #[arg(long, value_name = "FILE")]
+    pub unifrac_matrix: PathBuf,
+    /// Reads per sample after rarefaction (samples with fewer are dropped, with a warning).
+    #[arg(long, default_value_t = 5000)]
+    pub rarefy_depth: u64,
+    /// Fraction of samples held out for validation.
+    #[arg(long, default_value_t = 0.2)]
+    pub test_size: f64,
+    /// Bases kept per ASV.
+    #[arg(long, default_value_t = 150)]
+    pub max_bp: usize,
+    /// ASV slots per sample.
+    #[arg(long, default_value_t = 1024)]
+    pub token_limit: usize,
+    /// Which ASVs fill the slots of a sample with more: first, abundance or random.
+    #[arg(long, default_value = "first", value_parser = serde_value::<AsvSampling>)]
+    pub asv_sampling: AsvSampling,
+    /// Drop (with a warning listing them) table samples absent from the matrix
+    /// or metadata, instead of stopping.
+    #[arg(long)]
+    pub drop_missing: bool,
+    /// Run the sample level on all --token-limit slots, as the reference
+    /// (default: on each batch's filled slots, rounded up to 32, where the
+    /// model masks empty slots; the losses and gradients are the same).
+    #[arg(long)]
+    pub all_slots: bool,
+}
+
+/// Architecture flags shared by both commands.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model width D.
+    #[arg(long, default_value_t = 128)]
+    pub embedding_dim: usize,
+    /// Attention heads of every transformer stack.
+    #[arg(long, default_value_t = 4)]
+    pub attention_heads: usize,
+    /// Layers of every transformer stack.
+    #[arg(long, default_value_t = 4)]
+    pub attention_layers: usize,
+    /// Dropout of every transformer stack.
+    #[arg(long, default_value_t = 0.1)]
+    pub dropout: f64,
+    /// Feed per-ASV read counts into the sample encoder.
+    #[arg(long)]
+    pub count_embedding: bool,
+    /// How counts enter: add, concat or film.
+    #[arg(long, default_value = "add", value_parser = serde_value::<CountEmbeddingMethod>)]
+    pub count_embedding_method: CountEmbeddingMethod,
+    /// Fraction of nucleotides masked for the nucleotide loss (0 disables).
+    #[arg(long, default_value_t = 0.15)]
+    pub nuc_mask_ratio: f64,
+    /// Masking strategy: random or span.
+    #[arg(long, default_value = "random", value_parser = serde_value::<MaskStrategy>)]
+    pub nuc_mask_strategy: MaskStrategy,
+    /// ASVs per chunk through the ASV encoder at inference (validation; 0: all at once);
+    /// bounds activation memory there. Training runs all at once: every chunk's
+    /// activations are kept for the backward pass, so chunks would save nothing.
+    #[arg(long, default_value_t = 256)]
+    pub asv_chunk_size: usize,
+    /// Attention implementation: math, fused (the CubeCL kernel) or auto.
+    #[arg(long, default_value = "auto", value_parser = serde_value::<AttnImplementation>)]
+    pub attn_implementation: AttnImplementation,
+}
+
+/// Optimisation flags shared by both commands.
+#[derive(Args, Debug, Clone)]
+pub struct OptimArgs {
+    /// Maximum epochs.
+    #[arg(long, default_value_t = 100)]
+    pub epochs: usize,
+    /// Samples per batch (even: the UniFrac loss compares pairs).
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Batches per optimiser step.
+    #[arg(long, default_value_t = 1)]
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-4)]
+    pub lr: f64,
+    /// Weight decay.
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    /// adamw, adam or sgd.
+    #[arg(long, default_value = "adamw", value_parser = serde_value::<OptimizerKind>)]
+    pub optimizer: OptimizerKind,
+    /// warmup_cosine, cosine, cosine_restarts, plateau, onecycle or none.
+    #[arg(long, default_value = "warmup_cosine", value_parser = serde_value::<SchedulerKind>)]
+    pub scheduler: SchedulerKind,
+    /// Warm-up steps of warmup_cosine (clamped, with a warning, when ≥ the run).
+    #[arg(long, default_value_t = 10000)]
+    pub warmup_steps: u64,
+    /// cosine_restarts: first period in steps (default: a quarter of the run).
+    #[arg(long)]
+    pub scheduler_t0: Option<u64>,
+    /// cosine_restarts: period multiplier (default 2).
+    #[arg(long)]
+    pub scheduler_t_mult: Option<u64>,
+    /// cosine schedules: floor (default 0).
+    #[arg(long)]
+    pub scheduler_eta_min: Option<f64>,
+    /// plateau: epochs without improvement before a reduction (default 5).
+    #[arg(long)]
+    pub scheduler_patience: Option<u64>,
+    /// plateau: reduction factor (default 0.3).
+    #[arg(long)]
+    pub scheduler_factor: Option<f64>,
+    /// plateau: floor (default 0).
+    #[arg(long)]
+    pub scheduler_min_lr: Option<f64>,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    pub max_grad_norm: Option<f64>,
+    /// Early stopping: epochs without improvement.
+    #[arg(long, default_value_t = 10)]
+    pub patience: usize,
+    /// Seed of rarefaction, split, batch order, dropout and masking.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Batch-building threads.
+    #[arg(long, default_value_t = 4)]
+    pub num_workers: usize,
+}
+
+/// Where to run and write.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Output directory (checkpoints/, metrics.csv, plots, sample lists).
+    #[arg(long, value_name = "DIR")]
+    pub output_dir: PathBuf,
+    /// Continue the run of this checkpoint (its configuration is used; data
+    /// must be the same).
+    #[arg(long, value_name = "CHECKPOINT")]
+    pub resume_from: Option<PathBuf>,
+    /// Compute backend (`aam-rs backends` lists those compiled in).
+    #[arg(long, value_enum, default_value_t = BackendKind::default())]
+    pub backend: BackendKind,
+    #[command(flatten)]
+    pub checkpointing: CheckpointingArgs,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
+    /// Log device memory per phase of the training step (data, upload,
+    /// forward, loss, backward, optimizer) each epoch and write
+    /// memory_profile.csv (CubeCL backends; slows the run a little).
+    #[arg(long)]
+    pub memory_profile: bool,
+}
+
+/// `--mixed-precision`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct PrecisionArgs {
+    /// Mixed precision: run the transformer layers' matmuls, attention and
+    /// feed-forward in bf16 or fp16 (fp16 with dynamic loss scaling), keeping
+    /// weights, norms and losses in f32. GPU backends only. Default: none.
+    #[arg(long, default_value = "none", value_parser = serde_value::<MixedPrecision>)]
+    pub mixed_precision: MixedPrecision,
+}
+
+impl PrecisionArgs {
+    /// Fails, naming the flag, when backend `B` cannot compute in the type.
+    pub fn check<B: Backend>(&self, device: &B::Device, backend: &str) -> Result<()> {
+        if let Some(dtype) = self.mixed_precision.dtype() {
+            anyhow::ensure!(
+                B::supports_dtype(device, dtype),
+                "--mixed-precision {}: the {backend} backend has no {dtype:?} arithmetic on this device (use none, or a GPU backend)",
+                serde_json::to_value(self.mixed_precision)?
+                    .as_str()
+                    .unwrap_or_default()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `--gradient-checkpointing` / `--no-gradient-checkpointing`.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct CheckpointingArgs {
+    /// Gradient checkpointing: recompute memory-bound operations (activations,
+    /// norms, dropout) in the backward pass instead of keeping their outputs.
+    /// Less memory, more time; works with every attention path. Default: off.
+    #[arg(long, overrides_with = "no_gradient_checkpointing")]
+    pub gradient_checkpointing: bool,
+    /// Keep every intermediate for the backward pass (the default).
+    #[arg(long, overrides_with = "gradient_checkpointing")]
+    pub no_gradient_checkpointing: bool,
+}
+
+impl DataArgs {
+    /// The inputs of a run, prepared with `seed`.
+    pub fn spec(&self, seed: u64) -> DataSpec {
+        DataSpec {
+            table: self.table.clone(),
+            unifrac_matrix: self.unifrac_matrix.clone(),
+            rarefy_depth: self.rarefy_depth,
+            test_size: self.test_size,
+            max_bp: self.max_bp,
+            drop_missing: self.drop_missing,
+            seed,
+        }
+    }
+}
+
+impl ModelArgs {
+    /// The base model these flags describe, for inputs of `max_bp` bases and
+    /// `token_limit` slots.
+    pub fn encoder_config(
+        &self,
+        max_bp: usize,
+        token_limit: usize,
+        encoder_type: EncoderType,
+    ) -> Result<SequenceEncoderConfig> {
+        ModelSpec {
+            embedding_dim: self.embedding_dim,
+            attention_heads: self.attention_heads,
+            attention_layers: self.attention_layers,
+            dropout: self.dropout,
+            count_embedding: self.count_embedding,
+            count_embedding_method: self.count_embedding_method,
+            nuc_mask_ratio: self.nuc_mask_ratio,
+            nuc_mask_strategy: self.nuc_mask_strategy,
+            asv_chunk_size: self.asv_chunk_size,
+            attn_implementation: self.attn_implementation,
+            max_bp,
+            token_limit,
+        }
+        .encoder_config(encoder_type)
+        .map_err(flagged)
+    }
+}
+
+/// A library error, with an invalid option named by its flag (`invalid --batch-size: ...`).
+pub fn flagged(e: TrainError) -> anyhow::Error {
+    match e {
+        TrainError::InvalidArgument { field, reason } => {
+            anyhow::anyhow!("invalid --{}: {reason}", field.replace('_', "-"))
+        }
+        e => e.into(),
+    }
+}
+
+/// Reads, rarefies, joins and splits the inputs (`aam_train::prepare`).
+pub fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
+    aam_train::prepare::prepare(&d.spec(seed), target).map_err(flagged)
+}

@@ -1,0 +1,59 @@
+//! `aam-cli` as a library: the two pieces of the `aam-rs` command line that
+//! the development harness `aam-dev` (in `benches/`) shares with it, so that
+//! both take the same flags and run on the same backends.
+//!
+//! - [`args`]: the flag groups several commands take (data, model,
+//!   optimisation, run, precision) and their translation into `aam-train`'s
+//!   specifications;
+//! - [`backend`]: the backends compiled in ([`backend::BackendKind`], one per
+//!   cargo feature), the [`with_backend!`] macro that turns the choice into a
+//!   type, and `aam-rs backends`.
+//!
+//! Everything else of the command line (one module per subcommand) lives in
+//! the binary. Models in services use the libraries (`aam-models`,
+//! `aam-train`, `aam-data`) directly, not this crate.
+
+pub mod args;
+pub mod backend;
+
+use std::process::ExitCode;
+
+/// What both binaries do first: logs to stderr, filtered by `AAM_LOG`
+/// (`tracing`'s filter syntax, default `info`), and CubeCL's compiled
+/// kernels kept on disk between runs (GPU builds).
+pub fn init() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AAM_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .init();
+    #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+    aam_models::persist_compiled_kernels();
+}
+
+/// Prints a command's error with its causes (`error: ...`) and turns the
+/// result into the process's exit status.
+pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // The causes, once each: some error types print their source in
+            // their own message as well, which `{:#}` would repeat.
+            let mut message = err.to_string();
+            for cause in err.chain().skip(1).map(|c| c.to_string()) {
+                if !message.ends_with(&cause) {
+                    message = format!("{message}: {cause}");
+                }
+            }
+            eprintln!("error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[doc(hidden)]
+pub use burn as __burn;
