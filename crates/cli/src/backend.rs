@@ -131,6 +131,7 @@ macro_rules! with_backend {
                 }
                 $crate::__if_candle! {
                     if kind == $crate::backend::BackendKind::Candle {
+                        // burn-candle: deprecated upstream after 0.21, kept while it works.
                         #[allow(deprecated)] type $B = $crate::__burn::backend::Candle<f32, i64>;
                         #[allow(deprecated)] let $device = $crate::__burn::backend::candle::CandleDevice::Cpu;
                         break 'dispatch $body;
