@@ -93,8 +93,6 @@ fn model_config() -> ModelConfig {
 /// One step on backend `B` against the CPU's, on the same weights and batch:
 /// losses within [`LOSS_RTOL`], every gradient within `grad_rtol`.
 fn check<B: AttentionBackend>(backend: &str, device: &B::Device, grad_rtol: f64) {
-    // Unrolling only changes code generation; lavapipe compiles faster without.
-    std::env::set_var("AAM_KERNEL_UNROLL", "0");
     let batch = demo_batch();
     let config = model_config();
     let cpu = Default::default();

@@ -11,11 +11,14 @@
 //! error of the fused output against the math path in the same type. `AAM_BENCH_DTYPES=f32`
 //! (or `bf16`) measures one type only; with both, each runs in its own process (Burn fixes
 //! a device's float type the first time a backend touches it). `AAM_BENCH_SHAPES=sample` (or
-//! `asv`) measures one shape only.
+//! `asv`) measures one shape only; `AAM_BENCH_KERNELS` constrains the attention plan
+//! ([`kernel_choice`]).
 
 use std::time::Instant;
 
-use aam_kernels::{fused_attention, reference_attention, AttentionBackend, AttentionDropout};
+use aam_kernels::{
+    fused_attention, reference_attention, AttentionBackend, AttentionDropout, KernelChoice,
+};
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{bf16, Distribution};
@@ -133,6 +136,7 @@ where
     Autodiff<B>: AttentionBackend,
 {
     assert!(B::has_fused_attention(), "this backend has no fused kernel");
+    let kernels = kernel_choice();
     let sync = || B::sync(device).unwrap();
     for shape in shapes().into_iter().filter(|s| shape_wanted(s.name)) {
         let [q, k, v, w] = inputs::<B>(&shape, device);
@@ -151,6 +155,7 @@ where
             v.clone(),
             Some(m.clone()),
             AttentionDropout::NONE,
+            kernels,
         );
         let math = reference_attention(q.clone(), k.clone(), v.clone(), Some(m.clone()));
         let diff = (fused.clone().cast(burn::tensor::DType::F32)
@@ -174,6 +179,7 @@ where
                     v.clone(),
                     Some(m.clone()),
                     AttentionDropout::NONE,
+                    kernels,
                 );
             },
             &sync,
@@ -202,6 +208,7 @@ where
                     v.clone(),
                     Some(ma.clone()),
                     AttentionDropout::NONE,
+                    kernels,
                 )
             } else {
                 reference_attention(q.clone(), k.clone(), v.clone(), Some(ma.clone()))
@@ -231,6 +238,25 @@ where
             serde_json::json!({}),
         );
     }
+}
+
+/// `AAM_BENCH_KERNELS`: constraints on the attention plan, comma-separated:
+/// `lanes=N`, `parts=N`, `cuda-cores`, `separate-backward` (default none:
+/// the plan's own choice; `aam_kernels::KernelChoice`).
+fn kernel_choice() -> KernelChoice {
+    let mut choice = KernelChoice::AUTO;
+    let list = std::env::var("AAM_BENCH_KERNELS").unwrap_or_default();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let number = |v: &str| v.parse().expect("AAM_BENCH_KERNELS: lanes=N, parts=N");
+        match item.split_once('=') {
+            Some(("lanes", v)) => choice.lanes = Some(number(v)),
+            Some(("parts", v)) => choice.parts = Some(number(v)),
+            None if item == "cuda-cores" => choice.cuda_cores = true,
+            None if item == "separate-backward" => choice.separate_backward = true,
+            _ => panic!("AAM_BENCH_KERNELS: unknown {item:?}"),
+        }
+    }
+    choice
 }
 
 /// Whether `AAM_BENCH_SHAPES` (comma-separated prefixes of the shapes' names,

@@ -17,7 +17,7 @@ use burn::backend::Autodiff;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::{Shape, TensorMetadata};
 
-use crate::{as_rows, AttentionBackend, AttentionDropout, RowSlots};
+use crate::{as_rows, AttentionBackend, AttentionDropout, KernelChoice, RowSlots};
 
 #[derive(Debug)]
 struct FusedAttentionBackward;
@@ -31,6 +31,7 @@ type State<B> = (
     FloatTensor<B>,
     f64,
     AttentionDropout,
+    KernelChoice,
 );
 
 impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
@@ -44,12 +45,12 @@ impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
     ) {
         let [node_q, node_k, node_v] = ops.parents;
         let dout = grads.consume::<B>(&ops.node);
-        let (q_state, k_state, v_state, mask, out, lse, scale, dropout) = ops.state;
+        let (q_state, k_state, v_state, mask, out, lse, scale, dropout, kernels) = ops.state;
         let q: FloatTensor<B> = checkpointer.retrieve_node_output(q_state);
         let k: FloatTensor<B> = checkpointer.retrieve_node_output(k_state);
         let v: FloatTensor<B> = checkpointer.retrieve_node_output(v_state);
         let (dq, dk, dv) =
-            B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout);
+            B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout, kernels);
         if let Some(node) = node_q {
             grads.register::<B>(node.id, dq);
         }
@@ -67,8 +68,8 @@ impl<B: AttentionBackend> Backward<B, 3> for FusedAttentionBackward {
 #[derive(Debug)]
 struct PackedAttentionBackward;
 
-/// `qkv`'s checkpoint, the bias, the mask, `out`, `lse`, heads, scale and
-/// dropout.
+/// `qkv`'s checkpoint, the bias, the mask, `out`, `lse`, heads, scale,
+/// dropout and kernel choice.
 type PackedState<B> = (
     NodeId,
     Option<FloatTensor<B>>,
@@ -78,6 +79,7 @@ type PackedState<B> = (
     usize,
     f64,
     AttentionDropout,
+    KernelChoice,
 );
 
 impl PackedAttentionBackward {
@@ -89,10 +91,11 @@ impl PackedAttentionBackward {
         checkpointer: &mut Checkpointer,
     ) {
         let dout = grads.consume::<B>(&ops.node);
-        let (qkv_state, bias, mask, out, lse, heads, scale, dropout) = ops.state;
+        let (qkv_state, bias, mask, out, lse, heads, scale, dropout, kernels) = ops.state;
         let qkv: FloatTensor<B> = checkpointer.retrieve_node_output(qkv_state);
-        let dqkv =
-            B::packed_attention_backward(qkv, bias, mask, out, lse, dout, heads, scale, dropout);
+        let dqkv = B::packed_attention_backward(
+            qkv, bias, mask, out, lse, dout, heads, scale, dropout, kernels,
+        );
         if let Some(Some(node)) = ops.parents.get(1) {
             grads.register::<B>(node.id, crate::column_sum_last::<B>(dqkv.clone()));
         }
@@ -875,6 +878,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> FloatTensor<Self> {
         // The forward and the state, the same with and without a bias
         // (whose node is the second parent).
@@ -891,6 +895,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                             heads,
                             scale,
                             dropout,
+                            kernels,
                         );
                         let state = (
                             qkv_state,
@@ -901,6 +906,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                             heads,
                             scale,
                             dropout,
+                            kernels,
                         );
                         prep.finish(state, out)
                     }
@@ -911,6 +917,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                         heads,
                         scale,
                         dropout,
+                        kernels,
                     )),
                 }
             };
@@ -930,6 +937,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         key_padding_mask: Option<BoolTensor<Self>>,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> FloatTensor<Self> {
         match FusedAttentionBackward
             .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
@@ -947,6 +955,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                     key_padding_mask.clone(),
                     scale,
                     dropout,
+                    kernels,
                 );
                 let state = (
                     q_state,
@@ -957,6 +966,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                     lse,
                     scale,
                     dropout,
+                    kernels,
                 );
                 prep.finish(state, out)
             }
@@ -967,6 +977,7 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
                 key_padding_mask,
                 scale,
                 dropout,
+                kernels,
             )),
         }
     }

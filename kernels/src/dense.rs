@@ -27,20 +27,6 @@ use crate::matmul;
 /// Rows per part of a split sum. Below two parts the sum runs in one piece.
 pub const ROWS_PER_PART: usize = 2048;
 
-/// [`ROWS_PER_PART`], or `AAM_DENSE_PART_ROWS` where set (`0`: no split), to
-/// take the split apart when a backend's gradients look wrong.
-fn rows_per_part() -> usize {
-    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| match std::env::var("AAM_DENSE_PART_ROWS") {
-        Ok(v) => match v.parse::<usize>() {
-            Ok(0) => usize::MAX,
-            Ok(n) => n,
-            Err(_) => panic!("AAM_DENSE_PART_ROWS must be a row count (0: no split), not {v:?}"),
-        },
-        Err(_) => ROWS_PER_PART,
-    })
-}
-
 /// [`matmul`] through [`crate::AttentionBackend::dense_matmul`] where no
 /// inner dimension is 1 (the backend's kernel choice for the dense layers).
 fn product<B: crate::AttentionBackend, const D: usize>(
@@ -67,7 +53,7 @@ fn product<B: crate::AttentionBackend, const D: usize>(
 pub fn row_product<B: crate::AttentionBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>) -> Tensor<B, 2> {
     let [m, p] = a.dims();
     let q = b.dims()[1];
-    let rows = rows_per_part();
+    let rows = ROWS_PER_PART;
     let parts = m / rows;
     if parts < 2 {
         return product(a.transpose(), b);
@@ -94,7 +80,7 @@ pub fn row_product<B: crate::AttentionBackend>(a: Tensor<B, 2>, b: Tensor<B, 2>)
 /// - output: `[N]`
 pub fn sum_rows<B: Backend>(t: Tensor<B, 2>) -> Tensor<B, 1> {
     let [m, n] = t.dims();
-    let rows = rows_per_part();
+    let rows = ROWS_PER_PART;
     let parts = m / rows;
     if parts < 2 {
         return t.sum_dim(0).reshape([n]);
@@ -129,10 +115,9 @@ fn split_rows<B: Backend>(t: Tensor<B, 2>, split: usize) -> (Tensor<B, 2>, Optio
 /// broadcast add of the bias; for a product with a unit dimension (one row,
 /// input or output feature), [`matmul`] and the add.
 ///
-/// `AAM_DENSE_FORWARD=linear` runs Burn's `linear` instead, on a contiguous
-/// copy of the transposed weight, because Burn's autotuned matmul may pick
-/// CubeCL's `double_unit` kernel, which is wrong with a transposed view as
-/// its right operand (`[1000, 24]·[24, 16]`, 0.6 relative; `forward.rs`,
+/// Not Burn's `linear`: Burn's autotuned matmul may pick CubeCL's
+/// `double_unit` kernel, which is wrong with a transposed view as its right
+/// operand (`[1000, 24]·[24, 16]`, 0.6 relative; `forward.rs`,
 /// `dense_matmul_candidates`; `kernels/tests/ops/dense_validated_matmul.rs`).
 ///
 /// # Shapes
@@ -143,24 +128,7 @@ pub(crate) fn dense_forward<B: crate::AttentionBackend>(
     weight: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
 ) -> Tensor<B, 2> {
-    let [m, k] = x.dims();
-    let n = weight.dims()[0];
-    if forward_through_linear() && m > 1 && k > 1 && n > 1 {
-        let wt = weight.transpose().reshape([k * n]).reshape([k, n]);
-        return burn::tensor::module::linear(x, wt, bias);
-    }
     crate::with_row_bias(product(x, weight.transpose()), bias)
-}
-
-/// `AAM_DENSE_FORWARD=linear`: [`dense_forward`] through Burn's `linear`
-/// (to compare); unset or `validated`, through the validated kernels.
-pub(crate) fn forward_through_linear() -> bool {
-    static LINEAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LINEAR.get_or_init(|| match std::env::var("AAM_DENSE_FORWARD").as_deref() {
-        Err(_) | Ok("validated") => false,
-        Ok("linear") => true,
-        Ok(other) => panic!("AAM_DENSE_FORWARD must be validated or linear, not {other:?}"),
-    })
 }
 
 /// `(dx, dw, db)` of [`dense_forward`] from its inputs and the output
@@ -179,11 +147,6 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
     Option<Tensor<B, 2>>,
     Option<Tensor<B, 1>>,
 ) {
-    static CHECK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    // Read once: this runs for every dense layer of every step.
-    if want[1] && *CHECK.get_or_init(|| std::env::var_os("AAM_DENSE_CHECK").is_some()) {
-        check_weight_gradient(&x, &dy);
-    }
     let dx = want[0].then(|| product(dy.clone(), weight));
     let dw = want[1].then(|| row_product(dy.clone(), x));
     let db = want[2].then(|| {
@@ -192,43 +155,6 @@ pub(crate) fn dense_backward<B: crate::AttentionBackend>(
         )))
     });
     (dx, dw, db)
-}
-
-/// `AAM_DENSE_CHECK`: the weight gradient three ways on the inputs the
-/// backward pass was given (split, one product, split on fresh copies of the
-/// inputs), compared on the host and printed to stderr. Slow: a diagnostic.
-fn check_weight_gradient<B: crate::AttentionBackend>(x: &Tensor<B, 2>, dy: &Tensor<B, 2>) {
-    let host = |t: Tensor<B, 2>| -> Vec<f32> {
-        t.into_data().convert::<f32>().to_vec::<f32>().expect("f32")
-    };
-    let split = host(row_product(dy.clone(), x.clone()));
-    let one = host(matmul(dy.clone().transpose(), x.clone()));
-    let copied = host(row_product(
-        dy.clone().mul_scalar(1.0),
-        x.clone().mul_scalar(1.0),
-    ));
-    let diff = |a: &[f32], b: &[f32]| {
-        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-        a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs())) / scale
-    };
-    let finite = |t: &Tensor<B, 2>| {
-        host(t.clone()).iter().fold((0usize, 0f32), |(n, m), v| {
-            if v.is_finite() {
-                (n, m.max(v.abs()))
-            } else {
-                (n + 1, m)
-            }
-        })
-    };
-    eprintln!(
-        "AAM_DENSE_CHECK dy {:?} x {:?}: split vs one product {:.2e}, copies split vs one {:.2e}; dy (non-finite, max) {:?}, x {:?}",
-        dy.dims(),
-        x.dims(),
-        diff(&split, &one),
-        diff(&copied, &one),
-        finite(dy),
-        finite(x)
-    );
 }
 
 #[cfg(test)]

@@ -16,12 +16,12 @@
 //! slots (which uploads its indices when it runs).
 
 use burn::tensor::ops::{BoolTensor, FloatTensor};
-use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
-use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout, RowSlots};
+use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout, KernelChoice, RowSlots};
 
 type Handles<B> =
     HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
@@ -489,15 +489,6 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        if crate::dense::forward_through_linear() {
-            return crate::dense::dense_forward::<Self>(
-                Tensor::from_primitive(TensorPrimitive::Float(x)),
-                Tensor::from_primitive(TensorPrimitive::Float(weight)),
-                bias.map(|b| Tensor::from_primitive(TensorPrimitive::Float(b))),
-            )
-            .into_primitive()
-            .tensor();
-        }
         // One custom op on the inner backend, whose product runs on the
         // validated kernels with the weight as a transposed view (Burn's
         // fused matmul autotunes over every kernel, three of them wrong on
@@ -574,6 +565,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         key_padding_mask: Option<BoolTensor<Self>>,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let dims = q.shape.clone();
         let out = (dims.clone(), q.dtype);
@@ -585,7 +577,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             vec![out, lse],
             move |inputs, mask| {
                 let [q, k, v] = <[_; 3]>::try_from(inputs).expect("q, k, v");
-                let (out, lse) = B::fused_attention_forward(q, k, v, mask, scale, dropout);
+                let (out, lse) = B::fused_attention_forward(q, k, v, mask, scale, dropout, kernels);
                 vec![out, lse]
             },
         );
@@ -602,6 +594,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         dout: FloatTensor<Self>,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let shapes = [&q, &k, &v].map(|t| (t.shape.clone(), q.dtype));
         let grads = masked_op::<B>(
@@ -612,8 +605,9 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             move |inputs, mask| {
                 let [q, k, v, out, lse, dout] =
                     <[_; 6]>::try_from(inputs).expect("q, k, v, out, lse, dout");
-                let (dq, dk, dv) =
-                    B::fused_attention_backward(q, k, v, mask, out, lse, dout, scale, dropout);
+                let (dq, dk, dv) = B::fused_attention_backward(
+                    q, k, v, mask, out, lse, dout, scale, dropout, kernels,
+                );
                 vec![dq, dk, dv]
             },
         );
@@ -627,6 +621,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let [n, t, d3] = qkv.shape.dims();
         let out = (Shape::new([n, t, d3 / 3]), qkv.dtype);
@@ -641,8 +636,15 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
             move |inputs, mask| {
                 let mut inputs = inputs.into_iter();
                 let qkv = inputs.next().expect("qkv");
-                let (out, lse) =
-                    B::packed_attention_forward(qkv, inputs.next(), mask, heads, scale, dropout);
+                let (out, lse) = B::packed_attention_forward(
+                    qkv,
+                    inputs.next(),
+                    mask,
+                    heads,
+                    scale,
+                    dropout,
+                    kernels,
+                );
                 vec![out, lse]
             },
         );
@@ -659,6 +661,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> FloatTensor<Self> {
         let like = (qkv.shape.clone(), qkv.dtype);
         let mut inputs = vec![qkv, out, lse, dout];
@@ -682,6 +685,7 @@ impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
                     heads,
                     scale,
                     dropout,
+                    kernels,
                 )]
             },
         )

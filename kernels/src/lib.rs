@@ -1,4 +1,4 @@
-//! # aam-kernels: one fused masked-attention kernel, written once in CubeCL
+//! # aam-kernels: fused masked attention and lean-backward ops in CubeCL
 //!
 //! Job: multi-head attention `softmax(q·kᵀ·scale + mask)·v` with a per-sequence
 //! key padding mask, forward and backward, as a Burn backend extension. It knows
@@ -26,78 +26,47 @@
 //! from a counter-based hash so the backward pass regenerates the same mask
 //! without storing it.
 //!
-//! Work split: a row is handled by one unit, or, on CUDA/HIP when a call has
-//! too few rows to fill the GPU (at most 2^15: the sample level of a
-//! batch of 8 or less), by up to 8 adjacent units of a plane, each taking its
-//! share of every tile, whose softmax states are merged by plane shuffles at
-//! the end (`AAM_KERNEL_LANES` overrides it; see `forward.rs`). Tiles live
-//! in shared memory as 16-byte quads (see `kernel.rs`).
+//! Which attention kernel runs is decided per call by a plan (the device's
+//! runtime and capabilities, the call's type and shape; `attention/plan.rs`),
+//! not by settings: the table of what runs where is in the doc of the
+//! `attention` module. Library code reads no environment variable.
 //!
-//! Layout (after Burn's custom-kernel example):
-//! - `lib.rs`: the [`AttentionBackend`] extension trait and the public
-//!   [`fused_attention`] / [`reference_attention`] pair (the plain-tensor
-//!   reference is the test oracle), and [`matmul`]: Burn's matmul with the
-//!   unit-dimension products Burn 0.21's fusion backend gets wrong computed
-//!   as a multiply and a sum (the model uses it for every such product).
+//! Layout (after Burn's custom-kernel example and its `kernel/<op>/` tree):
+//! - `lib.rs`: the [`AttentionBackend`] extension trait, the Backend-generic
+//!   calls on tensors ([`dropout`], [`dense`], [`layer_norm`], ...), and
+//!   [`matmul`]: Burn's matmul with the unit-dimension products Burn 0.21's
+//!   fusion backend gets wrong computed as a multiply and a sum.
+//! - `attention/`: masked attention: [`fused_attention`],
+//!   [`fused_packed_attention`] (self-attention on the packed projection
+//!   `qkv`, its bias added by the kernels as they load it), the plain-tensor
+//!   [`reference_attention`] (the parity tests' oracle), the plan
+//!   ([`AttentionPlan`]), the launches, and the kernel families (rows, tiled,
+//!   `mma`, `cmma`).
 //! - `dense.rs`: the dense layer [`dense`], whose gradients sum over rows in
 //!   parts (CubeCL's matmul and reduction leave most of a GPU idle on one
-//!   long row axis), with [`row_product`] and [`sum_rows`]; its forward
-//!   product runs on the same validated kernels, the weight a transposed
-//!   view.
+//!   long row axis), with [`row_product`] and [`sum_rows`].
 //! - `adam.rs`: one Adam/AdamW step of a parameter as one op
 //!   ([`AttentionBackend::adam_step`]), and all of a step's as one op under
 //!   fusion ([`AttentionBackend::adam_steps`]); on the CubeCL backends one
 //!   kernel launch per 32 parameters, which updates the moments in place.
-//! - `packed.rs`: self-attention on the packed projection `qkv` as one op
-//!   each way ([`fused_packed_attention`]), instead of the split into heads
-//!   and the merge as ~26 tensor ops a layer; the projection's bias is added
-//!   by the kernels as they load q, k and v, not by a pass over `qkv`.
 //! - `slots.rs`: [`unpack_rows`], rows computed for the non-empty slots
 //!   only put back in their slots, one op each way (the backward gathers).
 //! - `norm.rs`: [`layer_norm`] over the last axis, whose autodiff node has
-//!   the closed-form backward (fewer ops a step than Burn's decomposition)
-//!   and adds the gradient its input already has (a pre-norm block's
-//!   residual path) as the kernel writes `dx`, not in a pass of its own.
+//!   the closed-form backward and adds the gradient its input already has
+//!   (a pre-norm block's residual path) as the kernel writes `dx`.
 //! - `pool.rs`: [`attention_pool`], the pooling of a row's tokens with a
-//!   learned query, one op each way (on CubeCL one kernel that reads the
-//!   states once, where the tensor ops make seven passes a step).
-//! - `kernel.rs`: the `#[cube]` kernels only (forward, dQ, dK/dV, the
-//!   element-wise seeded dropout behind [`dropout`] and [`dropout_add`], and
-//!   the one-op GELU, LayerNorm, column-sum, Adam and key-validity kernels;
-//!   the element-wise ones take a dense layer's bias, and the gradients of
-//!   dropout and GELU come with their column sums from one kernel).
-//!   Where one cube holds all of a head's keys (the ASV level's 151), dK/dV
-//!   and dQ are one kernel, so `P` and `dS` are computed once
-//!   (`AAM_KERNEL_MERGED_BACKWARD=0` runs the two kernels).
-//! - `tiled.rs`: on CUDA, where a head's keys fit a cube, the
-//!   backward (and the forward) as register-tiled products: units own 4 × 4
-//!   blocks of `S`/`dP`, of dK/dV and of dQ, as a matmul's do, instead of
-//!   a key (or query) row each (`AAM_KERNEL_TILED=1|forward|backward|0`).
-//! - `mma.rs`: on CUDA, where a head's keys fit a cube, the forward on
-//!   tensor cores with operands and scores in registers (`mma.sync`,
-//!   whose layout PTX defines, so the softmax runs on the products'
-//!   registers): f32 as split TF32, f16/bf16 as they are
-//!   (`AAM_KERNEL_MMA=1|forward|0`).
-//! - `mma_backward.rs`: on CUDA, the f16/bf16 backward the same way: a
-//!   query-major dQ kernel (which writes `Δ`), then a key-major dK/dV
-//!   kernel, FlashAttention-2's split without atomics.
-//! - `mma_io.rs`: the f16/bf16 `mma` kernels' global memory traffic: rows
-//!   staged by 16-byte vectors, a plane's own rows and results by pair.
-//! - `rows_matmul.rs`: a TF32 tensor-core kernel for the dense layers' tall,
-//!   narrow products (opt-in, `AAM_ROWS_MATMUL=1`: slower than CubeCL's
-//!   best at AAM's shapes on the H100; the base for fusing element-wise passes
-//!   into a product).
-//! - `tma_tiling.rs`: CubeCL's TMA double-buffered matmul with a stage
-//!   shape chosen here (`TmaTiling`), one of the dense products'
-//!   autotune candidates.
-//! - `tensor_core.rs`: the same three attention kernels for f16/bf16 on
-//!   tensor cores (`cmma` tiles; on CUDA/HIP where the runtime has them,
-//!   `AAM_KERNEL_TC=auto|forward|0`), with the same masks, dropout and
-//!   statistics, so either backward follows either forward.
-//! - `forward.rs`: the trait for CubeCL backends: contiguous inputs, launches,
-//!   and the dense layers' products tuned over a list of validated matmul
-//!   kernels instead of all of Burn's autotune candidates (three of those
-//!   are wrong at shapes their bucket admits; `dense_matmul_candidates`).
+//!   learned query, one op each way.
+//! - `cube.rs`: `#[cube]` helpers several kernels share (the tile element,
+//!   fast `exp`, the dropout hash, strided head addressing); `launch.rs`:
+//!   their host-side counterparts (dropout arguments, allocation, grids).
+//! - `kernel.rs`: the element-wise and row kernels (seeded dropout, GELU,
+//!   LayerNorm, column sums, Adam, attention pooling).
+//! - `forward.rs`: the trait for CubeCL backends: launches, and the dense
+//!   layers' products tuned over a list of validated matmul kernels instead
+//!   of all of Burn's autotune candidates (three of those are wrong at
+//!   shapes their bucket admits; `dense_matmul_candidates`);
+//!   `tma_tiling.rs`: CubeCL's TMA double-buffered matmul with a stage
+//!   shape chosen here, one of those candidates.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
 //!   kernels as custom operations of the lazy fusion stream.
@@ -106,42 +75,39 @@
 //! with `has_fused_attention() == false`; callers then run their math path.
 
 use burn::prelude::*;
-use burn::tensor::activation;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
 mod adam;
+mod attention;
 mod backward;
 mod dense;
 mod norm;
-mod packed;
 mod pool;
 mod slots;
 pub use adam::{adam_step_ops, AdamItem, AdamStep};
+#[cfg(feature = "cubecl")]
+pub use attention::plan::{
+    AttentionPlan, AttentionShape, Backward as BackwardKernel, DeviceInfo,
+    Forward as ForwardKernel, Runtime, MAX_HEAD_DIM,
+};
+pub use attention::{
+    fused_attention, fused_packed_attention, reference_attention, AttentionDropout, KernelChoice,
+};
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
 pub use slots::{unpack_rows, RowSlots};
 #[cfg(feature = "cubecl")]
+mod cube;
+#[cfg(feature = "cubecl")]
 mod forward;
 #[cfg(feature = "cubecl")]
-pub use forward::{
-    dense_matmul_candidates, launch_matmul, rows_matmul, rows_matmul_tile, DenseKernel,
-};
+pub use forward::{dense_matmul_candidates, launch_matmul, DenseKernel};
 #[cfg(feature = "fusion")]
 mod fusion;
 #[cfg(feature = "cubecl")]
 mod kernel;
 #[cfg(feature = "cubecl")]
-mod mma;
-#[cfg(feature = "cubecl")]
-mod mma_backward;
-#[cfg(feature = "cubecl")]
-mod mma_io;
-#[cfg(feature = "cubecl")]
-mod rows_matmul;
-#[cfg(feature = "cubecl")]
-mod tensor_core;
-#[cfg(feature = "cubecl")]
-mod tiled;
+mod launch;
 #[cfg(feature = "cubecl")]
 mod tma_tiling;
 #[cfg(feature = "cubecl")]
@@ -173,21 +139,6 @@ pub fn persist_compiled_kernels() {
             CubeClRuntimeConfig::set(config);
         }
     });
-}
-
-/// Dropout settings for one call: of attention probabilities in the
-/// attention kernels, of elements in [`dropout`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionDropout {
-    /// Probability of dropping an element (0 = off).
-    pub prob: f64,
-    /// Seed of the counter-based mask; the same seed gives the same mask.
-    pub seed: u32,
-}
-
-impl AttentionDropout {
-    /// No dropout.
-    pub const NONE: AttentionDropout = AttentionDropout { prob: 0.0, seed: 0 };
 }
 
 /// The backend extensions of aam-rs: masked attention as one fused kernel
@@ -602,9 +553,7 @@ pub trait AttentionBackend: Backend {
     /// [`matmul`]). The default is the backend's matmul. CubeCL backends
     /// autotune over kernels validated at AAM's shapes and layouts only, not
     /// over all of Burn's candidates, some of which are wrong for some row
-    /// counts (`forward.rs`, `dense_matmul_candidates`);
-    /// `AAM_DENSE_MATMUL=validated` runs the first that runs of a fixed
-    /// order (no autotune), `AAM_DENSE_MATMUL=autotune` Burn's autotune.
+    /// counts (`forward.rs`, `dense_matmul_candidates`).
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(a, b)
     }
@@ -737,8 +686,10 @@ pub trait AttentionBackend: Backend {
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> FloatTensor<Self> {
-        Self::packed_attention_forward(qkv, bias, key_padding_mask, heads, scale, dropout).0
+        Self::packed_attention_forward(qkv, bias, key_padding_mask, heads, scale, dropout, kernels)
+            .0
     }
 
     /// The packed forward with its saved statistics: `(out [N, T, D], lse
@@ -755,8 +706,17 @@ pub trait AttentionBackend: Backend {
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        packed::packed_forward_ops::<Self>(qkv, bias, key_padding_mask, heads, scale, dropout)
+        attention::packed::packed_forward_ops::<Self>(
+            qkv,
+            bias,
+            key_padding_mask,
+            heads,
+            scale,
+            dropout,
+            kernels,
+        )
     }
 
     /// The packed backward: `dqkv [N, T, 3D]` from the forward's input,
@@ -779,8 +739,9 @@ pub trait AttentionBackend: Backend {
         heads: usize,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> FloatTensor<Self> {
-        packed::packed_backward_ops::<Self>(
+        attention::packed::packed_backward_ops::<Self>(
             qkv,
             bias,
             key_padding_mask,
@@ -790,6 +751,7 @@ pub trait AttentionBackend: Backend {
             heads,
             scale,
             dropout,
+            kernels,
         )
     }
 
@@ -812,8 +774,9 @@ pub trait AttentionBackend: Backend {
         key_padding_mask: Option<BoolTensor<Self>>,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> FloatTensor<Self> {
-        Self::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout).0
+        Self::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout, kernels).0
     }
 
     /// The forward kernel with its saved statistics: `(output, lse)`, where
@@ -825,8 +788,9 @@ pub trait AttentionBackend: Backend {
         key_padding_mask: Option<BoolTensor<Self>>,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let _ = (q, k, v, key_padding_mask, scale, dropout);
+        let _ = (q, k, v, key_padding_mask, scale, dropout, kernels);
         panic!("this backend has no fused attention kernel; use the math path")
     }
 
@@ -843,8 +807,20 @@ pub trait AttentionBackend: Backend {
         dout: FloatTensor<Self>,
         scale: f64,
         dropout: AttentionDropout,
+        kernels: KernelChoice,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let _ = (q, k, v, key_padding_mask, out, lse, dout, scale, dropout);
+        let _ = (
+            q,
+            k,
+            v,
+            key_padding_mask,
+            out,
+            lse,
+            dout,
+            scale,
+            dropout,
+            kernels,
+        );
         panic!("this backend has no fused attention kernel; use the math path")
     }
 }
@@ -858,75 +834,12 @@ pub(crate) fn normal_cdf<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     B::float_mul_scalar(B::float_add_scalar(erf, 1.0.into()), 0.5.into())
 }
 
-/// Runs the fused kernel on tensors.
-///
-/// # Shapes
-/// as [`AttentionBackend::fused_masked_attention`].
-pub fn fused_attention<B: AttentionBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    key_padding_mask: Option<Tensor<B, 2, Bool>>,
-    dropout: AttentionDropout,
-) -> Tensor<B, 4> {
-    let scale = (q.dims()[3] as f64).sqrt().recip();
-    Tensor::from_primitive(TensorPrimitive::Float(B::fused_masked_attention(
-        q.into_primitive().tensor(),
-        k.into_primitive().tensor(),
-        v.into_primitive().tensor(),
-        key_padding_mask.map(|m| m.into_primitive()),
-        scale,
-        dropout,
-    )))
-}
-
-/// Runs [`AttentionBackend::fused_packed_attention`] on tensors, with the
-/// scale `1/√Dh`: attention over `qkv + bias` (the bias added as the
-/// kernels load `qkv`).
-///
-/// # Shapes
-/// - qkv: `[N, T, 3D]`, bias: `[3D]`, key_padding_mask: `[N, T]` (true = ignore)
-/// - output: `[N, T, D]`
-pub fn fused_packed_attention<B: AttentionBackend>(
-    qkv: Tensor<B, 3>,
-    bias: Option<Tensor<B, 1>>,
-    key_padding_mask: Option<Tensor<B, 2, Bool>>,
-    heads: usize,
-    dropout: AttentionDropout,
-) -> Tensor<B, 3> {
-    let d = qkv.dims()[2] / 3;
-    assert!(
-        qkv.dims()[2] == 3 * d && d % heads == 0,
-        "packed attention: width {} is not 3 × a multiple of {heads} heads",
-        qkv.dims()[2]
-    );
-    let scale = ((d / heads) as f64).sqrt().recip();
-    if let Some(bias) = &bias {
-        assert_eq!(
-            bias.dims()[0],
-            3 * d,
-            "packed attention: bias of {} for width {}",
-            bias.dims()[0],
-            3 * d
-        );
-    }
-    Tensor::from_primitive(TensorPrimitive::Float(B::fused_packed_attention(
-        qkv.into_primitive().tensor(),
-        bias.map(|b| b.into_primitive().tensor()),
-        key_padding_mask.map(|m| m.into_primitive()),
-        heads,
-        scale,
-        dropout,
-    )))
-}
-
 /// Dropout with probability `dropout.prob` (the caller decides whether it
 /// is training). Where the backend has the kernel
 /// ([`AttentionBackend::has_seeded_dropout`]: the CubeCL backends) the mask
 /// is a hash of `(dropout.seed, element index)` and autodiff keeps none;
 /// elsewhere it is Burn's `Dropout` (a Bernoulli mask from the backend's
-/// RNG, `seed` unused), so CPU runs are unchanged (and on every backend with
-/// `AAM_DROPOUT=burn`).
+/// RNG, `seed` unused).
 pub fn dropout<B: AttentionBackend, const D: usize>(
     x: Tensor<B, D>,
     dropout: AttentionDropout,
@@ -934,7 +847,7 @@ pub fn dropout<B: AttentionBackend, const D: usize>(
     if dropout.prob <= 0.0 {
         return x;
     }
-    if B::has_seeded_dropout() && seeded_dropout_enabled() {
+    if B::has_seeded_dropout() {
         return Tensor::from_primitive(TensorPrimitive::Float(B::seeded_dropout(
             x.into_primitive().tensor(),
             dropout,
@@ -1020,22 +933,14 @@ pub fn gelu_dropout_dense<B: AttentionBackend>(
 }
 
 /// Whether [`dropout_add`] and [`gelu_dropout`] run as one op, the seeded
-/// kernel's: where the backend has it (and `AAM_DROPOUT=burn` is unset),
+/// kernel's: where the backend has it,
 /// and for `dropout_add` also at p = 0, where it still adds the bias and
 /// the residual in one pass.
 ///
 /// A caller that moves a dense layer's bias into them (as the transformer
 /// layer does) saves that bias's own pass exactly where this holds.
 pub fn seeded_dropout_runs<B: AttentionBackend>() -> bool {
-    B::has_seeded_dropout() && seeded_dropout_enabled()
-}
-
-/// `AAM_DROPOUT=burn` turns [`dropout`]'s kernel off (Burn's masks
-/// everywhere), for measuring what the seeded masks save and cost; anything
-/// else, or unset, keeps it on.
-fn seeded_dropout_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("AAM_DROPOUT").map_or(true, |v| v != "burn"))
+    B::has_seeded_dropout()
 }
 
 /// `x + bias` with `bias [W]` broadcast over the rows of `x [..., W]`; `x`
@@ -1192,32 +1097,6 @@ fn rank5<const D: usize>(dims: &[usize; D], last: [usize; 3]) -> [usize; 5] {
     out[2 - batch.len()..2].copy_from_slice(batch);
     out[2..].copy_from_slice(&last);
     out
-}
-
-/// The plain-tensor reference (no dropout): masked keys get zero weight and an
-/// all-masked row gets zero output. The oracle of the parity tests.
-pub fn reference_attention<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    key_padding_mask: Option<Tensor<B, 2, Bool>>,
-) -> Tensor<B, 4> {
-    let [n, _h, _tq, head_dim] = q.dims();
-    let tk = k.dims()[2];
-    let scores = matmul(q, k.swap_dims(2, 3)) * (head_dim as f64).sqrt().recip();
-    let probs = match key_padding_mask {
-        Some(mask) => {
-            let mask = mask.reshape([n, 1, 1, tk]);
-            let shape = scores.dims();
-            let scores = scores.mask_fill(mask.clone().expand(shape), -65_504.0);
-            // The keep-mask in the scores' float type: `float()` alone gives the
-            // default (f32), and an f16/bf16 product with it is garbage on wgpu.
-            let keep = mask.bool_not().float().cast(scores.dtype());
-            activation::softmax(scores, 3) * keep
-        }
-        None => activation::softmax(scores, 3),
-    };
-    matmul(probs, v)
 }
 
 #[cfg(feature = "ndarray")]

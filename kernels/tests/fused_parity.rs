@@ -2,32 +2,43 @@
 //! CPU (ndarray, f32), forward and gradients, on random inputs drawn fresh per
 //! case, with random key-padding masks, all-padding rows and one-key rows.
 //!
+//! Each fallback the plan would not pick on this device (rows split over
+//! lanes or head dims in parts, the backward as separate dQ and dK/dV
+//! kernels, CUDA cores instead of tensor cores) runs here too, by passing a
+//! [`KernelChoice`].
+//!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 mod common;
 
-use aam_kernels::{fused_attention, reference_attention, AttentionDropout};
+use aam_kernels::{fused_attention, reference_attention, AttentionDropout, KernelChoice};
 use burn::prelude::*;
 use common::*;
 
 #[test]
 fn lengths_1_7_64_151_and_odd() {
     for (i, &t) in [1usize, 7, 64, 151, 33, 97].iter().enumerate() {
-        check(&Case::new(100 + i as u64, 3, 2, t, t, 32));
+        check(
+            &Case::new(100 + i as u64, 3, 2, t, t, 32),
+            KernelChoice::AUTO,
+        );
     }
 }
 
 #[test]
 fn sample_level_1024_slots() {
-    check(&Case::new(7, 2, 4, 1024, 1024, 32));
+    check(&Case::new(7, 2, 4, 1024, 1024, 32), KernelChoice::AUTO);
 }
 
 #[test]
 fn head_dims_16_64_128() {
     for (i, &dh) in [16usize, 64, 128].iter().enumerate() {
-        check(&Case::new(200 + i as u64, 3, 2, 40, 40, dh));
+        check(
+            &Case::new(200 + i as u64, 3, 2, 40, 40, dh),
+            KernelChoice::AUTO,
+        );
     }
 }
 
@@ -35,20 +46,20 @@ fn head_dims_16_64_128() {
 /// multiple of four is zero-padded there.
 #[test]
 fn head_dims_not_a_multiple_of_four() {
-    check(&Case::new(250, 2, 2, 23, 23, 10));
-    check(&Case::new(251, 2, 3, 9, 30, 3));
+    check(&Case::new(250, 2, 2, 23, 23, 10), KernelChoice::AUTO);
+    check(&Case::new(251, 2, 3, 9, 30, 3), KernelChoice::AUTO);
 }
 
 #[test]
 fn several_batch_and_head_counts_and_cross_lengths() {
-    check(&Case::new(300, 1, 1, 5, 5, 32));
-    check(&Case::new(301, 5, 8, 17, 17, 16));
-    check(&Case::new(302, 4, 3, 9, 70, 32));
+    check(&Case::new(300, 1, 1, 5, 5, 32), KernelChoice::AUTO);
+    check(&Case::new(301, 5, 8, 17, 17, 16), KernelChoice::AUTO);
+    check(&Case::new(302, 4, 3, 9, 70, 32), KernelChoice::AUTO);
 }
 
 #[test]
 fn dropout_is_reproducible_and_its_backward_uses_the_same_mask() {
-    check_dropout();
+    check_dropout(KernelChoice::AUTO);
 }
 
 /// dQ, dK and dV with dropout against the math path with the kernels' mask:
@@ -75,7 +86,6 @@ fn dropout_gradients_match_the_math_path() {
 #[test]
 fn dropout_mask_drops_about_p_without_structure() {
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let (n, h, t) = (8, 4, 128);
     let prob = 0.3;
     let gpu = Default::default();
@@ -84,7 +94,14 @@ fn dropout_mask_drops_about_p_without_structure() {
         .reshape([1, 1, t, t])
         .expand([n, h, t, t]);
     let drop = AttentionDropout { prob, seed: 2024 };
-    let out = values(fused_attention(zeros.clone(), zeros, v, None, drop));
+    let out = values(fused_attention(
+        zeros.clone(),
+        zeros,
+        v,
+        None,
+        drop,
+        KernelChoice::AUTO,
+    ));
     let kept_value = (1.0 / (1.0 - prob)) as f32 / t as f32;
     let dropped: Vec<f64> = out
         .iter()
@@ -159,7 +176,6 @@ const FORWARD_RTOL_HALF: f32 = 1e-2;
 fn half_precision_forward() {
     use burn::tensor::{bf16, f16, DType};
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let gpu = Default::default();
     let cpu = Default::default();
     let mut checked = 0;
@@ -190,6 +206,7 @@ fn half_precision_forward() {
                 v.cast(dtype),
                 Some(case.mask::<Gpu>(&gpu)),
                 AttentionDropout::NONE,
+                KernelChoice::AUTO,
             );
             assert_eq!(out.dtype(), dtype, "the kernel keeps the input type");
             let fused = values(out.cast(DType::F32));
@@ -213,4 +230,65 @@ fn half_precision_forward() {
     }
     // Every device aam-rs runs the kernel on has at least f16 (lavapipe, CUDA).
     assert!(checked > 0, "no half type was checked");
+}
+
+/// Every row split over 4 lanes: the partial softmax states and gradient
+/// sums of a row's lanes are merged with plane shuffles, which the default
+/// plan uses on CUDA and HIP only for calls with few rows (the sample level).
+/// Forcing it here runs that merge at every shape, and in CI on wgpu through
+/// lavapipe, where it is otherwise never taken.
+#[test]
+fn rows_split_over_lanes() {
+    let lanes = KernelChoice {
+        lanes: Some(4),
+        ..KernelChoice::AUTO
+    };
+    check_layout_shapes(600, lanes);
+    check_dropout(lanes);
+}
+
+/// The layout CUDA and HIP use for calls with one lane per row (the ASV and
+/// sample levels): every row kernel splits each row's head dimensions over
+/// two units, whose partial dot products are added with plane shuffles (a
+/// masked key's or past-the-end row's partner runs the loop only for those
+/// shuffles). With parts, head dim 12 is not split (6 dims are not whole
+/// quads).
+#[test]
+fn head_dims_split_in_two_parts() {
+    let parts = KernelChoice {
+        lanes: Some(1),
+        parts: Some(2),
+        ..KernelChoice::AUTO
+    };
+    check_layout_shapes(700, parts);
+    check_dropout(parts);
+}
+
+/// The backward as two kernels (dQ, then dK/dV) at every shape. By default a
+/// head whose keys fit one cube runs the tiled kernel (CUDA) or the merged
+/// one (dK, dV and dQ in one), so the short lengths of the other tests never
+/// reach the dQ kernel alone; here they do.
+#[test]
+fn separate_backward_kernels() {
+    let separate = KernelChoice {
+        separate_backward: true,
+        ..KernelChoice::AUTO
+    };
+    check_layout_shapes(800, separate);
+    check_dropout(separate);
+}
+
+/// CUDA cores only: on CUDA the row forward (which `mma` shadows) and the
+/// merged backward at head dims the tiled one does not take, at one lane a
+/// row as the ASV level has. (On wgpu it is the default plan.)
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_cores_one_lane_a_row() {
+    let cores = KernelChoice {
+        lanes: Some(1),
+        cuda_cores: true,
+        ..KernelChoice::AUTO
+    };
+    check_layout_shapes(900, cores);
+    check_dropout(cores);
 }

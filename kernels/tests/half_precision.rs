@@ -16,7 +16,7 @@
 
 mod common;
 
-use aam_kernels::{fused_attention, AttentionDropout};
+use aam_kernels::{fused_attention, AttentionDropout, KernelChoice};
 use burn::prelude::*;
 use burn::tensor::{bf16, f16, DType, TensorData};
 use common::*;
@@ -85,7 +85,6 @@ fn rounded_case(seed: u64, dtype: DType, (tq, tk, dh, n): (usize, usize, usize, 
 #[test]
 fn half_forward_draws_the_f32_dropout_mask() {
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let gpu = Default::default();
     for dtype in half_types(&gpu) {
         for (i, &shape) in SHAPES.iter().enumerate() {
@@ -103,6 +102,7 @@ fn half_forward_draws_the_f32_dropout_mask() {
                     v.clone(),
                     Some(mask.clone()),
                     drop,
+                    KernelChoice::AUTO,
                 ));
                 let half = fused_attention(
                     q.cast(dtype),
@@ -110,6 +110,7 @@ fn half_forward_draws_the_f32_dropout_mask() {
                     v.cast(dtype),
                     Some(mask),
                     drop,
+                    KernelChoice::AUTO,
                 );
                 assert_eq!(half.dtype(), dtype, "the kernel keeps the input type");
                 let half = values(half.cast(DType::F32));
@@ -144,6 +145,7 @@ fn gradients(case: &Case, dtype: DType, drop: AttentionDropout) -> (Vec<f32>, [V
         v.clone().cast(dtype),
         Some(case.mask::<GpuAd>(&gpu)),
         drop,
+        KernelChoice::AUTO,
     )
     .cast(DType::F32);
     let g = (out.clone() * w).sum().backward();
@@ -216,7 +218,6 @@ fn check_gradients(
     grads: impl Fn(&Case, DType, usize) -> [[Vec<f32>; 3]; 2],
 ) {
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let gpu = Default::default();
     let mut failures = Vec::new();
     for dtype in half_types(&gpu) {

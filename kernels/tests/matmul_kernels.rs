@@ -214,74 +214,6 @@ fn listed_kernels_over_inner_sizes_modulo_64() {
     assert!(failures.is_empty(), "wrong products: {failures:#?}");
 }
 
-/// `aam_kernels::rows_matmul` (the TF32 kernel for tall, narrow products)
-/// against a float64 product at the dense layers' shapes and layouts: the
-/// forward's transposed weight view, the input gradient's contiguous
-/// weight, the weight gradient's batched parts with a transposed left
-/// operand; row counts that leave a partial block of 128 rows, widths it
-/// takes 128 and 64 columns at a time, and an operand at an offset into its
-/// buffer. Each product must run on the kernel (the H100 has TF32 `cmma`).
-#[cfg(feature = "cuda")]
-#[test]
-fn rows_matmul_equals_a_float64_product_at_aam_shapes() {
-    let shapes = [
-        [1, 1000, 128, 384],
-        [1, 4100, 512, 128],
-        [1, 300, 128, 128],
-        [3, 128, 2048, 128],
-        [2, 384, 64, 512],
-        [1, 77, 32, 64],
-        [1, 260, 96, 192],
-    ];
-    for [b, m, k, n] in shapes {
-        let (lhs, rhs) = (draw(b * m * k, 7), draw(b * k * n, 8));
-        let want = reference(&lhs, &rhs, [b, m, k, n]);
-        for (lhs_t, rhs_t) in [(false, false), (true, false), (false, true), (true, true)] {
-            let (l, r) = (
-                tensor(&lhs, [b, m, k], lhs_t).into_primitive().tensor(),
-                tensor(&rhs, [b, k, n], rhs_t).into_primitive().tensor(),
-            );
-            let what = format!(
-                "[{b}, {m}, {k}]·[{b}, {k}, {n}], lhs transposed {lhs_t}, rhs transposed {rhs_t}"
-            );
-            let out = aam_kernels::rows_matmul(&l, &r);
-            // A transposed left operand needs its rows in whole vectors.
-            if lhs_t && !m.is_multiple_of(4) {
-                assert!(out.is_none(), "{what}: ran with rows not a multiple of 4");
-                continue;
-            }
-            let out = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(
-                out.unwrap_or_else(|| panic!("{what}: did not run")),
-            ));
-            assert_eq!(out.dims(), [b, m, n], "{what}");
-            let got = out.into_data().to_vec::<f32>().expect("f32");
-            let err = rel(&got, &want);
-            assert!(err <= 5e-3, "{what}: rel err {err:e}");
-        }
-    }
-    // A left operand at an offset into its buffer (the rows after the
-    // first 64 of a `[m + 64, k]` tensor).
-    let (m, k, n) = (500, 128, 128);
-    let (all, rhs) = (draw((m + 64) * k, 9), draw(k * n, 10));
-    let want = reference(&all[64 * k..], &rhs, [1, m, k, n]);
-    let device = Default::default();
-    let lhs = Tensor::<B, 2>::from_data(TensorData::new(all, [m + 64, k]), &device)
-        .narrow(0, 64, m)
-        .unsqueeze::<3>();
-    let rhs = tensor(&rhs, [1, k, n], false);
-    let out = aam_kernels::rows_matmul(
-        &lhs.into_primitive().tensor(),
-        &rhs.into_primitive().tensor(),
-    )
-    .expect("runs at an offset of 64 rows");
-    let got = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))
-        .into_data()
-        .to_vec::<f32>()
-        .expect("f32");
-    let err = rel(&got, &want);
-    assert!(err <= 5e-3, "offset operand: rel err {err:e}");
-}
-
 #[test]
 fn leftover_rows_as_a_view_into_the_buffer() {
     // The dense backward's leftover rows: `dyᵀ·x` over rows [split, rows) of
@@ -390,7 +322,7 @@ fn autotune_candidates_at_aam_shapes() {
         ));
     }
     // `AAM_MATMUL_BRIEF`: only the TMA kernels with `mma` tiles (the fastest
-    // at these shapes) beside `rows_matmul`.
+    // at these shapes).
     if std::env::var_os("AAM_MATMUL_BRIEF").is_some() {
         candidates.retain(|s| {
             matches!(
@@ -462,24 +394,6 @@ fn autotune_candidates_at_aam_shapes() {
         <B as burn::tensor::backend::Backend>::sync(&Default::default()).expect("sync");
         Some((got, start.elapsed().as_secs_f64() / 5.0 * 1e6))
     };
-    // `aam_kernels::rows_matmul`'s output and mean time over 5 launches.
-    let rows_run = |lhs: &Tensor<B, 3>, rhs: &Tensor<B, 3>, tile: (usize, usize)| {
-        let (lhs, rhs) = (
-            lhs.clone().into_primitive().tensor(),
-            rhs.clone().into_primitive().tensor(),
-        );
-        let out = aam_kernels::rows_matmul_tile(&lhs, &rhs, Some(tile))?;
-        let got = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32");
-        let start = std::time::Instant::now();
-        for _ in 0..5 {
-            aam_kernels::rows_matmul_tile(&lhs, &rhs, Some(tile))?;
-        }
-        <B as burn::tensor::backend::Backend>::sync(&Default::default()).expect("sync");
-        Some((got, start.elapsed().as_secs_f64() / 5.0 * 1e6))
-    };
     let rows_list: Vec<usize> = std::env::var("AAM_ROWS")
         .map(|v| {
             v.split(',')
@@ -516,12 +430,6 @@ fn autotune_candidates_at_aam_shapes() {
                     let validated = rel(&dense_matmul(lhs.clone(), rhs.clone()), &want);
                     let mut line =
                         format!("rows {rows}, [{k}→{n}] {what}: validated {validated:.1e}");
-                    for tile in [(4, 128), (2, 128), (4, 64), (2, 64)] {
-                        if let Some((got, us)) = rows_run(&lhs, &rhs, tile) {
-                            let err = rel(&got, &want);
-                            line += &format!(" | rows_matmul{tile:?} {err:.1e} {us:.0}us");
-                        }
-                    }
                     for strategy in &candidates[1..] {
                         if let Some((got, us)) = run(strategy, &lhs, &rhs) {
                             line += &format!(" | {strategy} {:.1e} {us:.0}us", rel(&got, &want));
@@ -571,12 +479,6 @@ fn autotune_candidates_at_aam_shapes() {
                 let want: Vec<f64> = want.iter().map(|v| *v as f64).collect();
                 let validated = rel(&dense_matmul(lhs.clone(), rhs.clone()), &want);
                 let mut line = format!("rows {rows}, [{p}x{q}] {what}: validated {validated:.1e}");
-                for tile in [(4, 128), (2, 128), (4, 64), (2, 64)] {
-                    if let Some((got, us)) = rows_run(&lhs, &rhs, tile) {
-                        let err = rel(&got, &want);
-                        line += &format!(" | rows_matmul{tile:?} {err:.1e} {us:.0}us");
-                    }
-                }
                 for strategy in &candidates[1..] {
                     if let Some((got, us)) = run(strategy, &lhs, &rhs) {
                         line += &format!(" | {strategy} {:.1e} {us:.0}us", rel(&got, &want));

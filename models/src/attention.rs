@@ -15,7 +15,9 @@
 use burn::module::Param;
 
 use aam_kernels::AttentionBackend;
-use aam_kernels::{fused_attention, fused_packed_attention, matmul, AttentionDropout};
+use aam_kernels::{
+    fused_attention, fused_packed_attention, matmul, AttentionDropout, KernelChoice,
+};
 use burn::nn::{Dropout, DropoutConfig};
 use burn::prelude::*;
 use burn::tensor::activation;
@@ -97,7 +99,7 @@ pub fn attention<B: AttentionBackend>(
     }
     let attn_dropout = fused_dropout::<B>(&q.device(), dropout);
     (
-        fused_attention(q, k, v, key_padding_mask, attn_dropout),
+        fused_attention(q, k, v, key_padding_mask, attn_dropout, KernelChoice::AUTO),
         None,
     )
 }
@@ -253,8 +255,14 @@ impl<B: AttentionBackend> MultiheadAttention<B> {
             // not by a pass of its own.
             let qkv = linear(x, weight, None);
             let dropout = fused_dropout::<B>(&qkv.device(), &self.dropout);
-            let context =
-                fused_packed_attention(qkv, Some(bias), key_padding_mask, self.num_heads, dropout);
+            let context = fused_packed_attention(
+                qkv,
+                Some(bias),
+                key_padding_mask,
+                self.num_heads,
+                dropout,
+                KernelChoice::AUTO,
+            );
             return project_out(context);
         }
         let qkv = linear(x, weight, Some(bias));

@@ -41,7 +41,6 @@ fn random_bias(bias: &Param<Tensor<Gpu, 1>>) -> Param<Tensor<Gpu, 1>> {
 
 #[test]
 fn folded_biases_give_the_layer_s_outputs_and_gradients() {
-    std::env::set_var("AAM_KERNEL_UNROLL", "0");
     assert!(
         aam_kernels::seeded_dropout_runs::<Gpu>(),
         "the seeded kernels run on wgpu, so the layer folds its biases"

@@ -10,7 +10,7 @@ use aam_models::asv_encoder::MaskStrategy;
 use aam_models::sample_encoder::CountEmbeddingMethod;
 use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
 use aam_models::{AttnImplementation, MixedPrecision};
-use aam_train::config::ModelSpec;
+use aam_train::config::{ModelSpec, PhaseTiming};
 use aam_train::optim::OptimizerKind;
 use aam_train::prepare::{DataSpec, Prepared, TargetSpec};
 use aam_train::schedule::SchedulerKind;
@@ -180,6 +180,12 @@ pub struct RunArgs {
     /// memory_profile.csv (CubeCL backends; slows the run a little).
     #[arg(long)]
     pub memory_profile: bool,
+    /// Log the mean time of each phase of the training step after the first
+    /// step and every 10: `synced` (the device synchronised after each phase;
+    /// slower) or `host` (the time the host spends queueing each phase; `read`
+    /// then holds the wait for the device).
+    #[arg(long, default_value = "off", value_parser = serde_value::<PhaseTiming>)]
+    pub time_phases: PhaseTiming,
 }
 
 /// `--mixed-precision`.

@@ -35,7 +35,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use aam_kernels::{fused_packed_attention, AttentionDropout};
+use aam_kernels::{fused_packed_attention, AttentionDropout, KernelChoice};
 use aam_models::attention::attention;
 use aam_models::{AttentionBackend, AttnImplementation};
 
@@ -708,9 +708,16 @@ fn attend<B: AttentionBackend>((q, k, v, mask): &AttentionInputs<B>, route: Rout
             let [n, h, t, dh] = q.dims();
             let merge = |x: &Tensor<B, 4>| x.clone().swap_dims(1, 2).reshape([n, t, h * dh]);
             let qkv = Tensor::cat(vec![merge(q), merge(k), merge(v)], 2);
-            return fused_packed_attention(qkv, None, mask.clone(), h, AttentionDropout::NONE)
-                .reshape([n, t, h, dh])
-                .swap_dims(1, 2);
+            return fused_packed_attention(
+                qkv,
+                None,
+                mask.clone(),
+                h,
+                AttentionDropout::NONE,
+                KernelChoice::AUTO,
+            )
+            .reshape([n, t, h, dh])
+            .swap_dims(1, 2);
         }
     };
     let dropout = DropoutConfig::new(0.0).init();

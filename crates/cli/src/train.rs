@@ -190,6 +190,7 @@ fn run_config(
         all_slots: d.all_slots,
         workers: o.num_workers.max(1),
         memory_profile: false,
+        time_phases: Default::default(),
         mixed_precision: Default::default(),
     }
 }
@@ -534,6 +535,7 @@ fn start(
     check_run(&run)?;
     // An observation of this invocation, resumed or not.
     run.memory_profile = r.memory_profile;
+    run.time_phases = r.time_phases;
     run.mixed_precision = r.precision.mixed_precision;
     std::fs::create_dir_all(&r.output_dir)
         .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;

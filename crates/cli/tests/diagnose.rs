@@ -13,8 +13,6 @@ fn diagnose(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_aam-rs"))
         .args(["diagnose", "attention", "--quick", "--reps", "1"])
         .args(args)
-        // Plain loops keep shader compilation short on CPU Vulkan (lavapipe).
-        .env("AAM_KERNEL_UNROLL", "0")
         .output()
         .expect("runs")
 }
@@ -156,7 +154,6 @@ fn gradients(backend: &str, extra: &[&str]) -> (Output, Value) {
         ])
         .args(["--batches", "1", "--json-out", json.to_str().unwrap()])
         .args(extra)
-        .env("AAM_KERNEL_UNROLL", "0")
         .output()
         .expect("runs");
     let report = std::fs::read(&json)

@@ -31,7 +31,7 @@ pub struct DenseArgs {
     /// output and input widths.
     #[arg(long, value_delimiter = ',', default_value = "128x512,512x128")]
     widths: Vec<String>,
-    /// Rows per part of the split (`AAM_DENSE_PART_ROWS` sets the op's own).
+    /// Rows per part of the split (the op itself uses `ROWS_PER_PART`).
     #[arg(long, default_value_t = ROWS_PER_PART)]
     part_rows: usize,
     /// Largest accepted difference, relative to the largest entry.

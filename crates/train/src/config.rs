@@ -20,6 +20,22 @@ use crate::loss::LossConfig;
 use crate::optim::OptimizerConfig;
 use crate::schedule::SchedulerConfig;
 
+/// Timing of the training step's phases (`--time-phases`): for finding where
+/// a step's time goes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PhaseTiming {
+    /// No timing.
+    #[default]
+    Off,
+    /// The mean time of each phase, the device synchronised after each
+    /// (slower).
+    Synced,
+    /// The time the host spends queueing each phase, unsynchronised: `read`
+    /// then holds the wait for the device.
+    Host,
+}
+
 /// Self-supervised pre-training or supervised training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -105,6 +121,9 @@ pub struct RunConfig {
     /// synchronises the device after each phase, so the run is slower.
     #[serde(default)]
     pub memory_profile: bool,
+    /// Log the time of each phase of the training step (`--time-phases`).
+    #[serde(default)]
+    pub time_phases: PhaseTiming,
     /// Mixed precision of the transformer stacks (`--mixed-precision`); fp16
     /// adds dynamic loss scaling.
     #[serde(default)]

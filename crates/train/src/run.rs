@@ -32,7 +32,7 @@ use crate::checkpoint::{
     write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochRecord, Progress,
     FORMAT_VERSION,
 };
-use crate::config::{RunConfig, Task};
+use crate::config::{PhaseTiming, RunConfig, Task};
 use crate::error::{Result, TrainError};
 use crate::loss::{
     nucleotide_accuracy, pairwise_tanh_distances, LossParts, LossTargets, Predictions, Target,
@@ -321,20 +321,20 @@ fn record_batch<B: Backend>(
 
 /// Where a training step spends its time and device memory.
 ///
-/// - `AAM_PROFILE=1`: the mean time of each phase, logged after the first step
-///   and every 10 (for finding where the time goes).
-/// - `AAM_PROFILE=host`: the same without synchronising: each phase's time is
-///   then what the host spends queueing it, and `read` holds the wait for the
-///   device. A step whose `read` is short is bound by the host.
+/// - `--time-phases synced`: the mean time of each phase, logged after the
+///   first step and every 10 (for finding where the time goes).
+/// - `--time-phases host`: the same without synchronising: each phase's time
+///   is then what the host spends queueing it, and `read` holds the wait for
+///   the device. A step whose `read` is short is bound by the host.
 /// - `--memory-profile`: after each phase, the bytes of live tensors on the
 ///   device; per epoch the largest value of each phase and the memory pool's
 ///   size are logged and appended to `memory_profile.csv`.
 ///
-/// Both synchronise the device after each phase (`AAM_PROFILE=1` and
+/// Both synchronise the device after each phase (`--time-phases synced` and
 /// `--memory-profile`), which slows the run.
 struct StepProfiler {
     time: bool,
-    /// `AAM_PROFILE=host`: time without synchronising.
+    /// `--time-phases host`: time without synchronising.
     host_only: bool,
     memory: bool,
     last: Instant,
@@ -347,11 +347,10 @@ struct StepProfiler {
 }
 
 impl StepProfiler {
-    fn new(memory: bool) -> Self {
-        let mode = std::env::var("AAM_PROFILE").unwrap_or_default();
+    fn new(memory: bool, timing: PhaseTiming) -> Self {
         Self {
-            time: mode == "1" || mode == "host",
-            host_only: mode == "host",
+            time: timing != PhaseTiming::Off,
+            host_only: timing == PhaseTiming::Host,
             memory,
             last: Instant::now(),
             totals: BTreeMap::new(),
@@ -663,7 +662,7 @@ where
         let mut pending = 0usize;
         let mut seen = 0usize;
         let mut last_lr = self.scheduler.lr();
-        let mut timer = StepProfiler::new(run.memory_profile);
+        let mut timer = StepProfiler::new(run.memory_profile, run.time_phases);
         for (k, batch) in loader.epoch(epoch as u64).enumerate() {
             let batch = batch?;
             let stream = mix(run.seed, self.progress.micro_step);

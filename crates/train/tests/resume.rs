@@ -103,6 +103,7 @@ fn run_config() -> RunConfig {
         all_slots: false,
         workers: 2,
         memory_profile: false,
+        time_phases: Default::default(),
         mixed_precision: Default::default(),
     }
 }

@@ -2,7 +2,7 @@
 //! forward and gradients against the CPU reference, and the dropout check.
 #![allow(dead_code)] // each test binary uses its own part
 
-use aam_kernels::{fused_attention, reference_attention, AttentionDropout};
+use aam_kernels::{fused_attention, reference_attention, AttentionDropout, KernelChoice};
 use burn::backend::{Autodiff, NdArray};
 use burn::prelude::*;
 
@@ -153,20 +153,8 @@ pub fn rel_above(actual: &[f32], expected: &[f32], floor: f32) -> f32 {
 /// 1e-5, inside [`GRAD_RTOL_F32`].
 pub const GRAD_FLOOR: f32 = 0.1;
 
-/// Shader compilation of the unrolled kernels takes minutes on CPU Vulkan
-/// (lavapipe); unrolling only changes code generation, not the arithmetic.
-/// So wgpu tests run without it, unless `AAM_KERNEL_UNROLL` is set (to test
-/// the unrolled code there too).
-pub fn lean_shaders() {
-    if std::env::var_os("AAM_KERNEL_UNROLL").is_none() {
-        std::env::set_var("AAM_KERNEL_UNROLL", "0");
-    }
-}
-
 /// Forward and gradients of `f = Σ out ⊙ W` on both sides.
-pub fn check(case: &Case) {
-    #[cfg(not(feature = "cuda"))]
-    lean_shaders();
+pub fn check(case: &Case, kernels: KernelChoice) {
     let label = format!(
         "n={} h={} tq={} tk={} dh={}",
         case.n, case.h, case.tq, case.tk, case.dh
@@ -183,6 +171,7 @@ pub fn check(case: &Case) {
         v,
         Some(case.mask::<Gpu>(&gpu)),
         AttentionDropout::NONE,
+        kernels,
     ));
     eprintln!("{label}: forward in {:.1?}", started.elapsed());
     let [q, k, v, _] = case.tensors::<Cpu>(&cpu);
@@ -206,6 +195,7 @@ pub fn check(case: &Case) {
         v.clone(),
         Some(case.mask::<GpuAd>(&gpu)),
         AttentionDropout::NONE,
+        kernels,
     );
     let g = (out * w).sum().backward();
     let fused_grads = [
@@ -245,9 +235,7 @@ pub fn check(case: &Case) {
 
 /// Dropout: the same seed gives the same mask, another seed another, and
 /// the backward uses the forward's mask.
-pub fn check_dropout() {
-    #[cfg(not(feature = "cuda"))]
-    lean_shaders();
+pub fn check_dropout(kernels: KernelChoice) {
     let case = Case::new(400, 2, 2, 64, 64, 32);
     let gpu = Default::default();
     let drop = AttentionDropout {
@@ -256,7 +244,14 @@ pub fn check_dropout() {
     };
     let run = |d: AttentionDropout| {
         let [q, k, v, _] = case.tensors::<Gpu>(&gpu);
-        values(fused_attention(q, k, v, Some(case.mask::<Gpu>(&gpu)), d))
+        values(fused_attention(
+            q,
+            k,
+            v,
+            Some(case.mask::<Gpu>(&gpu)),
+            d,
+            kernels,
+        ))
     };
     let (a, b, none) = (run(drop), run(drop), run(AttentionDropout::NONE));
     assert_eq!(a, b, "same seed, same mask");
@@ -270,7 +265,8 @@ pub fn check_dropout() {
     // backward's P̃ is the forward's.
     let [q, k, v, w] = case.tensors::<GpuAd>(&gpu);
     let v = v.require_grad();
-    let f = (fused_attention(q, k, v.clone(), Some(case.mask::<GpuAd>(&gpu)), drop) * w).sum();
+    let mask = Some(case.mask::<GpuAd>(&gpu));
+    let f = (fused_attention(q, k, v.clone(), mask, drop, kernels) * w).sum();
     let f_value = values(f.clone())[0];
     let g = f.backward();
     let dv = values(v.grad(&g).unwrap());
@@ -281,19 +277,19 @@ pub fn check_dropout() {
     );
 }
 
-/// The shapes a forced layout (`fused_lanes`, `fused_native_layout`) is
-/// checked on, seeds from `seed`: lengths 1, 7, 151 and 33; head dims 16,
+/// The shapes a [`KernelChoice`] that forces a fallback is checked on, seeds
+/// from `seed`: lengths 1, 7, 151 and 33; head dims 16,
 /// 64, 128 and 12 (not whole quads when split in two); cross lengths 9 × 70;
 /// and the sample level's 1024 slots.
-pub fn check_layout_shapes(seed: u64) {
+pub fn check_layout_shapes(seed: u64, kernels: KernelChoice) {
     for (i, &t) in [1usize, 7, 151, 33].iter().enumerate() {
-        check(&Case::new(seed + i as u64, 3, 2, t, t, 32));
+        check(&Case::new(seed + i as u64, 3, 2, t, t, 32), kernels);
     }
     for (i, &dh) in [16usize, 64, 128, 12].iter().enumerate() {
-        check(&Case::new(seed + 10 + i as u64, 3, 2, 40, 40, dh));
+        check(&Case::new(seed + 10 + i as u64, 3, 2, 40, 40, dh), kernels);
     }
-    check(&Case::new(seed + 20, 4, 3, 9, 70, 32));
-    check(&Case::new(seed + 21, 2, 2, 1024, 1024, 32));
+    check(&Case::new(seed + 20, 4, 3, 9, 70, 32), kernels);
+    check(&Case::new(seed + 21, 2, 2, 1024, 1024, 32), kernels);
 }
 
 /// The attention dropout's factors `[n, h, tq, tk]` (0 or `1/(1 − p)`),
@@ -360,8 +356,6 @@ pub fn probs_and_dropout<B: Backend>(
 /// ([`dropout_factors`]) to the softmax. The dV identity of
 /// [`check_dropout`] holds for any dQ and dK; this pins them.
 pub fn check_dropout_gradients(case: &Case, drop: AttentionDropout) {
-    #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let label = format!(
         "n={} h={} tq={} tk={} dh={} p={}",
         case.n, case.h, case.tq, case.tk, case.dh, drop.prob
@@ -375,6 +369,7 @@ pub fn check_dropout_gradients(case: &Case, drop: AttentionDropout) {
         v.clone(),
         Some(case.mask::<GpuAd>(&gpu)),
         drop,
+        KernelChoice::AUTO,
     );
     let g = (out * w).sum().backward();
     let fused = [q, k, v].map(|t| values(t.grad(&g).unwrap()));

@@ -44,7 +44,6 @@ fn run<Ad: AutodiffBackend + AttentionBackend>(
 
 #[test]
 fn attention_pool_kernels_match_the_ops() {
-    lean_shaders();
     let mut rng = Rng::new(31);
     for [n, t, d] in [[37, 151, 128], [5, 7, 20], [300, 3, 8], [2, 1, 130]] {
         // Lengths: all, none, one, and random in between.

@@ -69,7 +69,6 @@ fn run_layer_norm<Ad: AutodiffBackend + AttentionBackend>(
 
 #[test]
 fn layer_norm_kernels_match_the_ops() {
-    lean_shaders();
     let mut rng = Rng::new(11);
     for (rows, width, with_beta) in [
         (1, 12, true),
@@ -113,7 +112,6 @@ fn layer_norm_kernels_match_the_ops() {
 /// Burn's traversal runs the residual's backward first.
 #[test]
 fn layer_norm_backward_adds_the_other_gradient() {
-    lean_shaders();
     let mut rng = Rng::new(13);
     for (rows, width) in [(5, 128), (3_001, 128), (40, 600)] {
         let inputs: Vec<Vec<f32>> = [(0.5, 2.0), (1.0, 0.5), (0.0, 1.0), (0.0, 1.0)]
@@ -149,7 +147,6 @@ fn layer_norm_backward_adds_the_other_gradient() {
 
 #[test]
 fn dense_bias_gradient_is_the_column_sum() {
-    lean_shaders();
     let mut rng = Rng::new(12);
     // 20,001 rows: 79 parts of 256 rows, more than a column's 32 lanes.
     for (rows, k, n) in [(5, 8, 3), (257, 16, 130), (3_001, 12, 9), (20_001, 4, 13)] {

@@ -12,7 +12,9 @@
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use crate::common::*;
-use aam_kernels::{fused_attention, fused_packed_attention, reference_attention, AttentionDropout};
+use aam_kernels::{
+    fused_attention, fused_packed_attention, reference_attention, AttentionDropout, KernelChoice,
+};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 
@@ -95,10 +97,17 @@ fn gpu_run(p: &Packed, packed: bool, dropout: AttentionDropout) -> [Vec<f32>; 3]
     let (qkv, bias, w) = p.tensors::<GpuAd>(&device);
     let mask = Some(p.case.mask::<GpuAd>(&device));
     let out = if packed {
-        fused_packed_attention(qkv.clone(), Some(bias.clone()), mask, p.h, dropout)
+        fused_packed_attention(
+            qkv.clone(),
+            Some(bias.clone()),
+            mask,
+            p.h,
+            dropout,
+            KernelChoice::AUTO,
+        )
     } else {
         let [q, k, v] = split(qkv.clone() + bias.clone().unsqueeze(), p.h);
-        merge(fused_attention(q, k, v, mask, dropout))
+        merge(fused_attention(q, k, v, mask, dropout, KernelChoice::AUTO))
     };
     grads_of(out, w, qkv, bias)
 }
@@ -129,7 +138,6 @@ fn cpu_run(p: &Packed) -> [Vec<f32>; 3] {
 #[test]
 fn packed_attention_matches_the_reference() {
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let cases = [
         Packed::new(1, 3, 4, 151, 32), // the ASV level: 151 tokens
         Packed::new(2, 4, 2, 7, 16),
@@ -157,7 +165,6 @@ fn packed_attention_matches_the_reference() {
 #[test]
 fn packed_dropout_draws_the_split_heads_masks() {
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let p = Packed::new(6, 3, 2, 64, 32);
     let dropout = AttentionDropout {
         prob: 0.3,
@@ -183,7 +190,6 @@ fn packed_dropout_draws_the_split_heads_masks() {
 fn packed_half_matches_f32() {
     use burn::tensor::{bf16, f16, DType};
     #[cfg(not(feature = "cuda"))]
-    lean_shaders();
     let device: burn::tensor::Device<Gpu> = Default::default();
     // (seed, n, h, t, dh)
     let shapes = [
@@ -245,6 +251,7 @@ fn gpu_run_typed(
         mask,
         p.h,
         dropout,
+        KernelChoice::AUTO,
     )
     .cast(burn::tensor::DType::F32);
     grads_of(out, w, qkv, bias)

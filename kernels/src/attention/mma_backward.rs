@@ -50,14 +50,12 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::{dropout_keep, FAST_EXP};
-use crate::mma::{
-    add_products_half, block_rows, half_stride, load_validity, scores_half, AccPair, ValidPair,
+use super::mma::{add_products_half, block_rows, load_validity, scores_half};
+use super::mma_io::{
+    half_stride, head_rows, row_operands, stage_rows, store_pair, AccPair, Half4, HeadRows, Pair,
+    RowOperands, ValidPair,
 };
-use crate::mma_io::{
-    head_rows, row_operands, stage_rows, store_pair, Half4, HeadRows, Pair, RowOperands,
-};
-use crate::tiled::{cube_head, TiledHead};
+use crate::cube::{cube_head, dropout_keep, CubeHead, FAST_EXP};
 
 /// Shared memory (bytes) of [`attention_backward_dq_mma_half`] holding
 /// `rows` key rows (K and V by row, K by dim), and of
@@ -246,7 +244,7 @@ fn load_keys<F: Float, N: Size>(
     v: &Tensor<Vector<F, N>>,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     stage: &mut KeyBlock<F>,
     args: &BackwardArgs,
     start: usize,
@@ -341,7 +339,7 @@ fn query_rows<F: Float>(
     dout: &Tensor<Pair<F>>,
     lse: &Tensor<f32>,
     delta: &mut Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     views: &QueryViews,
     block: usize,
     tq: usize,
@@ -443,7 +441,7 @@ fn dq_block<F: Float>(
     stage: &KeyBlock<F>,
     query: &QueryRows<F>,
     acc: &mut Sequence<Array<AccPair>>,
-    head: &TiledHead,
+    head: &CubeHead,
     args: &BackwardArgs,
     start: usize,
     #[comptime] count: usize,
@@ -704,7 +702,7 @@ fn key_rows<F: Float>(
     v: &Tensor<Pair<F>>,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     block: usize,
     tk: usize,
     k_offset: u32,
@@ -767,7 +765,7 @@ fn load_queries<F: Float, N: Size>(
     do_rows: &HeadRows,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     stage: &mut QueryBlock<F>,
     start: usize,
     tq: usize,
@@ -855,7 +853,7 @@ fn dkdv_chunk<F: Float>(
     keys: &KeyRows<F>,
     dk: &mut Sequence<Array<AccPair>>,
     dv: &mut Sequence<Array<AccPair>>,
-    head: &TiledHead,
+    head: &CubeHead,
     first: usize,
     start: usize,
     dropout_threshold: u32,

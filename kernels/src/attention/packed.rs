@@ -19,7 +19,7 @@ use burn::prelude::*;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
-use crate::{AttentionBackend, AttentionDropout};
+use crate::{AttentionBackend, AttentionDropout, KernelChoice};
 
 /// `[N, T, D] → [N, H, T, D/H]` (a view).
 fn split_heads<B: Backend>(x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
@@ -77,9 +77,10 @@ pub(crate) fn packed_forward_ops<B: AttentionBackend>(
     heads: usize,
     scale: f64,
     dropout: AttentionDropout,
+    kernels: KernelChoice,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let [q, k, v] = split_packed::<B>(with_bias::<B>(qkv, bias), heads);
-    let (out, lse) = B::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout);
+    let (out, lse) = B::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout, kernels);
     (
         merge_heads(float::<B, 4>(out)).into_primitive().tensor(),
         lse,
@@ -99,6 +100,7 @@ pub(crate) fn packed_backward_ops<B: AttentionBackend>(
     heads: usize,
     scale: f64,
     dropout: AttentionDropout,
+    kernels: KernelChoice,
 ) -> FloatTensor<B> {
     let [n, t, d3] = float::<B, 3>(qkv.clone()).dims();
     let [q, k, v] = split_packed::<B>(with_bias::<B>(qkv, bias), heads);
@@ -117,6 +119,7 @@ pub(crate) fn packed_backward_ops<B: AttentionBackend>(
         as_heads(dout),
         scale,
         dropout,
+        kernels,
     );
     // [N, H, T, Dh] each → [N, T, 3, H, Dh] → [N, T, 3D]: the layout of qkv.
     let per_row = [dq, dk, dv].map(|g| float::<B, 4>(g).swap_dims(1, 2));

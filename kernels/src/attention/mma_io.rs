@@ -21,9 +21,19 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::{bias_at, Quad};
-use crate::mma::{half_stride, AccPair, ValidPair};
-use crate::tiled::TiledHead;
+use crate::cube::{bias_at, CubeHead, Quad};
+
+/// Two accumulator elements of a unit: one row, two adjacent columns.
+pub(crate) type AccPair = Vector<f32, Const<2>>;
+/// The validity (1 or 0) of two adjacent keys.
+pub(crate) type ValidPair = Vector<f32, Const<2>>;
+
+/// Vectors of 4 halves (8 bytes) between two rows of `units` of them, so
+/// that rows are 32 bytes apart modulo 128 (units `g·stride + t` of a half
+/// plane's 16-unit wavefront fall in different banks).
+pub const fn half_stride(units: usize) -> usize {
+    units + (12 - units % 8) % 8
+}
 
 /// Two f16/bf16 elements: a register of an `mma` operand, and the unit of
 /// the kernels' reads of their own rows and writes of their results.
@@ -47,11 +57,7 @@ pub(crate) struct HeadRows {
 /// [`HeadRows`] of head `(n, h)` of a `[N, H, T, Dh]` view of `t` whose
 /// first element is at `offset` (the packed `qkv`'s parts).
 #[cube]
-pub(crate) fn head_rows<E: CubePrimitive>(
-    t: &Tensor<E>,
-    offset: u32,
-    head: &TiledHead,
-) -> HeadRows {
+pub(crate) fn head_rows<E: CubePrimitive>(t: &Tensor<E>, offset: u32, head: &CubeHead) -> HeadRows {
     HeadRows {
         base: offset as usize + head.n * t.stride(0) + head.h * t.stride(1),
         stride: t.stride(2),

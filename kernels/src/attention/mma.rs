@@ -62,18 +62,16 @@
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
-use crate::kernel::{bias_at, dropout_keep, row_start, Quad, FAST_EXP};
-use crate::mma_io::{head_rows, read_quad, row_operands, stage_rows, store_pair, HeadRows, Pair};
-use crate::tiled::{cube_head, TiledHead};
+use super::mma_io::{
+    half_stride, head_rows, read_quad, row_operands, stage_rows, store_pair, AccPair, HeadRows,
+    Pair, ValidPair,
+};
+use crate::cube::{bias_at, cube_head, dropout_keep, row_start, CubeHead, Quad, FAST_EXP};
 
 /// One TF32 operand element of `mma.sync.m16n8k8` (a unit's register).
 type Tf32One = Vector<tf32, Const<1>>;
-/// Two accumulator elements of a unit: one row, two adjacent columns.
-pub(crate) type AccPair = Vector<f32, Const<2>>;
 /// The hi and lo parts of two operand elements (shared memory).
 type SplitQuad = Vector<tf32, Const<4>>;
-/// The validity (1 or 0) of two adjacent keys.
-pub(crate) type ValidPair = Vector<f32, Const<2>>;
 
 /// Key tiles (of 8) a chunk of the online softmax takes by default (the
 /// f16/bf16 kernel needs an even number: its `k = 16` steps).
@@ -83,13 +81,6 @@ pub const CHUNK_TILES: usize = 2;
 /// modulo 128 (see the module doc).
 pub const fn split_stride(quads: usize) -> usize {
     quads + (12 - quads % 8) % 8
-}
-
-/// Vectors of 4 halves (8 bytes) between two rows of `units` of them, so
-/// that rows are 32 bytes apart modulo 128 (units `g·stride + t` of a half
-/// plane's 16-unit wavefront fall in different banks).
-pub const fn half_stride(units: usize) -> usize {
-    units + (12 - units % 8) % 8
 }
 
 /// Keys the kernels store: `keys` rounded up to whole tiles of 8 (f32) or
@@ -332,7 +323,7 @@ fn load_block_tf32<F: Float, N: Size>(
     key_rows: &KeyRows,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     stage: &mut SplitStage,
     args: &KeyArgs,
     start: usize,
@@ -447,7 +438,7 @@ struct KeyRows {
 fn q_operands_tf32<F: Float>(
     q: &Tensor<F>,
     bias: &Tensor<F>,
-    head: &TiledHead,
+    head: &CubeHead,
     block: usize,
     tq: usize,
     scale: f32,
@@ -488,7 +479,7 @@ fn attend_block_tf32(
     stage: &SplitStage,
     q_ops: &Sequence<QOperand>,
     plane: &mut PlaneRows,
-    head: &TiledHead,
+    head: &CubeHead,
     args: &KeyArgs,
     start: usize,
     #[comptime] count: usize,
@@ -544,7 +535,7 @@ fn attend_chunk_tf32(
     stage: &SplitStage,
     q_ops: &Sequence<QOperand>,
     plane: &mut PlaneRows,
-    head: &TiledHead,
+    head: &CubeHead,
     args: &KeyArgs,
     first: usize,
     start: usize,
@@ -778,7 +769,7 @@ fn load_block_half<F: Float, N: Size>(
     views: &HalfViews,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     stage: &mut HalfStage<F>,
     args: &KeyArgs,
     start: usize,
@@ -857,7 +848,7 @@ fn attend_block_half<F: Float>(
     stage: &HalfStage<F>,
     q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
     plane: &mut PlaneRows,
-    head: &TiledHead,
+    head: &CubeHead,
     args: &KeyArgs,
     start: usize,
     #[comptime] count: usize,
@@ -913,7 +904,7 @@ fn attend_chunk_half<F: Float>(
     stage: &HalfStage<F>,
     q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
     plane: &mut PlaneRows,
-    head: &TiledHead,
+    head: &CubeHead,
     args: &KeyArgs,
     first: usize,
     start: usize,
@@ -962,7 +953,7 @@ fn attend_chunk_half<F: Float>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn load_validity(
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     valid: &mut SharedMemory<ValidPair>,
     chunk_valid: &mut SharedMemory<f32>,
     start: usize,
@@ -1136,7 +1127,7 @@ fn softmax_step(
     rows: &mut PlaneRows,
     first: usize,
     key_base: usize,
-    head: &TiledHead,
+    head: &CubeHead,
     dropout_threshold: u32,
     dropout_scale: f32,
     #[comptime] tiles: usize,
@@ -1317,7 +1308,7 @@ fn write_lse(
     lse: &mut Tensor<f32>,
     rows: &PlaneRows,
     sums: &Array<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     tq: usize,
 ) {
     if UNIT_POS_X % 4 == 0 {
@@ -1341,7 +1332,7 @@ fn write_rows<F: Float>(
     view: &HeadRows,
     lse: &mut Tensor<f32>,
     rows: &PlaneRows,
-    head: &TiledHead,
+    head: &CubeHead,
     tq: usize,
     #[comptime] head_dim: usize,
 ) {

@@ -2,9 +2,9 @@
 //! f32 accumulators): the forward and both backward kernels (dQ; dK and dV).
 //! On CUDA (sm_80 on, head dims 16-64) `mma.rs` and `mma_backward.rs` run
 //! instead, with the scores in the products' registers; these run on HIP,
-//! at other head dims and with `AAM_KERNEL_MMA=0`. No Burn imports here.
+//! at other head dims and before sm_80 (`plan.rs`). No Burn imports here.
 //!
-//! Why a second set of kernels: the CUDA-core kernels of `kernel.rs` run
+//! Why a second set of kernels: the CUDA-core kernels of `rows.rs` run
 //! every product on FMA units and feed them from shared memory, which bounds
 //! them (bf16 at the ASV shape on the H100: forward 1.40 ms and
 //! forward+backward 6.13 ms, against 0.94 and 3.26 ms for PyTorch's best
@@ -53,7 +53,7 @@
 use cubecl::cmma::{self, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
 
-use crate::kernel::{dropout_head_key, dropout_keep, FAST_EXP};
+use crate::cube::{dropout_head_key, dropout_keep, FAST_EXP};
 
 /// Side of a tensor-core tile: 16 rows, 16 keys, 16 head dims.
 pub const TC_TILE: usize = 16;

@@ -1,10 +1,9 @@
-//! Attention as register-tiled products, for heads whose keys fit one cube
-//! (the ASV level's 151): the backward's dQ, dK and dV of one (n, h) in one
-//! cube ([`attention_backward_tiled`]), and the forward on the same tiles
-//! ([`attention_forward_tiled`]); on CUDA cores, f32 arithmetic. No Burn
-//! imports here.
+//! The attention backward as register-tiled products, for heads whose keys
+//! fit one cube (the ASV level's 151): dQ, dK and dV of one (n, h) in one
+//! cube ([`attention_backward_tiled`]); on CUDA cores, f32 arithmetic. The
+//! f32 backward on CUDA wherever it fits (`plan.rs`). No Burn imports here.
 //!
-//! Why a third backward: [`attention_backward_merged`](crate::kernel) gives
+//! Why a third backward: [`attention_backward_merged`](super::rows) gives
 //! each unit half of a key and walks the queries one at a time. Every
 //! (query, key) pair then costs its unit two dot products finished by plane
 //! shuffles, an exponential and a dropout hash per half, and four quad
@@ -50,8 +49,8 @@
 
 use cubecl::prelude::*;
 
-use crate::kernel::{bias_at, dropout_head_key, dropout_keep, row_start, Quad, FAST_EXP};
-use crate::mma_io::{head_rows, read_quad, HeadRows};
+use super::mma_io::{head_rows, read_quad, HeadRows};
+use crate::cube::{bias_at, cube_head, dropout_keep, row_start, CubeHead, Quad, FAST_EXP};
 
 /// Quads between two rows of a shared-memory matrix `quads` quads wide:
 /// the next odd number (see the module doc).
@@ -309,29 +308,6 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
     }
 }
 
-/// The (n, h) a cube of [`attention_backward_tiled`] or
-/// [`attention_forward_tiled`] works on, and its part of the dropout hash.
-#[derive(CubeType)]
-pub(crate) struct TiledHead {
-    pub(crate) n: usize,
-    pub(crate) h: usize,
-    pub(crate) bh: usize,
-    pub(crate) head_key: u32,
-}
-
-/// This cube's [`TiledHead`]: `bh = n·H + h` is the cube's x plus
-/// `bh_offset` (launches of more than 65,535 heads come in chunks).
-#[cube]
-pub(crate) fn cube_head(heads: u32, bh_offset: u32, seed: u32) -> TiledHead {
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    TiledHead {
-        n: bh / heads as usize,
-        h: bh % heads as usize,
-        bh,
-        head_key: dropout_head_key(seed, bh as u32),
-    }
-}
-
 /// The shared memory of [`attention_backward_tiled`]: dimension-major `Kᵀ`,
 /// `Vᵀ` (quad `d·key_stride + kb` holds keys `4·kb..` of dimension `d`) and
 /// the tile's `Qᵀ`, `dOᵀ` (likewise by query); the tile's q and dO by row
@@ -370,7 +346,7 @@ fn stage_query_tile<F: Float, N: Size>(
     views: &QueryTileRows,
     lse: &Tensor<f32>,
     bias: &Tensor<F>,
-    head: &TiledHead,
+    head: &CubeHead,
     shared: &mut TiledShared,
     start: usize,
     buffer: usize,
@@ -473,8 +449,8 @@ struct QueryTileRows {
     out: HeadRows,
 }
 
-/// [`load_keys`] for the backward, by vectors: validity quads, then `Kᵀ`
-/// and `Vᵀ` with a unit reading four keys × one quad of dims of each (one
+/// Loads a head's key validity by quad, then `Kᵀ` and `Vᵀ` with a unit
+/// reading four keys × one quad of dims of each (one
 /// vector load a key, where `N` is 4) and writing them transposed.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -485,7 +461,7 @@ fn load_key_rows<F: Float, N: Size>(
     v_rows: &HeadRows,
     bias: &Tensor<F>,
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     kt: &mut SharedMemory<Quad>,
     vt: &mut SharedMemory<Quad>,
     valid: &mut SharedMemory<Quad>,
@@ -551,7 +527,7 @@ fn load_key_rows<F: Float, N: Size>(
 #[allow(clippy::too_many_arguments)]
 fn scores_and_gradients(
     shared: &mut TiledShared,
-    head: &TiledHead,
+    head: &CubeHead,
     start: usize,
     dropout_threshold: u32,
     dropout_scale: f32,
@@ -674,8 +650,7 @@ fn add_block_product(
 /// `factor · W·K` for a tile's rows into `dst` (rows `start..` of head
 /// (n, h), up to `tq`), where `W` (`weights`, by row, quads of four keys)
 /// is the tile's `dS` or `P̃` and `K` the keys' `Kᵀ` or `Vᵀ` (by
-/// dimension): the backward's `dQ = scale · dS·K` and the forward's
-/// `O = P̃·V`. Four adjacent units share a block of four rows × four dims,
+/// dimension): the backward's `dQ = scale · dS·K`. Four adjacent units share a block of four rows × four dims,
 /// each taking every fourth quad of keys, and add their sums by shuffles;
 /// unit `s` of the four writes the block's row `s`. A plane takes four row
 /// quads × two dim quads (at most eight distinct quads a load of `K`,
@@ -687,7 +662,7 @@ fn weights_times_keys<F: Float>(
     keys_t: &SharedMemory<Quad>,
     valid: &SharedMemory<Quad>,
     dst: &mut Tensor<F>,
-    head: &TiledHead,
+    head: &CubeHead,
     start: usize,
     tq: usize,
     factor: f32,
@@ -775,7 +750,7 @@ fn weights_times_keys<F: Float>(
 #[cube]
 fn load_key_validity(
     key_valid: &Tensor<f32>,
-    head: &TiledHead,
+    head: &CubeHead,
     valid: &mut SharedMemory<Quad>,
     #[comptime] keys: usize,
     #[comptime] units: usize,
@@ -792,242 +767,5 @@ fn load_key_validity(
         }
         valid[kb] = x;
         kb += units;
-    }
-}
-
-/// Loads a head's key validity (by quad of keys, 0 past `keys`) and `Kᵀ`,
-/// `Vᵀ` with their biases (quad `d·key_stride + kb` holds dimension `d` of
-/// keys `4·kb..`; zero for a masked key).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_keys<F: Float>(
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    head: &TiledHead,
-    kt: &mut SharedMemory<Quad>,
-    vt: &mut SharedMemory<Quad>,
-    valid: &mut SharedMemory<Quad>,
-    k_offset: u32,
-    v_offset: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
-    #[comptime] units: usize,
-    #[comptime] with_bias: bool,
-) {
-    let key_quads = comptime!(padded_key_quads(keys));
-    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
-    let unit = UNIT_POS_X as usize;
-    load_key_validity(key_valid, head, valid, keys, units);
-    let k_bias = k_offset as usize + head.h * head_dim;
-    let v_bias = v_offset as usize + head.h * head_dim;
-    let mut item = unit;
-    while item < key_quads * head_dim {
-        let kb = item / head_dim;
-        let d = item % head_dim;
-        let mut xk = Quad::new(0.0f32);
-        let mut xv = Quad::new(0.0f32);
-        #[unroll]
-        for j in 0..4usize {
-            let key = kb * 4 + j;
-            if key < keys {
-                if key_valid[head.n * keys + key] > 0.0 {
-                    let k_at = row_start(k, k_offset, head.n, head.h, key) + d;
-                    let v_at = row_start(v, v_offset, head.n, head.h, key) + d;
-                    xk[j] = f32::cast_from(k[k_at]) + bias_at(bias, k_bias + d, with_bias);
-                    xv[j] = f32::cast_from(v[v_at]) + bias_at(bias, v_bias + d, with_bias);
-                }
-            }
-        }
-        kt[d * key_stride + kb] = xk;
-        vt[d * key_stride + kb] = xv;
-        item += units;
-    }
-}
-
-/// Forward of one (n, h) a cube, on the same tiles as
-/// [`attention_backward_tiled`]: `out = softmax(q·kᵀ·scale, masked)·v` and
-/// the row log-sum-exp. All of a head's keys are in the cube, so a row's
-/// softmax needs no running maximum: per query tile, (1) units compute
-/// blocks of four queries × four keys of `S` into shared memory (masked
-/// scores `-1e30`), (2) eight units a row take its maximum and sum (plane
-/// shuffles) and turn the row into `P̃` (dropout applied), writing the
-/// log-sum-exp, (3) `O = P̃·V` as the backward's dQ product. A row with no
-/// valid key gets zeros and log-sum-exp 0, as from `attention_forward`.
-/// Parameters as [`attention_backward_tiled`].
-///
-/// Launch: cube x: n·H + h − bh_offset; `units` units.
-#[cube(launch, fast_math = FAST_EXP)]
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_tiled<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    out: &mut Tensor<F>,
-    lse: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
-    #[comptime] tile: usize,
-    #[comptime] units: usize,
-    #[comptime] use_dropout: bool,
-    #[comptime] with_bias: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let tq = q.shape(2);
-    let head = cube_head(heads, bh_offset, seed);
-    let unit = UNIT_POS_X as usize;
-    let key_quads = comptime!(padded_key_quads(keys));
-    let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
-    let query_stride = comptime!(odd_stride(tile / 4));
-    let mut kt =
-        SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(padded_key_quads(keys))));
-    let mut vt =
-        SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(padded_key_quads(keys))));
-    let mut valid = SharedMemory::<Quad>::new(key_quads);
-    let mut qt = SharedMemory::<Quad>::new(comptime!(head_dim * odd_stride(tile / 4)));
-    let mut p = SharedMemory::<Quad>::new(comptime!(tile * odd_stride(padded_key_quads(keys))));
-    load_keys::<F>(
-        k, v, bias, key_valid, &head, &mut kt, &mut vt, &mut valid, k_offset, v_offset, head_dim,
-        keys, units, with_bias,
-    );
-    let q_bias = head.h * head_dim;
-    let query_groups = comptime!(tile / 16);
-    let lane = unit % 32;
-
-    for t in 0..tq.div_ceil(tile) {
-        let start = t * tile;
-        // Qᵀ of the tile: a unit loads one dimension of four rows.
-        let mut item = unit;
-        while item < comptime!(tile / 4 * head_dim) {
-            let qb = item / head_dim;
-            let d = item % head_dim;
-            let mut x = Quad::new(0.0f32);
-            #[unroll]
-            for i in 0..4usize {
-                let row = start + qb * 4 + i;
-                if row < tq {
-                    let at = row_start(q, 0u32, head.n, head.h, row) + d;
-                    x[i] = (f32::cast_from(q[at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
-                }
-            }
-            qt[d * query_stride + qb] = x;
-            item += units;
-        }
-        sync_cube();
-
-        // (1) Scores, a plane taking four query quads × eight key quads.
-        let mut plane = unit / 32;
-        while plane < comptime!(tile / 16 * (padded_key_quads(keys) / 8)) {
-            let qb = (plane % query_groups) * 4 + lane / 8;
-            let kb = (plane / query_groups) * 8 + lane % 8;
-            let valid_kb = valid[kb];
-            let mut acc = Array::<Quad>::new(4usize);
-            #[unroll]
-            for i in 0..4usize {
-                acc[i] = Quad::new(0.0f32);
-            }
-            if valid_kb[0] + valid_kb[1] + valid_kb[2] + valid_kb[3] > 0.0 {
-                add_block_product(&mut acc, &qt, &kt, qb, kb, head_dim, tile, keys);
-            }
-            #[unroll]
-            for i in 0..4usize {
-                let s = acc[i];
-                let mut masked = Quad::new(0.0f32);
-                #[unroll]
-                for j in 0..4usize {
-                    masked[j] = select(valid_kb[j] > 0.0, s[j], -1.0e30f32);
-                }
-                p[(qb * 4 + i) * key_stride + kb] = masked;
-            }
-            plane += comptime!(units / 32);
-        }
-        sync_cube();
-
-        // (2) Softmax of each row by eight adjacent units (every unit of a
-        // plane runs every round: they shuffle).
-        #[unroll]
-        for round in 0..comptime!((tile * 8).div_ceil(units)) {
-            let item = unit + round * units;
-            let row = item / 8;
-            let part = item % 8;
-            let in_tile = item < comptime!(tile * 8);
-            let mut m = 0.0f32;
-            m -= 1.0e30;
-            if in_tile {
-                let mut kb = part;
-                while kb < key_quads {
-                    let s = p[row * key_stride + kb];
-                    m = f32::max(m, f32::max(f32::max(s[0], s[1]), f32::max(s[2], s[3])));
-                    kb += 8;
-                }
-            }
-            m = f32::max(m, plane_shuffle_xor(m, 1u32));
-            m = f32::max(m, plane_shuffle_xor(m, 2u32));
-            m = f32::max(m, plane_shuffle_xor(m, 4u32));
-            let mut l = 0.0f32;
-            if in_tile {
-                let mut kb = part;
-                while kb < key_quads {
-                    let s = p[row * key_stride + kb];
-                    let valid_kb = valid[kb];
-                    #[unroll]
-                    for j in 0..4usize {
-                        l += select(valid_kb[j] > 0.0, (s[j] - m).exp(), 0.0f32);
-                    }
-                    kb += 8;
-                }
-            }
-            l += plane_shuffle_xor(l, 1u32);
-            l += plane_shuffle_xor(l, 2u32);
-            l += plane_shuffle_xor(l, 4u32);
-            // l ≥ 1 once any key is valid (the maximum gives exp(0)).
-            let seen = l > 0.0;
-            let inv = select(seen, 1.0f32 / l, 0.0f32);
-            if in_tile {
-                let mut kb = part;
-                while kb < key_quads {
-                    let s = p[row * key_stride + kb];
-                    let valid_kb = valid[kb];
-                    let mut weight = Quad::new(0.0f32);
-                    #[unroll]
-                    for j in 0..4usize {
-                        let prob = select(valid_kb[j] > 0.0, (s[j] - m).exp() * inv, 0.0f32);
-                        weight[j] = prob;
-                        if use_dropout {
-                            let keep = dropout_keep(
-                                head.head_key,
-                                (start + row) as u32,
-                                (kb * 4 + j) as u32,
-                                dropout_threshold,
-                            );
-                            weight[j] = select(keep, prob * dropout_scale, 0.0f32);
-                        }
-                    }
-                    p[row * key_stride + kb] = weight;
-                    kb += 8;
-                }
-                if part == 0 && start + row < tq {
-                    lse[head.bh * tq + start + row] = select(seen, m + l.ln(), 0.0f32);
-                }
-            }
-        }
-        sync_cube();
-
-        // (3) O = P̃·V. The next tile's Qᵀ may then replace this one (read
-        // in (1) only); its scores wait for the sync after that.
-        weights_times_keys::<F>(
-            &p, &vt, &valid, out, &head, start, tq, 1.0f32, keys, tile, head_dim, units,
-        );
     }
 }
