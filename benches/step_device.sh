@@ -14,22 +14,10 @@
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: VARIANTS (default "auto auto:ckpt math": the attention path, then options, each after
 #      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision,
-#      burndrop = AAM_DROPOUT=burn: Burn's dropout masks instead of the seeded kernel,
-#      tc0 = AAM_KERNEL_TC=0: f16/bf16 attention on CUDA cores instead of tensor cores,
-#      autotune = AAM_DENSE_MATMUL=autotune: the dense layers' products on Burn's autotuned
-#      matmul (all of CubeCL's kernels) instead of autotune over the validated ones,
-#      validated = AAM_DENSE_MATMUL=validated: the first validated kernel that runs, no autotune,
-#      separate = AAM_KERNEL_MERGED_BACKWARD=0: the f32 attention backward as two kernels (dQ,
-#      then dK/dV) where one merged kernel would run,
-#      tiled0 = AAM_KERNEL_TILED=0: no register-tiled attention (the scalar forward and the
-#      merged backward); tiledbwd = AAM_KERNEL_TILED=backward: the tiled backward only;
-#      mma0 = AAM_KERNEL_MMA=0: no tensor-core (mma.sync) forward (f32 on CUDA cores),
-#      linearfwd = AAM_DENSE_FORWARD=linear: the dense layers' forward product on Burn's
-#      `linear` (a copy of each transposed weight) instead of the validated kernels,
-#      rowsmm = AAM_ROWS_MATMUL=1: the dense products on aam-kernels' TF32 kernel where it applies,
 #      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
-#      BINS (default "aam-dev": binaries .carry/gpu/<name>.xz to time, each on every variant,
-#      in this order), BACKEND (cuda), PT (1: also run the reference),
+#      BINS (default "aam-dev": binaries .carry/gpu/<name>.xz to time; per variant each binary
+#      in this order, so that two builds are interleaved), ROUNDS (default 1: the variants
+#      this many times over, files suffixed _r<round> when above 1), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
 #      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT,
 #      summary by benches/kernel_summary.py printed),
@@ -60,38 +48,31 @@ if [ "${PROFILE:-0}" = 1 ]; then
   python3 benches/kernel_summary.py "$OUT/cubecl_profile.log"
   gzip -f "$OUT/cubecl_profile.log"
 fi
-for bin in $BINS; do
+for round in $(seq "${ROUNDS:-1}"); do
 for variant in ${VARIANTS:-auto auto:ckpt math}; do
-  attn=${variant%%:*}; flags=""; vars=""
+for bin in $BINS; do
+  attn=${variant%%:*}; flags=""
   for opt in $(echo "${variant#"$attn"}" | tr ':' ' '); do
     case $opt in
       ckpt) flags="$flags --gradient-checkpointing" ;;
       bf16|fp16) flags="$flags --mixed-precision $opt" ;;
-      burndrop) vars="$vars AAM_DROPOUT=burn" ;;
-      tc0) vars="$vars AAM_KERNEL_TC=0" ;;
-      autotune) vars="$vars AAM_DENSE_MATMUL=autotune" ;;
-      validated) vars="$vars AAM_DENSE_MATMUL=validated" ;;
-      separate) vars="$vars AAM_KERNEL_MERGED_BACKWARD=0" ;;
-      tiled0) vars="$vars AAM_KERNEL_TILED=0" ;;
-      tiledbwd) vars="$vars AAM_KERNEL_TILED=backward" ;;
-      mma0) vars="$vars AAM_KERNEL_MMA=0" ;;
-      linearfwd) vars="$vars AAM_DENSE_FORWARD=linear" ;;
-      rowsmm) vars="$vars AAM_ROWS_MATMUL=1" ;;
       allslots) flags="$flags --all-slots" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac
   done
   name=${variant//:/_}; [ "$bin" != aam-dev ] && name="${bin#aam-dev-}_$name"
+  [ "${ROUNDS:-1}" -gt 1 ] && name="${name}_r$round"
   [ -e "$OUT/step_$name.json" ] && name="${name}_again"  # a repeated variant
   echo "== $bin step --attn-implementation $attn$flags"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$OUT/gpu_mem_$name.csv" &
   smi=$!
-  env $vars timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" step --backend "$BACKEND" \
+  timeout "${STEP_TIMEOUT:-240}" "/tmp/bin/$bin" step --backend "$BACKEND" \
     --attn-implementation "$attn" $flags --json-out "$OUT/step_$name.json" $STEP_ARGS 2>&1 \
     | tee "$OUT/step_$name.log" | tail -4
   rc=${PIPESTATUS[0]}; [ "$rc" -eq 0 ] || status=1
   kill $smi
   echo "rc=$rc peak nvidia-smi MiB: $(sort -n "$OUT/gpu_mem_$name.csv" | tail -1)"
+done
 done
 done
 if [ "${PT:-1}" = 1 ] && [ -n "${STEP_ASVS:-}" ]; then

@@ -144,14 +144,14 @@ pub struct AttentionShape {
 }
 
 /// The kernels of a call, forward and backward.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AttentionPlan {
     pub forward: Forward,
     pub backward: Backward,
 }
 
 /// The forward kernel.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Forward {
     /// `mma.sync` (`mma.rs`): f32 as split TF32, f16/bf16 as they are.
     Mma(MmaForward),
@@ -162,7 +162,7 @@ pub enum Forward {
 }
 
 /// The backward kernels.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backward {
     /// `mma.sync`, f16/bf16: dQ, then dK/dV (`mma_backward.rs`).
     Mma(MmaBackward),
@@ -217,30 +217,32 @@ impl AttentionPlan {
             forward: forward(device, shape, choice),
             backward: backward(device, shape, choice),
         };
-        log_once(device, shape, choice, &plan);
+        log_once(device, shape, &plan);
         plan
     }
 }
 
-fn log_once(
-    device: &DeviceInfo,
-    shape: &AttentionShape,
-    choice: KernelChoice,
-    plan: &AttentionPlan,
-) {
+/// Logs `plan` at debug level the first time this process makes it for this
+/// device and these lengths (the batch's size, which varies at the ASV level,
+/// left out).
+fn log_once(device: &DeviceInfo, shape: &AttentionShape, plan: &AttentionPlan) {
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock};
-    static SEEN: OnceLock<Mutex<HashSet<(DeviceInfo, AttentionShape, KernelChoice)>>> =
-        OnceLock::new();
+    type Key = (DeviceInfo, usize, usize, usize, DType, AttentionPlan);
+    static SEEN: OnceLock<Mutex<HashSet<Key>>> = OnceLock::new();
+    let key = (
+        *device,
+        shape.queries,
+        shape.keys,
+        shape.head_dim,
+        shape.dtype,
+        *plan,
+    );
     let seen = SEEN.get_or_init(Default::default);
-    if seen
-        .lock()
-        .is_ok_and(|mut seen| seen.insert((*device, *shape, choice)))
-    {
+    if seen.lock().is_ok_and(|mut seen| seen.insert(key)) {
         tracing::debug!(
-            "attention plan on {:?}: {} × {}q × {}k, head dim {}, {:?}: forward {}, backward {} ({plan:?})",
+            "attention plan on {:?}: {} queries, {} keys, head dim {}, {:?}: forward {}, backward {} ({plan:?})",
             device.runtime,
-            shape.batch_heads,
             shape.queries,
             shape.keys,
             shape.head_dim,
@@ -524,7 +526,7 @@ impl RowLayout {
 }
 
 /// One side's rows in the row kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RowSplit {
     /// Adjacent units of a plane that share a row, merged by shuffles.
     pub lanes: usize,
@@ -537,7 +539,7 @@ pub struct RowSplit {
 }
 
 /// The row-kernel forward (`attention_forward` in `rows.rs`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RowsForward {
     pub rows: RowSplit,
     /// Keys a shared-memory tile (also the validity's tile).
@@ -549,7 +551,7 @@ pub struct RowsForward {
 }
 
 /// The dQ and dK/dV row kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RowsBackward {
     pub queries: RowSplit,
     pub keys: RowSplit,
@@ -560,7 +562,7 @@ pub struct RowsBackward {
 }
 
 /// The merged backward (`attention_backward_merged` in `rows.rs`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MergedBackward {
     /// Units in the one cube of an (n, h): its keys × parts, in whole planes.
     pub units: usize,
@@ -585,7 +587,7 @@ pub struct MergedBackward {
 const TILED_SHARED_BYTES: usize = 112 * 1024;
 
 /// The register-tiled backward (`attention_backward_tiled`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Tiled {
     /// Units in the one cube of an (n, h): one a (key quad, dimension
     /// quad) block, whole planes since key quads are padded to eights.
@@ -626,7 +628,7 @@ const MAX_MMA_PLANES: usize = 32;
 
 /// The `mma.sync` forward (`attention_forward_mma`, f32, or
 /// `attention_forward_mma_half`, f16/bf16).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MmaForward {
     /// Units in a cube: 32 a plane, each plane 16 queries at a time.
     pub units: usize,
@@ -711,7 +713,7 @@ impl MmaForward {
 
 /// The f16/bf16 backward on `mma.sync` (`attention_backward_dq_mma_half`,
 /// then `attention_backward_dkdv_mma_half`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MmaBackward {
     /// dQ: units in a cube (32 a plane, 16 queries a plane at a time).
     pub dq_units: usize,
@@ -829,7 +831,7 @@ enum Pass {
 /// would lose the f32 precision the parity tests hold it to (the `mma`
 /// forward splits f32 into TF32 pairs instead). Where `mma.sync` runs
 /// (CUDA, sm_80 on) it takes these calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TensorCorePlan {
     pub head_dim: usize,
     /// Planes per cube, each owning 16 rows (queries, or keys for dK/dV).
