@@ -85,7 +85,6 @@ fn dropout_gradients_match_the_math_path() {
 /// pick up.
 #[test]
 fn dropout_mask_drops_about_p_without_structure() {
-    #[cfg(not(feature = "cuda"))]
     let (n, h, t) = (8, 4, 128);
     let prob = 0.3;
     let gpu = Default::default();
@@ -175,7 +174,6 @@ const FORWARD_RTOL_HALF: f32 = 1e-2;
 #[test]
 fn half_precision_forward() {
     use burn::tensor::{bf16, f16, DType};
-    #[cfg(not(feature = "cuda"))]
     let gpu = Default::default();
     let cpu = Default::default();
     let mut checked = 0;

@@ -84,7 +84,6 @@ fn rounded_case(seed: u64, dtype: DType, (tq, tk, dh, n): (usize, usize, usize, 
 
 #[test]
 fn half_forward_draws_the_f32_dropout_mask() {
-    #[cfg(not(feature = "cuda"))]
     let gpu = Default::default();
     for dtype in half_types(&gpu) {
         for (i, &shape) in SHAPES.iter().enumerate() {
@@ -217,7 +216,6 @@ fn check_gradients(
     what: &str,
     grads: impl Fn(&Case, DType, usize) -> [[Vec<f32>; 3]; 2],
 ) {
-    #[cfg(not(feature = "cuda"))]
     let gpu = Default::default();
     let mut failures = Vec::new();
     for dtype in half_types(&gpu) {

@@ -137,7 +137,6 @@ fn cpu_run(p: &Packed) -> [Vec<f32>; 3] {
 
 #[test]
 fn packed_attention_matches_the_reference() {
-    #[cfg(not(feature = "cuda"))]
     let cases = [
         Packed::new(1, 3, 4, 151, 32), // the ASV level: 151 tokens
         Packed::new(2, 4, 2, 7, 16),
@@ -164,7 +163,6 @@ fn packed_attention_matches_the_reference() {
 
 #[test]
 fn packed_dropout_draws_the_split_heads_masks() {
-    #[cfg(not(feature = "cuda"))]
     let p = Packed::new(6, 3, 2, 64, 32);
     let dropout = AttentionDropout {
         prob: 0.3,
@@ -189,7 +187,6 @@ fn packed_dropout_draws_the_split_heads_masks() {
 #[test]
 fn packed_half_matches_f32() {
     use burn::tensor::{bf16, f16, DType};
-    #[cfg(not(feature = "cuda"))]
     let device: burn::tensor::Device<Gpu> = Default::default();
     // (seed, n, h, t, dh)
     let shapes = [
