@@ -19,10 +19,10 @@
 //! Why it exists: AAM attention is almost always masked (ASVs padded to 151
 //! tokens, samples padded to 1024 ASV slots), and the PyTorch reference's fast
 //! path (`mem_efficient` SDPA) was silently wrong with a padding mask on ROCm.
-//! This kernel is flash-style (tiled over keys, online softmax, O(T) memory),
-//! **skips key tiles that are entirely padding** (a sample with 200 real ASVs
-//! out of 1024 slots costs ~200 keys), gives a defined zero output for query
-//! rows whose keys are all masked (never NaN), and applies attention dropout
+//! The kernels are flash-style (tiled over keys, online softmax, O(T) memory),
+//! **skip key tiles that are entirely padding** (a sample with 200 real ASVs
+//! out of 1024 slots costs ~200 keys), give a defined zero output for query
+//! rows whose keys are all masked (never NaN), and apply attention dropout
 //! from a counter-based hash so the backward pass regenerates the same mask
 //! without storing it.
 //!
@@ -695,10 +695,11 @@ pub trait AttentionBackend: Backend {
     /// The packed forward with its saved statistics: `(out [N, T, D], lse
     /// [N, H, T])`. The default splits the heads and runs
     /// [`AttentionBackend::fused_attention_forward`]; Burn's fusion backend
-    /// makes that one custom op. The CubeCL backends' scalar kernels read the
-    /// heads of `qkv` in place and write `out` merged (strided views and
-    /// element offsets: no split or merge copies); their tensor-core path
-    /// (f16/bf16) takes the default.
+    /// makes that one custom op. On the CubeCL backends the row and `mma`
+    /// kernels read the heads of `qkv` in place and write `out` merged
+    /// (strided views and element offsets: no split or merge copies); the
+    /// `cmma` kernels (f16/bf16 where there is no `mma.sync`) take the
+    /// default. `kernels` constrains the plan.
     fn packed_attention_forward(
         qkv: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
@@ -724,9 +725,9 @@ pub trait AttentionBackend: Backend {
     /// [N, T, D]`. The default runs
     /// [`AttentionBackend::fused_attention_backward`] on the split heads and
     /// writes the three gradients into `dqkv` in one concatenation; Burn's
-    /// fusion backend makes that one custom op. The CubeCL backends' scalar
-    /// kernels read `qkv`, `out` and `dout` in place and write dQ, dK and dV
-    /// straight into their thirds of `dqkv`. `bias` as in the forward (the
+    /// fusion backend makes that one custom op. On the CubeCL backends the
+    /// row, tiled and `mma` kernels read `qkv`, `out` and `dout` in place and
+    /// write dQ, dK and dV straight into their thirds of `dqkv`. `bias` as in the forward (the
     /// gradient of `qkv + bias` is the same `dqkv`).
     #[allow(clippy::too_many_arguments)]
     fn packed_attention_backward(

@@ -69,7 +69,7 @@ mod tensor_core;
 mod tiled;
 
 /// Dropout settings for one call: of attention probabilities in the
-/// attention kernels, of elements in [`dropout`].
+/// attention kernels, of elements in [`crate::dropout`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDropout {
     /// Probability of dropping an element (0 = off).

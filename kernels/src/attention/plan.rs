@@ -213,6 +213,11 @@ impl AttentionPlan {
             "fused attention: head dim {} > {MAX_HEAD_DIM}",
             shape.head_dim
         );
+        assert!(
+            choice.lanes.is_none_or(|lanes| matches!(lanes, 1 | 2 | 4 | 8))
+                && choice.parts.is_none_or(|parts| matches!(parts, 1 | 2)),
+            "KernelChoice: lanes 1, 2, 4 or 8 and parts 1 or 2, not {choice:?}"
+        );
         let plan = AttentionPlan {
             forward: forward(device, shape, choice),
             backward: backward(device, shape, choice),
