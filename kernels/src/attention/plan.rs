@@ -214,7 +214,9 @@ impl AttentionPlan {
             shape.head_dim
         );
         assert!(
-            choice.lanes.is_none_or(|lanes| matches!(lanes, 1 | 2 | 4 | 8))
+            choice
+                .lanes
+                .is_none_or(|lanes| matches!(lanes, 1 | 2 | 4 | 8))
                 && choice.parts.is_none_or(|parts| matches!(parts, 1 | 2)),
             "KernelChoice: lanes 1, 2, 4 or 8 and parts 1 or 2, not {choice:?}"
         );
