@@ -633,6 +633,15 @@ impl Tiled {
 /// several in turn.
 const MAX_MMA_PLANES: usize = 32;
 
+/// Whether the `mma.sync` kernels can take the call: CUDA with `mma.sync`
+/// for its type (sm_80 on), head dims 16, 32 and 64, paired rows, keys.
+fn mma_fits(device: &DeviceInfo, shape: &AttentionShape) -> bool {
+    device.mma_for(shape.dtype)
+        && shape.paired
+        && matches!(shape.head_dim, 16 | 32 | 64)
+        && shape.keys > 0
+}
+
 /// The `mma.sync` forward (`attention_forward_mma`, f32, or
 /// `attention_forward_mma_half`, f16/bf16).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -667,7 +676,7 @@ impl MmaForward {
             ..
         } = *shape;
         let half = matches!(dtype, DType::F16 | DType::BF16);
-        if !device.mma_for(dtype) || !shape.paired || !matches!(head_dim, 16 | 32 | 64) || tk == 0 {
+        if !mma_fits(device, shape) {
             return None;
         }
         let blocks = tq.div_ceil(16).max(1);
@@ -754,13 +763,7 @@ impl MmaBackward {
             dtype,
             ..
         } = *shape;
-        if !matches!(dtype, DType::F16 | DType::BF16)
-            || !device.mma_for(dtype)
-            || !shape.paired
-            || !matches!(head_dim, 16 | 32 | 64)
-            || tk == 0
-            || tq == 0
-        {
+        if !matches!(dtype, DType::F16 | DType::BF16) || !mma_fits(device, shape) || tq == 0 {
             return None;
         }
         let rounded = |len: usize| {
