@@ -14,11 +14,13 @@
 #   .carry/pt_reference_bench.py and .ref/aam (the reference package, never committed)
 # Env: VARIANTS (default "auto auto:ckpt math": the attention path, then options, each after
 #      a colon: ckpt = --gradient-checkpointing, bf16 / fp16 = --mixed-precision,
-#      allslots = --all-slots: the sample level on all 1024 slots, as the reference),
+#      allslots = --all-slots: the sample level on all 1024 slots, as the reference,
+#      tune = --matmul-kernels autotune: CubeCL times the dense products' kernels),
 #      BINS (default "aam-dev": binaries .carry/gpu/<name>.xz to time; per variant each binary
 #      in this order, so that two builds are interleaved), ROUNDS (default 1: the variants
 #      this many times over, files suffixed _r<round> when above 1), BACKEND (cuda), PT (1: also run the reference),
 #      STEP_TIMEOUT (s per aam-rs run, default 240), STEP_ARGS (extra flags),
+#      COLD (1: start from an empty kernel cache and keep none, as on a fresh node),
 #      PROFILE (1: first one more `auto` run with CubeCL's kernel profiler, log in $OUT,
 #      summary by benches/kernel_summary.py printed),
 #      STEP_ASVS (ASVs per sample, comma-separated, e.g. the oral2550 quantiles
@@ -57,6 +59,7 @@ for bin in $BINS; do
       ckpt) flags="$flags --gradient-checkpointing" ;;
       bf16|fp16) flags="$flags --mixed-precision $opt" ;;
       allslots) flags="$flags --all-slots" ;;
+      tune) flags="$flags --matmul-kernels autotune" ;;
       *) echo "unknown variant option $opt" >&2; exit 2 ;;
     esac
   done

@@ -21,7 +21,6 @@ use crate::kernel::{
     SUM_PARTIALS_COLUMNS,
 };
 use crate::launch::{dropout_args, empty, one_unit_each};
-use crate::tma_tiling::{TmaTiling, TunedTmaDoubleBuffering};
 use crate::{AdamItem, AdamStep, AttentionBackend, AttentionDropout, KernelChoice};
 impl<R, F, I, BT> AttentionBackend for CubeBackend<R, F, I, BT>
 where
@@ -39,7 +38,7 @@ where
     }
 
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
-        tuned_matmul(a, b)
+        crate::matmul::dense_matmul(a, b)
     }
 
     fn seeded_dropout(x: FloatTensor<Self>, dropout: AttentionDropout) -> FloatTensor<Self> {
@@ -581,200 +580,6 @@ fn seeded_dropout_launch<R: CubeRuntime>(
         x.dtype.into(),
     );
     out
-}
-
-/// The CubeCL matmul kernels the dense layers' products may run on, each
-/// checked against a float64 product in every operand layout the dense
-/// backward makes (`kernels/tests/matmul_kernels.rs`, on CUDA also over
-/// every inner size modulo 64).
-///
-/// Why not all of Burn's autotune candidates: autotune times the candidates
-/// once per *bucket* of problems (sizes rounded to a coarse grid, layouts)
-/// and reuses the winner for every problem in the bucket, and three
-/// candidates are wrong on problems their bucket admits (`docs/performance.md`,
-/// 2026-11-26):
-/// - `specialized_cyclic_{cmma,mma}` with a transposed left operand whose
-///   inner size is 32 more than a multiple of 64 (on an H100: relative error
-///   8-23 at `[128, 1952]ᵀ·[1952, 512]`). The dense weight gradient's leftover
-///   rows hit this once every ~64 batch sizes; if autotune picks it on a
-///   batch where it is right, two batches an epoch of oral2550 get weight
-///   gradients ~5,000x too large and real-data pretraining on CUDA diverges.
-/// - `double_unit` with a transposed right operand (CUDA and lavapipe,
-///   e.g. `[1000, 24]·[24, 16]`, relative error 0.1-1.5).
-/// - `double_cyclic_mma` (specialized) with a transposed right operand and
-///   an inner size 32 more than a multiple of 64 (on an H100: relative
-///   error 0.13-5 at `[128, 1952]·[1952, 512]ᵀ`, `[40, 608]·[608, 16]ᵀ` and
-///   `[24, 96]·[96, 40]ᵀ`; 2026-11-26). It is the fastest kernel on the
-///   weight gradient's leftover rows; `kernels/tests/matmul_kernels.rs`
-///   finds it wrong.
-///
-/// Autotune over this list is safe because every member is right wherever
-/// it runs, whichever wins a bucket. The unit kernel comes first: it runs
-/// everywhere (lavapipe in CI), and a tuner's first candidate is its
-/// fallback. TMA needs an sm_90 GPU (Hopper and later), CMMA/MMA tensor
-/// cores; a kernel that cannot run on the device or operands is skipped.
-pub fn dense_matmul_candidates() -> Vec<DenseKernel> {
-    use cubek::matmul::components::tile::TileMatmulKind::{Cmma, Mma};
-    use cubek::matmul::launch::Strategy;
-    use cubek::matmul::routines::{
-        double_buffering::DoubleBufferingArgs, simple::SimpleArgs, BlueprintStrategy::Inferred,
-    };
-
-    let simple = |tile_matmul, multi_rows| SimpleArgs {
-        multi_rows,
-        tile_matmul,
-    };
-    let double = |specialized| DoubleBufferingArgs {
-        tile_matmul: Mma,
-        specialized,
-    };
-    vec![
-        Strategy::SimpleUnit(Inferred(Default::default())),
-        Strategy::SimpleCyclicCmma(Inferred(simple(Cmma, false))),
-        Strategy::SimpleTmaMma(Inferred(simple(Mma, false))),
-        // The weight gradient's parts of 2,048 rows at the reference's batch
-        // (H100): 509-522 µs, against 623 on `specialized_tma_mma`.
-        Strategy::SimpleTmaMma(Inferred(simple(Mma, true))),
-        Strategy::SpecializedTmaMma(Inferred(().into())),
-        // Two shared-memory stages filled by TMA, two 16-row tiles a plane:
-        // the dense layers' forward and input-gradient products at 302,000
-        // rows (H100, 2026-11-27) in 0.77-0.97x
-        // `simple_tma_mma`'s time (e.g. `[128→384]` 499 against 603 µs).
-        Strategy::DoubleTmaMma(Inferred(double(false))),
-        Strategy::DoubleTmaMma(Inferred(double(true))),
-    ]
-    .into_iter()
-    .map(DenseKernel::Cubek)
-    .chain([
-        // The same kernel with a 256 × 128 stage (eight planes of 32 × 128)
-        // and planes that only issue the TMA loads: at 302,000 rows (H100,
-        // 2026-11-27) 0.87-1.01x the time of the best of
-        // CubeCL's inferred tilings on the forward and input-gradient
-        // products (`[128→512]` view 570 against 653 µs) and 0.91x on one
-        // weight gradient's parts; slower on the other's parts and on the
-        // leftover rows, where autotune keeps CubeCL's.
-        DenseKernel::TmaDouble(TmaTiling {
-            planes: Some(16),
-            rows_per_plane: Some(2),
-            partition_k: Some(4),
-            swizzled: false,
-            specialized: true,
-        }),
-    ])
-    .collect()
-}
-
-/// A kernel for the dense products: one of CubeCL's strategies with the
-/// tiling CubeCL infers, or CubeCL's TMA double-buffered kernel with a
-/// stage shape chosen here ([`TmaTiling`]).
-#[derive(Clone)]
-pub enum DenseKernel {
-    Cubek(cubek::matmul::launch::Strategy),
-    TmaDouble(TmaTiling),
-}
-
-impl From<cubek::matmul::launch::Strategy> for DenseKernel {
-    fn from(strategy: cubek::matmul::launch::Strategy) -> Self {
-        Self::Cubek(strategy)
-    }
-}
-
-impl std::fmt::Display for DenseKernel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Cubek(strategy) => strategy.fmt(f),
-            Self::TmaDouble(tiling) => tiling.fmt(f),
-        }
-    }
-}
-
-/// `lhs·rhs` on the fastest of [`dense_matmul_candidates`] for the problem's
-/// autotune bucket (CubeCL's tuner: timed on the first problem of a bucket,
-/// kept in CubeCL's on-disk autotune cache).
-fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeTensor<R> {
-    use cubecl::tune::{local_tuner, LocalTuner, Tunable, TunableSet};
-    use cubek::matmul::launch::MatmulAutotuneKey;
-
-    type Operands<R> = (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>);
-    static TUNER: LocalTuner<MatmulAutotuneKey, cubecl::CubeTuneId> = local_tuner!("dense-matmul");
-
-    let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, lhs.dtype);
-    let client = lhs.client.clone();
-    let id = cubecl::CubeTuneId::new(&lhs.client, &lhs.device);
-    let tunables = TUNER.init(|| {
-        let key = |(lhs, rhs, out): &Operands<R>| {
-            MatmulAutotuneKey::generate(
-                &lhs.client,
-                lhs.meta.shape(),
-                rhs.meta.shape(),
-                lhs.meta.strides(),
-                rhs.meta.strides(),
-                lhs.dtype.into(),
-                rhs.dtype.into(),
-                out.dtype.into(),
-                None,
-                None,
-            )
-        };
-        // Timing runs write a copy of the output, not the output itself.
-        let inputs = |_: &MatmulAutotuneKey, (lhs, rhs, out): &Operands<R>| {
-            (lhs.clone(), rhs.clone(), out.copy())
-        };
-        let mut set = TunableSet::new(key, inputs);
-        for strategy in dense_matmul_candidates() {
-            set = set.with(Tunable::new(
-                &strategy.to_string(),
-                move |(lhs, rhs, out): Operands<R>| {
-                    launch_matmul(&strategy, &lhs, &rhs, &out).map_err(|e| format!("{e:?}"))
-                },
-            ));
-        }
-        set
-    });
-    TUNER.execute(&id, &client, tunables, (lhs, rhs, out.clone()));
-    out
-}
-
-/// `out = lhs·rhs` on one CubeCL matmul kernel, no autotune: an error where
-/// that kernel cannot run on the device or operands (CubeCL's own check,
-/// before any launch). Operands of one float type, rank 2 or batched rank 3,
-/// in any strides CubeCL's matmul takes (transposed views included).
-pub fn launch_matmul<R: CubeRuntime>(
-    kernel: &DenseKernel,
-    lhs: &CubeTensor<R>,
-    rhs: &CubeTensor<R>,
-    out: &CubeTensor<R>,
-) -> Result<(), cubek::matmul::definition::MatmulSetupError> {
-    use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
-    use cubek::matmul::routines::BlueprintStrategy;
-    use cubek::std::InputBinding;
-
-    let dtype = lhs.dtype;
-    let mut elems = MatmulElems::from_globals(&MatmulGlobalElems {
-        lhs: dtype.into(),
-        rhs: dtype.into(),
-        out: out.dtype.into(),
-    });
-    let client = &lhs.client;
-    let lhs = InputBinding::new(lhs.clone().binding(), dtype.into());
-    // Both operands read as the left one's type, as Burn's matmul does.
-    let rhs = InputBinding::new(rhs.clone().binding(), dtype.into());
-    let out = out.clone().binding();
-    match kernel {
-        DenseKernel::Cubek(strategy) => {
-            cubek::matmul::launch::launch_ref(strategy, client, lhs, rhs, out, &mut elems)
-        }
-        DenseKernel::TmaDouble(tiling) => {
-            cubek::matmul::launch::launch_tiling::launch_ref_tma::<R, TunedTmaDoubleBuffering>(
-                client,
-                lhs,
-                rhs,
-                out,
-                &BlueprintStrategy::Inferred(*tiling),
-                &mut elems,
-            )
-        }
-    }
 }
 
 /// Rows per part of [`column_sums`]: short parts make many units (a real-sized

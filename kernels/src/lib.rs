@@ -61,12 +61,13 @@
 //!   their host-side counterparts (dropout arguments, allocation, grids).
 //! - `kernel.rs`: the element-wise and row kernels (seeded dropout, GELU,
 //!   LayerNorm, column sums, Adam, attention pooling).
-//! - `forward.rs`: the trait for CubeCL backends: launches, and the dense
-//!   layers' products tuned over a list of validated matmul kernels instead
-//!   of all of Burn's autotune candidates (three of those are wrong at
-//!   shapes their bucket admits; `dense_matmul_candidates`);
-//!   `tma_tiling.rs`: CubeCL's TMA double-buffered matmul with a stage
-//!   shape chosen here, one of those candidates.
+//! - `forward.rs`: the trait for CubeCL backends: the launches.
+//! - `matmul/`: the dense layers' products. A plan (`matmul/plan.rs`) picks
+//!   one of a list of matmul kernels validated at AAM's shapes and layouts
+//!   (three of Burn's autotune candidates are wrong at shapes their bucket
+//!   admits; `dense_matmul_candidates`), or, with [`MatmulTuning::Autotune`],
+//!   CubeCL's tuner times the list; `matmul/tma_tiling.rs`: CubeCL's TMA
+//!   double-buffered matmul with a stage shape chosen here.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
 //!   kernels as custom operations of the lazy fusion stream.
@@ -100,8 +101,6 @@ pub use slots::{unpack_rows, RowSlots};
 mod cube;
 #[cfg(feature = "cubecl")]
 mod forward;
-#[cfg(feature = "cubecl")]
-pub use forward::{dense_matmul_candidates, launch_matmul, DenseKernel};
 #[cfg(feature = "fusion")]
 mod fusion;
 #[cfg(feature = "cubecl")]
@@ -109,9 +108,12 @@ mod kernel;
 #[cfg(feature = "cubecl")]
 mod launch;
 #[cfg(feature = "cubecl")]
-mod tma_tiling;
+mod matmul;
 #[cfg(feature = "cubecl")]
-pub use tma_tiling::TmaTiling;
+pub use matmul::{
+    dense_matmul_candidates, dense_matmul_plan, launch_matmul, set_matmul_tuning, DenseKernel,
+    MatmulShape, MatmulTuning, TmaTiling,
+};
 
 /// Keeps compiled CUDA/HIP kernels on disk between runs.
 ///
@@ -139,6 +141,21 @@ pub fn persist_compiled_kernels() {
             CubeClRuntimeConfig::set(config);
         }
     });
+}
+
+/// Where CubeCL keeps compiled kernels and autotune results for this
+/// process (after [`persist_compiled_kernels`]): the root that holds
+/// `cuda/`, `hip/` and `autotune/`.
+#[cfg(feature = "cubecl")]
+pub fn kernel_cache_root() -> std::path::PathBuf {
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    let config = CubeClRuntimeConfig::get();
+    config
+        .compilation
+        .cache
+        .as_ref()
+        .unwrap_or(&config.autotune.cache)
+        .root()
 }
 
 /// The backend extensions of aam-rs: masked attention as one fused kernel

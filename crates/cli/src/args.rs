@@ -27,6 +27,30 @@ pub fn serde_value<T: DeserializeOwned>(s: &str) -> Result<T, String> {
     serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
 }
 
+/// `--matmul-kernels`: how the dense layers' products pick their kernel on
+/// the GPU backends (CUDA, ROCm, wgpu); the CPU backends have one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum MatmulKernels {
+    /// A rule over kernels validated at AAM's shapes: a GPU's first step
+    /// compiles one kernel per product, nothing is timed.
+    #[default]
+    Plan,
+    /// CubeCL's tuner times every validated kernel once per problem bucket
+    /// and caches the winners: minutes on a GPU's first run.
+    Autotune,
+}
+
+impl MatmulKernels {
+    /// Applies the choice to the whole process (before the first step).
+    pub fn apply(self) {
+        #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+        aam_kernels::set_matmul_tuning(match self {
+            Self::Plan => aam_kernels::MatmulTuning::Plan,
+            Self::Autotune => aam_kernels::MatmulTuning::Autotune,
+        });
+    }
+}
+
 /// Inputs and their preparation (both commands).
 #[derive(Args, Debug, Clone)]
 pub struct DataArgs {
@@ -186,6 +210,12 @@ pub struct RunArgs {
     /// then holds the wait for the device).
     #[arg(long, default_value = "off", value_parser = serde_value::<PhaseTiming>)]
     pub time_phases: PhaseTiming,
+    /// How the dense layers' matrix products pick their kernel on the GPU
+    /// backends: `plan` (a rule over validated kernels; a GPU's first steps
+    /// only compile) or `autotune` (CubeCL times every validated kernel once
+    /// per problem size and caches the winners; minutes on a GPU's first run).
+    #[arg(long, value_enum, default_value_t)]
+    pub matmul_kernels: MatmulKernels,
 }
 
 /// `--mixed-precision`.

@@ -57,6 +57,40 @@ impl BackendKind {
             .to_string()
     }
 
+    /// A line for the log before the first step on a backend that compiles
+    /// its kernels at run time (CUDA, ROCm): where the compiled kernels are
+    /// kept, and whether this run has to compile them (the first run on a
+    /// machine, or after a CubeCL upgrade). `None` on the other backends.
+    pub fn kernel_cache_note(self) -> Option<String> {
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        {
+            let runtime = match self {
+                #[cfg(feature = "cuda")]
+                BackendKind::Cuda => "cuda",
+                #[cfg(feature = "rocm")]
+                BackendKind::Rocm => "hip",
+                _ => return None,
+            };
+            let root = aam_kernels::kernel_cache_root();
+            let cached = std::fs::read_dir(root.join(runtime))
+                .is_ok_and(|mut entries| entries.next().is_some());
+            Some(if cached {
+                format!("compiled kernels: {} (reused)", root.display())
+            } else {
+                format!(
+                    "compiling this GPU's kernels during the first steps, once; they are kept in {} \
+                     (docs/backends.md: one cache for many jobs)",
+                    root.display()
+                )
+            })
+        }
+        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+        {
+            let _ = self;
+            None
+        }
+    }
+
     /// The devices this backend can run on here, or why it cannot run.
     pub fn devices(self) -> Result<Vec<String>> {
         match self {

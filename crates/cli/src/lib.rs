@@ -19,13 +19,15 @@ pub mod backend;
 use std::process::ExitCode;
 
 /// What both binaries do first: logs to stderr, filtered by `AAM_LOG`
-/// (`tracing`'s filter syntax, default `info`), and CubeCL's compiled
+/// (`tracing`'s filter syntax, default `info` without CubeCL's autotune
+/// lines), and CubeCL's compiled
 /// kernels kept on disk between runs (GPU builds).
 pub fn init() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AAM_LOG")
-                .unwrap_or_else(|_| "info".into()),
+                // CubeCL logs each autotuned problem at info ("Tuning ...").
+                .unwrap_or_else(|_| "info,cubecl_runtime::tune=warn".into()),
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -28,6 +28,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How the dense layers' products pick their kernel on the GPU backends
+    /// (as `aam-rs --matmul-kernels`).
+    #[arg(long, global = true, value_enum, default_value_t)]
+    matmul_kernels: aam_cli::args::MatmulKernels,
 }
 
 #[derive(Subcommand, Debug)]
@@ -42,6 +46,7 @@ enum Command {
 fn main() -> ExitCode {
     aam_cli::init();
     let cli = Cli::parse();
+    cli.matmul_kernels.apply();
     aam_cli::exit_code(match cli.command {
         Command::Step(args) => step::run(args),
         Command::Dense(args) => dense::run(args),
