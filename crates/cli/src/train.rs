@@ -537,6 +537,10 @@ fn start(
     run.memory_profile = r.memory_profile;
     run.time_phases = r.time_phases;
     r.matmul_kernels.apply();
+    // Before the first kernel runs (the model's initialisation compiles some).
+    if let Some(note) = r.backend.kernel_cache_note() {
+        tracing::info!("{note}");
+    }
     run.mixed_precision = r.precision.mixed_precision;
     std::fs::create_dir_all(&r.output_dir)
         .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
@@ -676,9 +680,6 @@ where
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
-    if let Some(note) = r.backend.kernel_cache_note() {
-        tracing::info!("{note}");
-    }
     let mut progress = Progress::new(run.epochs);
     let summary = fit::<AB>(
         device,
