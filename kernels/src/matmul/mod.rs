@@ -51,7 +51,10 @@ fn planned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> Cub
     }
     // The unit kernel, last in every plan, takes every float problem of
     // every runtime; reaching this is a bug.
-    panic!("no matmul kernel accepted {shape:?}: {}", refusals.join("; "))
+    panic!(
+        "no matmul kernel accepted {shape:?}: {}",
+        refusals.join("; ")
+    )
 }
 
 /// Logs the kernel a dense product runs on, once per problem (rows rounded
@@ -267,4 +270,3 @@ pub fn launch_matmul<R: CubeRuntime>(
         }
     }
 }
-

@@ -156,12 +156,27 @@ mod tests {
     #[test]
     fn plan_per_kind() {
         let tokens = 302_000;
-        assert_eq!(first(tokens, 512, 128, DType::F32), TmaTiling::WIDE_STAGE.to_string());
-        assert_eq!(first(tokens, 512, 128, DType::BF16), "matmul_double_tma_mma");
+        assert_eq!(
+            first(tokens, 512, 128, DType::F32),
+            TmaTiling::WIDE_STAGE.to_string()
+        );
+        assert_eq!(
+            first(tokens, 512, 128, DType::BF16),
+            "matmul_double_tma_mma"
+        );
         assert_eq!(first(tokens, 16, 128, DType::F32), "matmul_simple_tma_mma");
-        assert_eq!(first(128, 512, 2048, DType::F32), "matmul_specialized_tma_mma");
-        assert_eq!(first(8192, 128, 128, DType::F32), "matmul_specialized_tma_mma");
-        assert_eq!(first(16, 128, 2048, DType::F32), "matmul_simple_cyclic_cmma");
+        assert_eq!(
+            first(128, 512, 2048, DType::F32),
+            "matmul_specialized_tma_mma"
+        );
+        assert_eq!(
+            first(8192, 128, 128, DType::F32),
+            "matmul_specialized_tma_mma"
+        );
+        assert_eq!(
+            first(16, 128, 2048, DType::F32),
+            "matmul_simple_cyclic_cmma"
+        );
         for m in [1, 16, 8192, tokens] {
             let plan = dense_matmul_plan(&MatmulShape {
                 m,
@@ -169,7 +184,10 @@ mod tests {
                 k: 512,
                 dtype: DType::F32,
             });
-            assert_eq!(plan.last().unwrap().to_string(), "matmul_simple_unit_max_tile_size");
+            assert_eq!(
+                plan.last().unwrap().to_string(),
+                "matmul_simple_unit_max_tile_size"
+            );
         }
     }
 
