@@ -6,7 +6,8 @@
 //! that was over 270 s of an H200's first f32 step (2026-11-28), again on
 //! every node whose kernel cache is empty, and again mid-run whenever a batch
 //! brought a new bucket. The rule below is what that tuner chose on an H200
-//! (f32 and bf16, the default model, `benches/results/`): the products fall
+//! (f32 and bf16, the default model; `benches/results/2026-11-28_h200_matmul_plan.txt`
+//! compares the two): the products fall
 //! into four kinds, and each kind's winners were within a few percent of one
 //! another. Every kernel the rule names was checked against a float64 product
 //! wherever it runs, and each list ends with the unit kernel, which runs
@@ -98,11 +99,11 @@ const NARROW: usize = 64;
 ///
 /// The kinds, with what CubeCL's tuner measured on an H200 (2026-11-28):
 /// - *weight gradients* (`xᵀ·dy`: the inner size is the rows, the output a
-///   weight's shape): `specialized_tma_mma` won 22 of 26 buckets, the rest
-///   within 8%;
+///   weight's shape): `specialized_tma_mma` won 15 of 18 buckets and was
+///   within 8% in the other three;
 /// - *token-sized, f32*: the `256 × 128` TMA stage ([`TmaTiling`]) won 5
-///   of 7 (0.40 ms for `[372k, 245]·[245, 611]` against 0.49 ms for the next
-///   kernel);
+///   of 7 (0.42 ms in the bucket of `[~300k, 128]·[128, 512]` against
+///   0.49 ms for the next kernel);
 /// - *token-sized, f16/bf16*: `double_tma_mma` won 3 of 7 and was within 3%
 ///   of the winner in two more;
 /// - *narrow* (a width under 64): `simple_tma_mma`;
