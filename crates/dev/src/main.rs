@@ -29,7 +29,7 @@ struct Cli {
     #[command(subcommand)]
     command: Command,
     /// How the dense layers' products pick their kernel on the GPU backends
-    /// (as `aam-rs --matmul-kernels`).
+    /// (as `aam-rs pretrain --matmul-kernels`).
     #[arg(long, global = true, value_enum, default_value_t)]
     matmul_kernels: aam_cli::args::MatmulKernels,
 }
