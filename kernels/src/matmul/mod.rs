@@ -39,53 +39,66 @@ fn planned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> Cub
         n: rhs_dims[rhs_dims.num_dims() - 1],
         dtype: lhs.dtype,
     };
+    let plan = dense_matmul_plan(&shape);
+    // Kernels refuse before launching (TMA before Hopper, no tensor cores);
+    // the reasons are only formatted for the log.
     let mut refusals = Vec::new();
-    for kernel in dense_matmul_plan(&shape) {
-        match launch_matmul(&kernel, &lhs, &rhs, &out) {
+    for (index, kernel) in plan.iter().enumerate() {
+        match launch_matmul(kernel, &lhs, &rhs, &out) {
             Ok(()) => {
-                log_once(&shape, &kernel, &refusals);
+                log_once(&shape, &plan, index, &refusals);
                 return out;
             }
-            Err(error) => refusals.push(format!("{kernel}: {error:?}")),
+            Err(error) => refusals.push(error),
         }
     }
     // The unit kernel, last in every plan, takes every float problem of
     // every runtime; reaching this is a bug.
-    panic!(
-        "no matmul kernel accepted {shape:?}: {}",
-        refusals.join("; ")
-    )
+    panic!("no matmul kernel accepted {shape:?}: {refusals:?}")
 }
 
-/// Logs the kernel a dense product runs on, once per problem (rows rounded
-/// up to a power of two) and kernel.
-fn log_once(shape: &MatmulShape, kernel: &DenseKernel, refusals: &[String]) {
+/// Logs the kernel `plan[index]` that a dense product runs on (after the
+/// `refusals` of the kernels before it), once per problem (rows rounded up
+/// to a power of two) and kernel. Cheap when already logged: no allocation.
+fn log_once(
+    shape: &MatmulShape,
+    plan: &[DenseKernel],
+    index: usize,
+    refusals: &[cubek::matmul::definition::MatmulSetupError],
+) {
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock};
-    static SEEN: OnceLock<Mutex<HashSet<(MatmulShape, String)>>> = OnceLock::new();
+    static SEEN: OnceLock<Mutex<HashSet<(MatmulShape, usize)>>> = OnceLock::new();
     let bucket = MatmulShape {
         m: shape.m.next_power_of_two(),
         ..*shape
     };
     let seen = SEEN.get_or_init(Default::default);
-    if seen
+    if !seen
         .lock()
-        .is_ok_and(|mut seen| seen.insert((bucket, kernel.to_string())))
+        .is_ok_and(|mut seen| seen.insert((bucket, index)))
     {
-        tracing::debug!(
-            "dense matmul [{}, {}]·[{}, {}] {:?}: {kernel}{}",
-            shape.m,
-            shape.k,
-            shape.k,
-            shape.n,
-            shape.dtype,
-            if refusals.is_empty() {
-                String::new()
-            } else {
-                format!(" (refused: {})", refusals.join("; "))
-            }
-        );
+        return;
     }
+    let refused: Vec<String> = plan
+        .iter()
+        .zip(refusals)
+        .map(|(kernel, error)| format!("{kernel}: {error:?}"))
+        .collect();
+    tracing::debug!(
+        "dense matmul [{}, {}]·[{}, {}] {:?}: {}{}",
+        shape.m,
+        shape.k,
+        shape.k,
+        shape.n,
+        shape.dtype,
+        plan[index],
+        if refused.is_empty() {
+            String::new()
+        } else {
+            format!(" (refused: {})", refused.join("; "))
+        }
+    );
 }
 
 /// The CubeCL matmul kernels the dense layers' products may run on, each

@@ -39,27 +39,6 @@ pub enum MatmulTuning {
     Autotune,
 }
 
-impl std::str::FromStr for MatmulTuning {
-    type Err = String;
-
-    fn from_str(value: &str) -> Result<Self, String> {
-        match value {
-            "plan" => Ok(Self::Plan),
-            "autotune" => Ok(Self::Autotune),
-            other => Err(format!("`{other}`: expected plan or autotune")),
-        }
-    }
-}
-
-impl std::fmt::Display for MatmulTuning {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Plan => "plan",
-            Self::Autotune => "autotune",
-        })
-    }
-}
-
 static TUNING: AtomicU8 = AtomicU8::new(0);
 
 /// Sets how the dense products pick their kernel, for the whole process (the
