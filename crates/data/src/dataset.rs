@@ -40,6 +40,37 @@ pub struct Dataset {
     targets: Option<Vec<f64>>,
 }
 
+/// One sample given directly (a service's request, a library caller): its ID
+/// and its reads per ASV sequence, in the order the model sees them (the
+/// order of a table's rows, for a sample read from a table).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampleReads {
+    /// Sample ID.
+    pub id: String,
+    /// (ASV sequence, reads), in order; zero counts are skipped.
+    pub reads: Vec<(String, f64)>,
+}
+
+impl SampleReads {
+    /// Every sample of a table, each with its ASVs in table row order.
+    pub fn from_table(table: &BiomTable) -> Vec<SampleReads> {
+        (0..table.n_samples())
+            .map(|s| {
+                let sample = table.sample(s);
+                SampleReads {
+                    id: table.sample_ids()[s].clone(),
+                    reads: sample
+                        .observations
+                        .iter()
+                        .zip(sample.counts)
+                        .map(|(&o, &c)| (table.observation_ids()[o as usize].clone(), c))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+}
+
 /// Builds a [`Dataset`] from a table and, optionally, a matrix and metadata.
 #[derive(Debug)]
 pub struct DatasetBuilder<'a> {
@@ -60,6 +91,96 @@ impl Dataset {
             metadata: None,
             target: None,
         }
+    }
+
+    /// A dataset of samples given directly, each keeping its ASVs' order,
+    /// with `metadata` rows for its categorical columns (optional; no matrix,
+    /// no target: for prediction and embedding).
+    ///
+    /// Errors name the sample: an ID given twice, no positive count, a
+    /// negative or non-finite count, a sequence listed twice in one sample.
+    pub fn from_samples(
+        samples: &[SampleReads],
+        max_bp: usize,
+        metadata: Option<Arc<Metadata>>,
+    ) -> Result<Dataset> {
+        if samples.is_empty() {
+            return Err(Error::InvalidConfig {
+                reason: "no sample was given".into(),
+            });
+        }
+        let invalid = |sample: &str, reason: String| Error::InvalidSample {
+            sample: sample.to_string(),
+            reason,
+        };
+        let mut index = HashMap::with_capacity(samples.len());
+        let mut asv_index: HashMap<&str, u32> = HashMap::new();
+        let mut asv_ids: Vec<String> = Vec::new();
+        // last_sample[a]: the last sample (+1) that listed ASV a.
+        let mut last_sample: Vec<usize> = Vec::new();
+        let mut indptr = Vec::with_capacity(samples.len() + 1);
+        indptr.push(0);
+        let (mut asvs, mut counts) = (Vec::new(), Vec::new());
+        let mut empty = Vec::new();
+        for (s, sample) in samples.iter().enumerate() {
+            if index.insert(sample.id.clone(), s).is_some() {
+                return Err(invalid(&sample.id, "the ID is given twice".into()));
+            }
+            let start = asvs.len();
+            for (sequence, count) in &sample.reads {
+                if !count.is_finite() || *count < 0.0 {
+                    return Err(invalid(
+                        &sample.id,
+                        format!("ASV {sequence:?} has count {count} (counts are finite and ≥ 0)"),
+                    ));
+                }
+                if *count == 0.0 {
+                    continue;
+                }
+                let next = asv_ids.len() as u32;
+                let a = *asv_index.entry(sequence.as_str()).or_insert(next);
+                if a == next {
+                    asv_ids.push(sequence.clone());
+                    last_sample.push(0);
+                }
+                if std::mem::replace(&mut last_sample[a as usize], s + 1) == s + 1 {
+                    return Err(invalid(
+                        &sample.id,
+                        format!("ASV {sequence:?} is listed twice"),
+                    ));
+                }
+                asvs.push(a);
+                counts.push(*count as f32);
+            }
+            if asvs.len() == start {
+                empty.push(sample.id.clone());
+            }
+            indptr.push(asvs.len());
+        }
+        if !empty.is_empty() {
+            return Err(Error::EmptySamples {
+                count: empty.len(),
+                ids: IdList::new(&empty),
+            });
+        }
+        let sample_ids: Vec<String> = samples.iter().map(|s| s.id.clone()).collect();
+        let metadata = metadata.map(|m| {
+            let rows = sample_ids.iter().map(|id| m.row(id)).collect();
+            (m, rows)
+        });
+        Ok(Dataset {
+            tokens: TokenCache::new(&asv_ids, max_bp),
+            sample_ids,
+            index,
+            indptr,
+            asvs,
+            counts,
+            asv_ids,
+            unifrac: None,
+            metadata,
+            target_column: None,
+            targets: None,
+        })
     }
 
     /// Number of samples.
@@ -459,6 +580,76 @@ pub(crate) mod tests {
             matches!(err, Error::NonNumericTarget { line: 3, .. }),
             "{err}"
         );
+    }
+
+    #[test]
+    fn samples_given_directly_equal_their_table() {
+        let t = small();
+        let from_table = Dataset::builder(&t).max_bp(3).build().unwrap();
+        let given = Dataset::from_samples(&SampleReads::from_table(&t), 3, None).unwrap();
+        assert_eq!(given.sample_ids(), from_table.sample_ids());
+        for s in 0..t.n_samples() {
+            let (a, ca) = from_table.sample(s);
+            let (b, cb) = given.sample(s);
+            assert_eq!(ca, cb);
+            let rows = |d: &Dataset, asvs: &[u32]| -> Vec<Vec<u8>> {
+                asvs.iter()
+                    .map(|&a| d.tokens().row(a as usize).to_vec())
+                    .collect()
+            };
+            assert_eq!(rows(&from_table, a), rows(&given, b));
+        }
+        // Each sample keeps its own order.
+        let reads = |r: &[(&str, f64)]| r.iter().map(|(s, c)| (s.to_string(), *c)).collect();
+        let two = [
+            SampleReads {
+                id: "A".into(),
+                reads: reads(&[("CC", 1.0), ("AA", 2.0)]),
+            },
+            SampleReads {
+                id: "B".into(),
+                reads: reads(&[("AA", 3.0), ("GG", 0.0), ("CC", 4.0)]),
+            },
+        ];
+        let d = Dataset::from_samples(&two, 4, None).unwrap();
+        assert_eq!(d.asv_ids(), &["CC".to_string(), "AA".to_string()]);
+        assert_eq!(d.sample(0), (&[0u32, 1][..], &[1.0f32, 2.0][..]));
+        assert_eq!(d.sample(1), (&[1u32, 0][..], &[3.0f32, 4.0][..]));
+        // Errors name the sample.
+        let bad = |samples: &[SampleReads]| {
+            Dataset::from_samples(samples, 4, None)
+                .unwrap_err()
+                .to_string()
+        };
+        let twice = [two[0].clone(), two[0].clone()];
+        assert!(
+            bad(&twice).contains("\"A\": the ID is given twice"),
+            "{}",
+            bad(&twice)
+        );
+        let dup = [SampleReads {
+            id: "D".into(),
+            reads: reads(&[("AA", 1.0), ("AA", 1.0)]),
+        }];
+        assert!(
+            bad(&dup).contains("\"D\": ASV \"AA\" is listed twice"),
+            "{}",
+            bad(&dup)
+        );
+        let neg = [SampleReads {
+            id: "N".into(),
+            reads: reads(&[("AA", -1.0)]),
+        }];
+        assert!(
+            bad(&neg).contains("\"N\": ASV \"AA\" has count -1"),
+            "{}",
+            bad(&neg)
+        );
+        let zero = [SampleReads {
+            id: "Z".into(),
+            reads: reads(&[("AA", 0.0)]),
+        }];
+        assert!(bad(&zero).contains("Z"), "{}", bad(&zero));
     }
 
     #[test]

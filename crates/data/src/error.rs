@@ -400,6 +400,15 @@ pub enum Error {
         reason: String,
     },
 
+    /// A sample given directly (not from a table file) that cannot be used.
+    #[error("sample {sample:?}: {reason}")]
+    InvalidSample {
+        /// Its ID.
+        sample: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// IDs requested from a dataset that it does not hold.
     #[error("{count} sample ID(s) are not in the dataset: {ids}")]
     UnknownSamples {

@@ -79,14 +79,14 @@ mod write;
 pub use batch::{AsvSampling, Batch, BatchConfig, BatchLoader, Prefetch, Transforms};
 pub use biom::{BiomTable, SampleCounts};
 pub use categorical::{CategoricalEncoder, UNKNOWN};
-pub use dataset::{Dataset, DatasetBuilder};
+pub use dataset::{Dataset, DatasetBuilder, SampleReads};
 pub use error::{Error, IdList, Result, MAX_LISTED};
 pub use metadata::{is_missing, Metadata};
 pub use normalize::{
     CategoryStats, CountNormalizer, MeanStd, TargetNormalizer, TargetTransform, MAX_EXP_INPUT,
     MIN_STD,
 };
-pub use rarefy::Rarefied;
+pub use rarefy::{rarefy_sample, Rarefied};
 pub use split::{train_val_split, Split};
 pub use summary::{summarize, Summary, SummaryOptions};
 pub use tokenize::TokenCache;

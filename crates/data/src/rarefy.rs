@@ -12,9 +12,12 @@
 //! multivariate hypergeometric); the draws themselves differ (§2.2: bit-exact
 //! reproduction would need NumPy's generator).
 //!
-//! Determinism: sample `s` (its position in the input table) draws from
-//! ChaCha8 seeded with `seed` on stream `s`, so the result depends only on
-//! (table, depth, seed), not on thread count or scheduling.
+//! Determinism: a sample's draw depends only on its own reads, its ID, the
+//! depth and the seed: it draws from ChaCha8 seeded with `seed` on the stream
+//! FNV-1a(ID), and its reads are numbered in the byte order of their
+//! sequences (observation IDs), not in table row order. So a sample rarefies
+//! the same whether it comes in a training table, another table, alone
+//! through [`rarefy_sample`] (the library and `aam-rs serve`), on any thread.
 
 use std::collections::HashMap;
 
@@ -24,6 +27,92 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::biom::BiomTable;
 use crate::error::{Error, Result};
+
+/// The random stream of a sample: FNV-1a (64 bit) of its ID's bytes.
+fn sample_stream(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Checks that a sample deep enough to keep has integer counts.
+fn integer_counts<'a>(
+    sample: &str,
+    counts: &[f64],
+    observation: impl Fn(usize) -> &'a str,
+) -> Result<()> {
+    match counts
+        .iter()
+        .position(|v| v.fract() != 0.0 || *v > (1u64 << 53) as f64)
+    {
+        Some(k) => Err(Error::NonIntegerCount {
+            sample: sample.to_string(),
+            observation: observation(k).to_string(),
+            value: counts[k],
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Rarefies one sample given as its reads per sequence: `Ok(None)` when it
+/// has fewer than `depth` reads, else the kept reads of each sequence (in
+/// the order given; zeros included). The same draw as
+/// [`BiomTable::rarefy`] makes for a sample with this ID and these reads.
+///
+/// Errors: depth 0; a non-integer count in a sample deep enough to keep.
+pub fn rarefy_sample<S: AsRef<str>>(
+    id: &str,
+    sequences: &[S],
+    counts: &[f64],
+    depth: u64,
+    seed: u64,
+) -> Result<Option<Vec<f64>>> {
+    if depth == 0 {
+        return Err(Error::ZeroDepth);
+    }
+    assert_eq!(sequences.len(), counts.len(), "one count per sequence");
+    if counts.iter().sum::<f64>() < depth as f64 {
+        return Ok(None);
+    }
+    integer_counts(id, counts, |k| sequences[k].as_ref())?;
+    let mut drawn = Vec::new();
+    draw_sample(
+        id,
+        counts,
+        |k| sequences[k].as_ref(),
+        depth,
+        seed,
+        &mut Scratch::default(),
+        &mut drawn,
+    );
+    Ok(Some(drawn.into_iter().map(|n| n as f64).collect()))
+}
+
+/// The draw of one sample (see the module doc): `out[k]` receives the kept
+/// reads of category `k`, whose sequence is `sequence(k)`.
+fn draw_sample<'a>(
+    id: &str,
+    counts: &[f64],
+    sequence: impl Fn(usize) -> &'a str,
+    depth: u64,
+    seed: u64,
+    scratch: &mut Scratch,
+    out: &mut Vec<u64>,
+) {
+    let mut order: Vec<usize> = (0..counts.len()).collect();
+    order.sort_by(|&a, &b| sequence(a).cmp(sequence(b)));
+    let sorted: Vec<u64> = order.iter().map(|&k| counts[k] as u64).collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(sample_stream(id));
+    let mut drawn = std::mem::take(&mut scratch.drawn);
+    draw_without_replacement(&sorted, depth, &mut rng, scratch, &mut drawn);
+    out.clear();
+    out.resize(counts.len(), 0);
+    for (&k, &n) in order.iter().zip(&drawn) {
+        out[k] = n;
+    }
+    scratch.drawn = drawn;
+}
 
 /// Samples up to this many reads are shuffled in an explicit label array
 /// (4 bytes per read); deeper ones use the sparse virtual array.
@@ -58,18 +147,9 @@ impl BiomTable {
             let total = sample.total();
             max_depth = max_depth.max(total);
             if total >= depth as f64 {
-                if let Some(k) = sample
-                    .counts
-                    .iter()
-                    .position(|v| v.fract() != 0.0 || *v > (1u64 << 53) as f64)
-                {
-                    return Err(Error::NonIntegerCount {
-                        sample: self.sample_ids()[s].clone(),
-                        observation: self.observation_ids()[sample.observations[k] as usize]
-                            .clone(),
-                        value: sample.counts[k],
-                    });
-                }
+                integer_counts(&self.sample_ids()[s], sample.counts, |k| {
+                    &self.observation_ids()[sample.observations[k] as usize]
+                })?;
                 kept.push(s);
             } else {
                 dropped.push(self.sample_ids()[s].clone());
@@ -143,10 +223,15 @@ fn rarefy_samples(
     let mut scratch = Scratch::default();
     for &s in positions {
         let sample = table.sample(s);
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        rng.set_stream(s as u64);
-        let counts: Vec<u64> = sample.counts.iter().map(|&v| v as u64).collect();
-        draw_without_replacement(&counts, depth, &mut rng, &mut scratch, &mut drawn);
+        draw_sample(
+            &table.sample_ids()[s],
+            sample.counts,
+            |k| &table.observation_ids()[sample.observations[k] as usize],
+            depth,
+            seed,
+            &mut scratch,
+            &mut drawn,
+        );
         let before = indices.len();
         for (k, &n) in drawn.iter().enumerate() {
             if n > 0 {
@@ -163,6 +248,7 @@ fn rarefy_samples(
 #[derive(Default)]
 struct Scratch {
     labels: Vec<u32>,
+    drawn: Vec<u64>,
     swapped: HashMap<u64, u64>,
     cumulative: Vec<u64>,
 }
@@ -394,7 +480,7 @@ mod tests {
     #[test]
     fn parallel_path_matches_single_sample_draws() {
         // Enough samples for the threaded path; each sample must equal the draw
-        // made for it alone (same stream), whatever the chunking.
+        // made for it alone, whatever the chunking.
         let rows: Vec<Vec<f64>> = (0..(PARALLEL_MIN_SAMPLES + 10))
             .map(|i| vec![(i % 7 + 5) as f64, 20.0, (i % 3 + 1) as f64])
             .collect();
@@ -402,13 +488,76 @@ mod tests {
         let t = table(&refs);
         let all = t.rarefy(10, 3).unwrap().table;
         for s in [0usize, 100, PARALLEL_MIN_SAMPLES + 9] {
-            let mut rng = ChaCha8Rng::seed_from_u64(3);
-            rng.set_stream(s as u64);
-            let counts: Vec<u64> = t.sample(s).counts.iter().map(|&v| v as u64).collect();
-            let mut out = Vec::new();
-            draw_without_replacement(&counts, 10, &mut rng, &mut Scratch::default(), &mut out);
-            let expected: Vec<f64> = out.iter().filter(|&&n| n > 0).map(|&n| n as f64).collect();
+            let sample = t.sample(s);
+            let sequences: Vec<&str> = sample
+                .observations
+                .iter()
+                .map(|&o| t.observation_ids()[o as usize].as_str())
+                .collect();
+            let alone = rarefy_sample(&t.sample_ids()[s], &sequences, sample.counts, 10, 3)
+                .unwrap()
+                .unwrap();
+            let expected: Vec<f64> = alone.into_iter().filter(|&n| n > 0.0).collect();
             assert_eq!(all.sample(s).counts, expected.as_slice());
         }
+    }
+
+    /// A sample's draw depends on its reads, ID, depth and seed only: not on
+    /// its position in the table, the table's row order or its other samples.
+    #[test]
+    fn a_sample_rarefies_the_same_in_any_table() {
+        let reads = [("AAC", 30.0), ("GTA", 50.0), ("CCG", 20.0), ("TTT", 7.0)];
+        let one = |id: &str, order: &[usize], others: usize| {
+            let mut o = Vec::new();
+            let mut s = Vec::new();
+            let mut v = Vec::new();
+            let mut ids: Vec<String> = (0..others).map(|i| format!("other{i}")).collect();
+            for i in 0..others {
+                for (k, _) in reads.iter().enumerate() {
+                    o.push(k as u32);
+                    s.push(i as u32);
+                    v.push(40.0 + (i + k) as f64);
+                }
+            }
+            ids.push(id.to_string());
+            for (k, &r) in order.iter().enumerate() {
+                o.push(k as u32);
+                s.push(others as u32);
+                v.push(reads[r].1);
+            }
+            let obs: Vec<String> = order.iter().map(|&r| reads[r].0.to_string()).collect();
+            let t = BiomTable::from_triplets("t", ids, obs, &o, &s, &v).unwrap();
+            let r = t.rarefy(25, 42).unwrap().table;
+            let x = r.sample(others);
+            let mut by_sequence: Vec<(String, f64)> = x
+                .observations
+                .iter()
+                .zip(x.counts)
+                .map(|(&o, &c)| (r.observation_ids()[o as usize].clone(), c))
+                .collect();
+            by_sequence.sort_by(|a, b| a.0.cmp(&b.0));
+            by_sequence
+        };
+        let a = one("S", &[0, 1, 2, 3], 0);
+        assert_eq!(a, one("S", &[3, 1, 0, 2], 0));
+        assert_eq!(a, one("S", &[2, 0, 3, 1], 5));
+        assert_ne!(a, one("T", &[0, 1, 2, 3], 0), "the ID picks the stream");
+        let sequences: Vec<&str> = reads.iter().map(|r| r.0).collect();
+        let counts: Vec<f64> = reads.iter().map(|r| r.1).collect();
+        let alone = rarefy_sample("S", &sequences, &counts, 25, 42)
+            .unwrap()
+            .unwrap();
+        let mut alone: Vec<(String, f64)> = sequences
+            .iter()
+            .zip(alone)
+            .filter(|(_, n)| *n > 0.0)
+            .map(|(s, n)| (s.to_string(), n))
+            .collect();
+        alone.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(a, alone);
+        assert_eq!(
+            rarefy_sample("S", &sequences, &counts, 1000, 42).unwrap(),
+            None
+        );
     }
 }
