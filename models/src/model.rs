@@ -273,6 +273,15 @@ impl ModelConfig {
 }
 
 impl<B: Backend> AamModel<B> {
+    /// The base model: the whole of a `SequenceEncoder`, a predictor's
+    /// `base_model` (whose pooled output is the sample embedding).
+    pub fn base(&self) -> &SequenceEncoder<B> {
+        match self {
+            AamModel::SequenceEncoder(m) => m,
+            AamModel::SequencePredictor(m) => &m.base_model,
+        }
+    }
+
     /// This model's structure with the weights of `other` (same architecture).
     ///
     /// # Panics

@@ -11,7 +11,9 @@ use crate::asv_encoder::Nucleotides;
 use crate::nn::{Activation, Linear, LinearConfig, LinearInit};
 use crate::output::AsvTokens;
 use crate::pooling::{AttentionPooling, AttentionPoolingConfig};
-use crate::sample_encoder::{SampleSequenceEncoder, SampleSequenceEncoderConfig};
+use crate::sample_encoder::{
+    SampleEncoderOutput, SampleSequenceEncoder, SampleSequenceEncoderConfig,
+};
 use crate::transformer::{TransformerEncoder, TransformerEncoderConfig};
 
 /// What the base model is pre-trained to predict.
@@ -147,17 +149,28 @@ impl SequenceEncoderConfig {
 }
 
 impl<B: AttentionBackend> SequenceEncoder<B> {
-    /// # Shapes
-    /// - tokens: `[B, S, L]`; counts: `[B, S, 1]`
-    /// - see [`SequenceEncoderOutput`]
-    pub fn forward(
+    /// Sample embeddings, whatever the encoder type: the pooled embedding
+    /// `[B, D]` (the one the UniFrac loss compares, for a `unifrac` model)
+    /// and the ASV embeddings `[B, S, D]` (the sample transformer's output
+    /// per slot, 0 at empty slots). Eval-mode use: no nucleotide masking.
+    pub fn embed(
         &self,
         tokens: impl Into<AsvTokens<B>>,
         counts: Option<Tensor<B, 3>>,
+    ) -> (Tensor<B, 2>, Tensor<B, 3>) {
+        let (sample, pooled) = self.encode(tokens.into(), counts, false);
+        (pooled, sample.sample_embeddings)
+    }
+
+    /// Steps 1-4 of [`Self::forward`]: the sample encoder's output and the
+    /// pooled embedding.
+    fn encode(
+        &self,
+        tokens: AsvTokens<B>,
+        counts: Option<Tensor<B, 3>>,
         return_nucleotides: bool,
-    ) -> SequenceEncoderOutput<B> {
+    ) -> (SampleEncoderOutput<B>, Tensor<B, 2>) {
         // 1. asv_mask
-        let tokens = tokens.into();
         let valid = tokens.slot_mask();
         // 2. sample encoder
         let sample = self
@@ -170,6 +183,19 @@ impl<B: AttentionBackend> SequenceEncoder<B> {
         );
         // 4. pool
         let pooled = self.attention_pooling.forward(encoded, Some(valid));
+        (sample, pooled)
+    }
+
+    /// # Shapes
+    /// - tokens: `[B, S, L]`; counts: `[B, S, 1]`
+    /// - see [`SequenceEncoderOutput`]
+    pub fn forward(
+        &self,
+        tokens: impl Into<AsvTokens<B>>,
+        counts: Option<Tensor<B, 3>>,
+        return_nucleotides: bool,
+    ) -> SequenceEncoderOutput<B> {
+        let (sample, pooled) = self.encode(tokens.into(), counts, return_nucleotides);
         // 5. heads by type
         let mut out = SequenceEncoderOutput {
             sample_embeddings: sample.sample_embeddings,

@@ -3,7 +3,9 @@
 //! The binary parses flags, picks a backend, calls the libraries and prints;
 //! it and `aam-dev` are the only crates that use `anyhow`. One module per
 //! subcommand: `pretrain` and `train` (`train.rs`; the loop is
-//! `aam_train::run::fit`), `predict` (a trained checkpoint + a table → TSV),
+//! `aam_train::run::fit`), `predict` (a trained checkpoint + a table → TSV)
+//! and `embed` (a checkpoint + a table → sample embeddings), both over the
+//! `aam-infer` library,
 //! `convert` (reference PyTorch checkpoint → aam-rs model directory),
 //! `forward` (run a model on raw token tensors, write every output to .npz),
 //! `backends` (what this binary can run on, here), `inspect` (check a run's
@@ -15,6 +17,7 @@
 
 mod convert;
 mod diagnose;
+mod embed;
 mod forward;
 mod gradients;
 mod inspect;
@@ -43,6 +46,8 @@ enum Command {
     Train(train::TrainArgs),
     /// Predict a table's samples with a trained checkpoint; writes a TSV.
     Predict(predict::PredictArgs),
+    /// Embed a table's samples with a pretrain or train checkpoint; writes a TSV or .npy.
+    Embed(embed::EmbedArgs),
     /// Convert a reference PyTorch checkpoint into an aam-rs model directory.
     Convert(convert::ConvertArgs),
     /// Run a model in eval mode on token tensors and write every output as .npz.
@@ -62,6 +67,7 @@ fn main() -> ExitCode {
         Command::Pretrain(args) => train::pretrain(args),
         Command::Train(args) => train::train(args),
         Command::Predict(args) => predict::run(args),
+        Command::Embed(args) => embed::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Forward(args) => forward::run(args),
         Command::Backends => aam_cli::backend::list(),

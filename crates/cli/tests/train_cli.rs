@@ -887,3 +887,188 @@ fn mixed_precision_trains_or_names_the_flag() {
         assert!(scale >= 1.0 && scale <= 65_536.0, "loss scale {scale}");
     }
 }
+
+/// A BIOM 1.0 JSON table of (sample, [(sequence, count)]).
+fn json_table(path: &Path, samples: &[(&str, &[(&str, f64)])]) {
+    let mut rows: Vec<&str> = Vec::new();
+    let mut data = Vec::new();
+    for (j, (_, reads)) in samples.iter().enumerate() {
+        for (seq, count) in reads.iter() {
+            let i = rows.iter().position(|r| r == seq).unwrap_or_else(|| {
+                rows.push(seq);
+                rows.len() - 1
+            });
+            data.push(serde_json::json!([i, j, count]));
+        }
+    }
+    let table = serde_json::json!({
+        "id": "t", "format": "Biological Observation Matrix 1.0.0", "type": "OTU table",
+        "matrix_type": "sparse", "matrix_element_type": "float",
+        "shape": [rows.len(), samples.len()],
+        "rows": rows.iter().map(|r| serde_json::json!({"id": r, "metadata": null})).collect::<Vec<_>>(),
+        "columns": samples.iter().map(|(id, _)| serde_json::json!({"id": id, "metadata": null})).collect::<Vec<_>>(),
+        "data": data,
+    });
+    std::fs::write(path, table.to_string()).unwrap();
+}
+
+/// `embed`: one row per sample in `.tsv` and `.npy` (the same numbers),
+/// ASV embeddings on request, the library's example program agreeing with
+/// the CLI, and bad input named.
+#[test]
+fn embed_writes_sample_embeddings() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pre = tmp.path().join("pre");
+    run_ok(&tiny("pretrain", &pre, 1));
+    let model = pre.join("checkpoints/best.safetensors");
+    let embed = |output: &Path, extra: &[String]| {
+        let mut a = args(&["embed", "--model"]);
+        a.extend([
+            s(&model),
+            "--table".into(),
+            s(&demo("demo.biom")),
+            "--output".into(),
+            s(output),
+        ]);
+        a.extend(extra.iter().cloned());
+        a
+    };
+    let (tsv_path, npy_path, asv_path) = (
+        tmp.path().join("e.tsv"),
+        tmp.path().join("e.npy"),
+        tmp.path().join("asv.tsv"),
+    );
+    run_ok(&embed(&tsv_path, &["--asv-output".into(), s(&asv_path)]));
+    let (header, rows) = tsv(&tsv_path);
+    assert_eq!(header.len(), 17, "sample_id + 16 dimensions: {header:?}");
+    assert_eq!(
+        (header[0].as_str(), header[16].as_str()),
+        ("sample_id", "dim_15")
+    );
+    assert_eq!(rows.len(), 64, "every demo sample");
+    let table: BTreeMap<String, Vec<f32>> = rows
+        .iter()
+        .map(|r| {
+            (
+                r[0].clone(),
+                r[1..].iter().map(|v| v.parse().unwrap()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(table.len(), 64, "sample IDs are distinct");
+    assert!(table.values().flatten().all(|v| v.is_finite()));
+    let first = &rows[0][1..];
+    assert!(
+        rows.iter().any(|r| &r[1..] != first),
+        "every sample embeds the same"
+    );
+
+    run_ok(&embed(&npy_path, &[]));
+    let ids = ids_file(&tmp.path().join("e.npy.ids.txt"));
+    let array: ndarray::Array2<f32> = ndarray_npy::read_npy(&npy_path).unwrap();
+    assert_eq!(array.dim(), (64, 16));
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(
+            array.row(i).to_vec(),
+            table[id],
+            "{id}: .npy and .tsv differ"
+        );
+    }
+
+    // ASV embeddings: a row per (sample, ASV) kept in a slot, at most 32 per sample.
+    let (header, asv_rows) = tsv(&asv_path);
+    assert_eq!(&header[..2], ["sample_id", "sequence"]);
+    assert_eq!(header.len(), 18);
+    let mut per_sample: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in &asv_rows {
+        *per_sample.entry(&r[0]).or_default() += 1;
+        assert!(r[1].chars().all(|c| "ACGT".contains(c)), "{}", r[1]);
+    }
+    assert_eq!(per_sample.len(), 64);
+    assert!(
+        per_sample.values().all(|&n| (1..=32).contains(&n)),
+        "{per_sample:?}"
+    );
+
+    // The library's example: nearest samples from its own embeddings equal
+    // those of the CLI's.
+    let example = Path::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .parent()
+        .unwrap()
+        .join("examples/embed_samples");
+    assert!(
+        example.exists(),
+        "{} is missing: `cargo test --workspace` builds it (or cargo build -p aam-infer --example embed_samples)",
+        example.display()
+    );
+    let out = Command::new(&example)
+        .args([s(&model), s(&demo("demo.biom"))])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(printed.lines().count(), 64);
+    let distance = |a: &[f32], b: &[f32]| -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y) * (x - y))
+            .sum::<f32>()
+            .sqrt()
+    };
+    for line in printed.lines() {
+        let cells: Vec<&str> = line.split('\t').collect();
+        let (id, nearest) = (cells[0], cells[1]);
+        let d = distance(&table[id], &table[nearest]);
+        let best = table
+            .iter()
+            .filter(|(other, _)| other.as_str() != id)
+            .map(|(_, e)| distance(&table[id], e))
+            .fold(f32::INFINITY, f32::min);
+        assert!(
+            d <= best + 1e-5,
+            "{id}: the example's nearest {nearest} is at {d}, the CLI's at {best}"
+        );
+    }
+
+    // Bad input names the file, sample or character.
+    let stderr = run_err(&embed(&tmp.path().join("e.parquet"), &[]));
+    assert!(
+        stderr.contains("--output") && stderr.contains(".tsv or .npy"),
+        "{stderr}"
+    );
+    let bad = tmp.path().join("bad.json");
+    json_table(
+        &bad,
+        &[
+            ("ok", &[("ACGTACGT", 1000.0)]),
+            ("S7", &[("ACGTXCGT", 1000.0)]),
+        ],
+    );
+    let mut a = args(&["embed", "--model"]);
+    a.extend([
+        s(&model),
+        "--table".into(),
+        s(&bad),
+        "--output".into(),
+        s(&tmp.path().join("b.tsv")),
+    ]);
+    let stderr = run_err(&a);
+    assert!(
+        stderr.contains("\"S7\"") && stderr.contains("'X'") && stderr.contains("position 4"),
+        "{stderr}"
+    );
+    json_table(&bad, &[("shallow", &[("ACGTACGT", 10.0)])]);
+    let stderr = run_err(&a);
+    assert!(
+        stderr.contains("1000 reads") && stderr.contains("--no-rarefy"),
+        "{stderr}"
+    );
+    assert!(!tmp.path().join("b.tsv").exists());
+    a.push("--no-rarefy".into());
+    run_ok(&a);
+    assert_eq!(tsv(&tmp.path().join("b.tsv")).1.len(), 1);
+}

@@ -541,6 +541,24 @@ impl Inner {
     }
 }
 
+/// The ASVs (indices into a sample's list) that a batch puts in its slots,
+/// in slot order, under the deterministic rules (`first`, `abundance`);
+/// `None` for `random`, whose choice depends on the batch.
+pub fn slot_asvs(counts: &[f32], limit: usize, sampling: AsvSampling) -> Option<Vec<usize>> {
+    if sampling == AsvSampling::Random && counts.len() > limit {
+        return None;
+    }
+    let mut out = Vec::new();
+    select_asvs(
+        counts,
+        limit,
+        sampling,
+        &mut ChaCha8Rng::seed_from_u64(0),
+        &mut out,
+    );
+    Some(out)
+}
+
 /// Indices (into the sample's ASV list) of the ASVs to batch, in slot order.
 fn select_asvs(
     counts: &[f32],

@@ -76,7 +76,7 @@ pub mod tokenize;
 mod unifrac;
 mod write;
 
-pub use batch::{AsvSampling, Batch, BatchConfig, BatchLoader, Prefetch, Transforms};
+pub use batch::{slot_asvs, AsvSampling, Batch, BatchConfig, BatchLoader, Prefetch, Transforms};
 pub use biom::{BiomTable, SampleCounts};
 pub use categorical::{CategoricalEncoder, UNKNOWN};
 pub use dataset::{Dataset, DatasetBuilder, SampleReads};

@@ -1,0 +1,540 @@
+//! [`Model`]: a trained model on a device, and what it does with samples.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use aam_data::{
+    rarefy_sample, slot_asvs, AsvSampling, Batch, BatchConfig, BatchLoader, Dataset, Metadata,
+    SampleReads, Transforms,
+};
+use aam_models::import::load_model_dir;
+use aam_models::model::{AamModel, ModelConfig};
+use aam_models::sequence_predictor::TargetPrediction;
+use aam_models::AttentionBackend;
+use aam_train::checkpoint::{read_checkpoint, DataInfo};
+use aam_train::run::{batch_tensors, predict_batch, Slots};
+use burn::prelude::*;
+use serde::Serialize;
+
+use crate::error::{InferError, Result};
+
+/// What a model does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// A `pretrain` model: sample embeddings only.
+    Encoder,
+    /// A `train` model of a numeric target (point values or quantiles).
+    Regressor,
+    /// A `train` model of a class.
+    Classifier,
+}
+
+/// A loaded model's description: what it expects and what it returns.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelInfo {
+    /// The checkpoint file or model folder it was loaded from.
+    pub source: PathBuf,
+    /// What it does.
+    pub kind: ModelKind,
+    /// D, the width of a sample embedding.
+    pub embedding_dim: usize,
+    /// Bases read per ASV (longer sequences are cut, as in training).
+    pub max_bp: usize,
+    /// ASV slots per sample; a sample with more ASVs keeps `asv_sampling`'s choice.
+    pub token_limit: usize,
+    /// Which ASVs a sample with more than `token_limit` keeps (`random`
+    /// models keep the most abundant at inference, so that a sample's
+    /// result does not depend on its batch).
+    pub asv_sampling: AsvSampling,
+    /// The training rarefaction depth, applied to samples unless turned off.
+    pub rarefy_depth: Option<usize>,
+    /// The metadata column predicted.
+    pub target_column: Option<String>,
+    /// Outputs per sample (1 for one target).
+    pub outputs: usize,
+    /// Class labels (classifiers), index = class.
+    pub class_labels: Option<Vec<String>>,
+    /// Quantile levels (quantile regressors).
+    pub quantiles: Option<Vec<f64>>,
+    /// Categorical metadata columns the model reads.
+    pub categorical_columns: Vec<String>,
+    /// Whether predictions come back in the target's original units: true
+    /// for checkpoints (they keep the normalisation statistics), false for
+    /// a `convert` folder (the model's normalised scale).
+    pub original_units: bool,
+}
+
+/// How samples are prepared and batched.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Samples per device batch.
+    pub batch_size: usize,
+    /// Rarefy each sample to the training depth (as `aam-rs predict` does);
+    /// samples with fewer reads are left out and listed.
+    pub rarefy: bool,
+    /// Seed of the rarefaction (a sample's draw depends only on its reads,
+    /// ID and this seed).
+    pub seed: u64,
+    /// The samples' metadata, for models that read categorical columns.
+    pub metadata: Option<Arc<Metadata>>,
+    /// Reject sequences longer than this (None: cut them to `max_bp`, as
+    /// training did).
+    pub max_sequence_length: Option<usize>,
+    /// Also return each sample's ASV embeddings ([`Model::embed`] only).
+    pub asv_embeddings: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            batch_size: 8,
+            rarefy: true,
+            seed: 42,
+            metadata: None,
+            max_sequence_length: None,
+            asv_embeddings: false,
+        }
+    }
+}
+
+/// One ASV's embedding in one sample.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AsvEmbedding {
+    /// The ASV's sequence.
+    pub sequence: String,
+    /// Its embedding, D values.
+    pub values: Vec<f32>,
+}
+
+/// Sample embeddings: row `i` of `values` (`[ids.len(), dim]`, row-major)
+/// belongs to `ids[i]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embeddings {
+    /// The embedded samples, in the order given.
+    pub ids: Vec<String>,
+    /// D.
+    pub dim: usize,
+    /// `[n, D]`, row-major.
+    pub values: Vec<f32>,
+    /// Per sample, its ASVs' embeddings in slot order (when asked for).
+    pub asvs: Option<Vec<Vec<AsvEmbedding>>>,
+    /// Samples left out: fewer reads than the rarefaction depth.
+    pub dropped: Vec<String>,
+}
+
+impl Embeddings {
+    /// The embedding of the `i`-th sample.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[i * self.dim..(i + 1) * self.dim]
+    }
+}
+
+/// One sample's prediction, in the target's original units.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Prediction {
+    /// A numeric target: one value per output.
+    Values(Vec<f64>),
+    /// A quantile regressor: per output, one value per quantile level.
+    Quantiles(Vec<Vec<f64>>),
+    /// A classifier: the most probable class and every class's probability.
+    Class {
+        /// The class label.
+        label: String,
+        /// Probabilities, index = class (see [`ModelInfo::class_labels`]).
+        probabilities: Vec<f64>,
+    },
+}
+
+/// Predictions of samples, in the order given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Predictions {
+    /// The predicted samples.
+    pub ids: Vec<String>,
+    /// Their predictions.
+    pub values: Vec<Prediction>,
+    /// Samples left out: fewer reads than the rarefaction depth.
+    pub dropped: Vec<String>,
+}
+
+/// A trained model on a device.
+pub struct Model<B: AttentionBackend> {
+    model: AamModel<B>,
+    config: ModelConfig,
+    data: Option<DataInfo>,
+    info: ModelInfo,
+    all_slots: bool,
+    device: B::Device,
+}
+
+impl<B: AttentionBackend> Model<B> {
+    /// Loads a checkpoint of `aam-rs pretrain` or `train` (a `.safetensors`
+    /// file) or a model folder of `aam-rs convert`, onto `device`.
+    pub fn load(path: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
+        let path = path.as_ref();
+        let (config, model, data, token_limit, asv_sampling, quantiles, all_slots) =
+            if path.is_dir() {
+                let (config, model) = load_model_dir::<B>(path, device)?;
+                let token_limit = config.base().sample.token_limit;
+                (
+                    config,
+                    model,
+                    None,
+                    token_limit,
+                    AsvSampling::First,
+                    None,
+                    false,
+                )
+            } else {
+                let ckpt = read_checkpoint(path)?;
+                let model = ckpt.model::<B>(device)?;
+                let run = ckpt.meta.run;
+                (
+                    ckpt.meta.model,
+                    model,
+                    Some(ckpt.meta.data),
+                    run.token_limit,
+                    run.asv_sampling,
+                    run.loss.quantiles,
+                    run.all_slots,
+                )
+            };
+        let asv_sampling = match asv_sampling {
+            AsvSampling::Random => AsvSampling::Abundance,
+            other => other,
+        };
+        let (kind, outputs) = match &config {
+            ModelConfig::SequenceEncoder(_) => (ModelKind::Encoder, 0),
+            ModelConfig::SequencePredictor(c) if c.is_classifier => {
+                (ModelKind::Classifier, c.out_dim)
+            }
+            ModelConfig::SequencePredictor(c) => (ModelKind::Regressor, c.out_dim),
+        };
+        let transforms = data.as_ref().map(|d| &d.transforms);
+        let info = ModelInfo {
+            source: path.to_path_buf(),
+            kind,
+            embedding_dim: config.base().embedding_dim(),
+            max_bp: config.base().sample.asv.max_bp,
+            token_limit,
+            asv_sampling,
+            rarefy_depth: data.as_ref().and_then(|d| d.rarefy_depth),
+            target_column: data.as_ref().and_then(|d| d.target_column.clone()),
+            outputs,
+            class_labels: data.as_ref().and_then(|d| d.class_labels.clone()),
+            quantiles: quantiles.filter(|_| kind == ModelKind::Regressor),
+            categorical_columns: transforms
+                .and_then(|t| t.categorical.as_ref())
+                .map(|c| c.column_names().to_vec())
+                .unwrap_or_default(),
+            original_units: data.is_some(),
+        };
+        Ok(Model {
+            model,
+            config,
+            data,
+            info,
+            all_slots,
+            device: device.clone(),
+        })
+    }
+
+    /// What the model expects and returns.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    /// Sample embeddings (the pooled embedding of the base model: for a
+    /// UniFrac-pretrained model, the space whose distances the UniFrac loss
+    /// fitted), and each sample's ASV embeddings when `options` asks.
+    pub fn embed(&self, samples: &[SampleReads], options: &Options) -> Result<Embeddings> {
+        let (dataset, dropped) = self.prepare(samples, options)?;
+        let d = self.info.embedding_dim;
+        let mut values = vec![0f32; dataset.len() * d];
+        let mut asvs = options
+            .asv_embeddings
+            .then(|| vec![Vec::new(); dataset.len()]);
+        self.run_batches(&dataset, options, |batch, input| {
+            let (pooled, per_slot) = self.model.base().embed(input.tokens, input.counts);
+            let pooled = to_f32(pooled.into_data());
+            for (i, &pos) in batch.positions.iter().enumerate() {
+                values[pos * d..(pos + 1) * d].copy_from_slice(&pooled[i * d..(i + 1) * d]);
+            }
+            if let Some(asvs) = asvs.as_mut() {
+                let [_, s, _] = per_slot.dims();
+                let per_slot = to_f32(per_slot.into_data());
+                for (i, &pos) in batch.positions.iter().enumerate() {
+                    let (ids, counts) = dataset.sample(pos);
+                    let chosen = slot_asvs(counts, self.info.token_limit, self.info.asv_sampling)
+                        .expect("inference never samples ASVs at random");
+                    asvs[pos] = chosen
+                        .iter()
+                        .enumerate()
+                        .map(|(slot, &a)| AsvEmbedding {
+                            sequence: dataset.asv_ids()[ids[a] as usize].clone(),
+                            values: per_slot[(i * s + slot) * d..][..d].to_vec(),
+                        })
+                        .collect();
+                }
+            }
+            Ok(())
+        })?;
+        Ok(Embeddings {
+            ids: dataset.sample_ids().to_vec(),
+            dim: d,
+            values,
+            asvs,
+            dropped,
+        })
+    }
+
+    /// Predictions in the target's original units (the normalisation of
+    /// training undone); an error for a `pretrain` model.
+    pub fn predict(&self, samples: &[SampleReads], options: &Options) -> Result<Predictions> {
+        if self.info.kind == ModelKind::Encoder {
+            return Err(InferError::NoTargetHead {
+                path: self.info.source.clone(),
+            });
+        }
+        let (dataset, dropped) = self.prepare(samples, options)?;
+        let target = self
+            .data
+            .as_ref()
+            .and_then(|d| d.transforms.target.as_ref());
+        let key_columns: Vec<usize> =
+            match (target.and_then(|t| t.category.as_ref()), dataset.metadata()) {
+                (Some(cat), Some((meta, _))) => cat
+                    .columns
+                    .iter()
+                    .map(|c| meta.column(c))
+                    .collect::<Result<_, _>>()?,
+                _ => Vec::new(),
+            };
+        let mut values = vec![Prediction::Values(Vec::new()); dataset.len()];
+        self.run_batches(&dataset, options, |batch, input| {
+            let b = batch.batch_size();
+            let predicted = predict_batch(&self.model, input, false)
+                .target
+                .expect("a predictor returns its target");
+            let (flat, width) = match predicted {
+                TargetPrediction::Point(p) => {
+                    let w = p.dims()[1];
+                    (to_f32(p.into_data()), w)
+                }
+                TargetPrediction::Quantiles(p) => {
+                    let [_, out, q] = p.dims();
+                    (to_f32(p.reshape([b, out * q]).into_data()), out * q)
+                }
+            };
+            for (i, &pos) in batch.positions.iter().enumerate() {
+                let row = &flat[i * width..(i + 1) * width];
+                values[pos] = if self.info.kind == ModelKind::Classifier {
+                    // The head returns log-probabilities.
+                    let probabilities: Vec<f64> = row.iter().map(|&x| (x as f64).exp()).collect();
+                    let class = probabilities
+                        .iter()
+                        .enumerate()
+                        .max_by(|a, b| a.1.total_cmp(b.1))
+                        .map_or(0, |(c, _)| c);
+                    let label = self
+                        .info
+                        .class_labels
+                        .as_ref()
+                        .and_then(|l| l.get(class).cloned())
+                        .unwrap_or_else(|| class.to_string());
+                    Prediction::Class {
+                        label,
+                        probabilities,
+                    }
+                } else {
+                    let key = dataset
+                        .metadata()
+                        .filter(|_| !key_columns.is_empty())
+                        .and_then(|(meta, rows)| {
+                            rows[pos].map(|r| meta.category_key(r, &key_columns))
+                        });
+                    let original: Vec<f64> = row
+                        .iter()
+                        .map(|&x| match target {
+                            Some(n) => n.denormalize(x as f64, key.as_deref()),
+                            None => x as f64,
+                        })
+                        .collect();
+                    match &self.info.quantiles {
+                        Some(levels) => Prediction::Quantiles(
+                            original.chunks(levels.len()).map(<[f64]>::to_vec).collect(),
+                        ),
+                        None => Prediction::Values(original),
+                    }
+                };
+            }
+            Ok(())
+        })?;
+        Ok(Predictions {
+            ids: dataset.sample_ids().to_vec(),
+            values,
+            dropped,
+        })
+    }
+
+    /// Checks and rarefies `samples`: the dataset of those kept, and the IDs
+    /// of those too shallow for the rarefaction depth.
+    fn prepare(
+        &self,
+        samples: &[SampleReads],
+        options: &Options,
+    ) -> Result<(Arc<Dataset>, Vec<String>)> {
+        if options.batch_size == 0 {
+            return Err(InferError::InvalidOption {
+                option: "batch_size",
+                reason: "must be ≥ 1".into(),
+            });
+        }
+        for sample in samples {
+            for (sequence, _) in &sample.reads {
+                check_sequence(&sample.id, sequence, options.max_sequence_length)?;
+            }
+        }
+        if !self.info.categorical_columns.is_empty() && options.metadata.is_none() {
+            return Err(InferError::MetadataRequired {
+                columns: self.info.categorical_columns.clone(),
+            });
+        }
+        let mut dropped = Vec::new();
+        let kept: Vec<SampleReads> = match self.info.rarefy_depth.filter(|_| options.rarefy) {
+            None => samples.to_vec(),
+            Some(depth) => {
+                let mut kept = Vec::with_capacity(samples.len());
+                for sample in samples {
+                    let (sequences, counts): (Vec<&str>, Vec<f64>) =
+                        sample.reads.iter().map(|(s, c)| (s.as_str(), *c)).unzip();
+                    match rarefy_sample(
+                        &sample.id,
+                        &sequences,
+                        &counts,
+                        depth as u64,
+                        options.seed,
+                    )? {
+                        Some(drawn) => kept.push(SampleReads {
+                            id: sample.id.clone(),
+                            reads: sequences
+                                .iter()
+                                .zip(drawn)
+                                .map(|(s, n)| (s.to_string(), n))
+                                .collect(),
+                        }),
+                        None => dropped.push(sample.id.clone()),
+                    }
+                }
+                if kept.is_empty() && !samples.is_empty() {
+                    return Err(InferError::AllTooShallow {
+                        depth,
+                        dropped: dropped.len(),
+                    });
+                }
+                kept
+            }
+        };
+        let dataset = Dataset::from_samples(&kept, self.info.max_bp, options.metadata.clone())?;
+        Ok((Arc::new(dataset), dropped))
+    }
+
+    /// Runs `each` on the model input of every batch of `dataset`, in order.
+    fn run_batches(
+        &self,
+        dataset: &Arc<Dataset>,
+        options: &Options,
+        mut each: impl FnMut(&Batch, aam_models::output::ModelInput<B>) -> Result<()>,
+    ) -> Result<()> {
+        // Targets are not read at inference: no target transform on batches.
+        let transforms = Arc::new(Transforms {
+            target: None,
+            ..self
+                .data
+                .as_ref()
+                .map(|d| d.transforms.clone())
+                .unwrap_or_default()
+        });
+        let mut config =
+            BatchConfig::validation(options.batch_size, self.info.token_limit, options.seed);
+        config.require_even = false;
+        config.asv_sampling = self.info.asv_sampling;
+        config.workers = 1;
+        config.prefetch = 2;
+        let loader = BatchLoader::new(
+            dataset.clone(),
+            (0..dataset.len()).collect(),
+            transforms,
+            config,
+        )?;
+        let slots = Slots::for_model(&self.config, self.all_slots);
+        for batch in loader.epoch(0) {
+            let batch = batch?;
+            let (input, _) = batch_tensors::<B>(
+                &batch,
+                &self.device,
+                self.info.kind == ModelKind::Classifier,
+                slots,
+            );
+            each(&batch, input)?;
+        }
+        Ok(())
+    }
+}
+
+/// Every character a nucleotide code (IUPAC letters either case, `-`, `.`;
+/// A/C/G/T become tokens, the others the padding token, as in training),
+/// and the length within `limit`.
+fn check_sequence(sample: &str, sequence: &str, limit: Option<usize>) -> Result<()> {
+    let short = || sequence.chars().take(40).collect::<String>();
+    if let Some((position, character)) = sequence.chars().enumerate().find(|(_, c)| {
+        !matches!(
+            c.to_ascii_uppercase(),
+            'A' | 'C'
+                | 'G'
+                | 'T'
+                | 'U'
+                | 'R'
+                | 'Y'
+                | 'S'
+                | 'W'
+                | 'K'
+                | 'M'
+                | 'B'
+                | 'D'
+                | 'H'
+                | 'V'
+                | 'N'
+                | '-'
+                | '.'
+        )
+    }) {
+        return Err(InferError::InvalidBase {
+            sample: sample.to_string(),
+            asv: short(),
+            character,
+            position,
+        });
+    }
+    match limit {
+        Some(limit) if sequence.len() > limit => Err(InferError::SequenceTooLong {
+            sample: sample.to_string(),
+            asv: short(),
+            length: sequence.len(),
+            limit,
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn to_f32(data: TensorData) -> Vec<f32> {
+    data.convert::<f32>()
+        .to_vec::<f32>()
+        .expect("float tensor data converts to f32")
+}
