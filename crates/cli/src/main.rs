@@ -5,7 +5,7 @@
 //! subcommand: `pretrain` and `train` (`train.rs`; the loop is
 //! `aam_train::run::fit`), `predict` (a trained checkpoint + a table → TSV)
 //! and `embed` (a checkpoint + a table → sample embeddings), both over the
-//! `aam-infer` library,
+//! `aam-infer` library, `serve` (the same over HTTP, `aam-serve`),
 //! `convert` (reference PyTorch checkpoint → aam-rs model directory),
 //! `forward` (run a model on raw token tensors, write every output to .npz),
 //! `backends` (what this binary can run on, here), `inspect` (check a run's
@@ -24,6 +24,7 @@ mod inspect;
 mod plot;
 mod predict;
 mod progress;
+mod serve;
 mod train;
 
 use std::process::ExitCode;
@@ -48,6 +49,8 @@ enum Command {
     Predict(predict::PredictArgs),
     /// Embed a table's samples with a pretrain or train checkpoint; writes a TSV or .npy.
     Embed(embed::EmbedArgs),
+    /// Serve a checkpoint over HTTP: POST /embed and /predict, GET /health, /info, /metrics.
+    Serve(serve::ServeArgs),
     /// Convert a reference PyTorch checkpoint into an aam-rs model directory.
     Convert(convert::ConvertArgs),
     /// Run a model in eval mode on token tensors and write every output as .npz.
@@ -68,6 +71,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train::train(args),
         Command::Predict(args) => predict::run(args),
         Command::Embed(args) => embed::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Convert(args) => convert::run(args),
         Command::Forward(args) => forward::run(args),
         Command::Backends => aam_cli::backend::list(),

@@ -54,6 +54,19 @@ pub enum InferError {
         /// The columns.
         columns: Vec<String>,
     },
+    /// A sample with fewer reads than the rarefaction depth, where the
+    /// caller asked for every sample to be kept ([`ModelInfo::check`](crate::ModelInfo::check)).
+    #[error(
+        "sample {sample:?} has {reads} reads, fewer than the model's rarefaction depth of {depth}"
+    )]
+    TooShallow {
+        /// The sample.
+        sample: String,
+        /// Its reads.
+        reads: f64,
+        /// The depth.
+        depth: usize,
+    },
     /// Every sample has fewer reads than the model's rarefaction depth.
     #[error("no sample reaches the training rarefaction depth of {depth} reads ({dropped} sample(s) have fewer); turn rarefaction off to use them as they are")]
     AllTooShallow {

@@ -65,6 +65,30 @@ pub struct ModelInfo {
     pub original_units: bool,
 }
 
+impl ModelInfo {
+    /// Checks `samples` as [`Model::embed`] and [`Model::predict`] would,
+    /// without a model or device, and strictly: a sample too shallow for
+    /// the rarefaction depth is an error here (they would leave it out).
+    /// A service checks each request with it before queueing it.
+    pub fn check(&self, samples: &[SampleReads], options: &Options) -> Result<()> {
+        check_options(self, samples, options)?;
+        Dataset::from_samples(samples, self.max_bp, None)?;
+        if let Some(depth) = self.rarefy_depth.filter(|_| options.rarefy) {
+            for sample in samples {
+                let reads: f64 = sample.reads.iter().map(|r| r.1).sum();
+                if reads < depth as f64 {
+                    return Err(InferError::TooShallow {
+                        sample: sample.id.clone(),
+                        reads,
+                        depth,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// How samples are prepared and batched.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -245,6 +269,11 @@ impl<B: AttentionBackend> Model<B> {
         &self.info
     }
 
+    /// Its architecture.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
     /// The device it runs on.
     pub fn device(&self) -> &B::Device {
         &self.device
@@ -390,22 +419,7 @@ impl<B: AttentionBackend> Model<B> {
         samples: &[SampleReads],
         options: &Options,
     ) -> Result<(Arc<Dataset>, Vec<String>)> {
-        if options.batch_size == 0 {
-            return Err(InferError::InvalidOption {
-                option: "batch_size",
-                reason: "must be ≥ 1".into(),
-            });
-        }
-        for sample in samples {
-            for (sequence, _) in &sample.reads {
-                check_sequence(&sample.id, sequence, options.max_sequence_length)?;
-            }
-        }
-        if !self.info.categorical_columns.is_empty() && options.metadata.is_none() {
-            return Err(InferError::MetadataRequired {
-                columns: self.info.categorical_columns.clone(),
-            });
-        }
+        check_options(&self.info, samples, options)?;
         let mut dropped = Vec::new();
         let kept: Vec<SampleReads> = match self.info.rarefy_depth.filter(|_| options.rarefy) {
             None => samples.to_vec(),
@@ -486,6 +500,27 @@ impl<B: AttentionBackend> Model<B> {
         }
         Ok(())
     }
+}
+
+/// The checks of `samples` that need no dataset: options, sequences, metadata.
+fn check_options(info: &ModelInfo, samples: &[SampleReads], options: &Options) -> Result<()> {
+    if options.batch_size == 0 {
+        return Err(InferError::InvalidOption {
+            option: "batch_size",
+            reason: "must be ≥ 1".into(),
+        });
+    }
+    for sample in samples {
+        for (sequence, _) in &sample.reads {
+            check_sequence(&sample.id, sequence, options.max_sequence_length)?;
+        }
+    }
+    if !info.categorical_columns.is_empty() && options.metadata.is_none() {
+        return Err(InferError::MetadataRequired {
+            columns: info.categorical_columns.clone(),
+        });
+    }
+    Ok(())
 }
 
 /// Every character a nucleotide code (IUPAC letters either case, `-`, `.`;
