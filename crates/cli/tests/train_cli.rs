@@ -1072,3 +1072,286 @@ fn embed_writes_sample_embeddings() {
     run_ok(&a);
     assert_eq!(tsv(&tmp.path().join("b.tsv")).1.len(), 1);
 }
+
+/// One HTTP/1.1 request on a fresh connection: (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connects");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").expect("a response head");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status");
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut out = String::new();
+        let mut rest = rest;
+        while let Some((size, tail)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+/// The request body of `samples`, each sample's ASVs in table order: as a
+/// JSON object (`{"TACG": 12, ...}`, written by hand because serde_json's
+/// map sorts its keys) or, `pairs`, as `[["TACG", 12], ...]`.
+fn request_json(samples: &[aam_data::SampleReads], pairs: bool) -> String {
+    let samples: Vec<String> = samples
+        .iter()
+        .map(|s| {
+            let reads: Vec<String> = s
+                .reads
+                .iter()
+                .map(|(seq, n)| match pairs {
+                    true => format!("[\"{seq}\", {n}]"),
+                    false => format!("\"{seq}\": {n}"),
+                })
+                .collect();
+            let counts = match pairs {
+                true => format!("[{}]", reads.join(", ")),
+                false => format!("{{{}}}", reads.join(", ")),
+            };
+            format!(
+                "{{\"id\": {}, \"counts\": {counts}}}",
+                Value::from(s.id.clone())
+            )
+        })
+        .collect();
+    format!("{{\"samples\": [{}]}}", samples.join(", "))
+}
+
+/// Kills the server when a test fails before stopping it.
+struct Server(std::process::Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `aam-rs serve` on a free local port: `/health`, `/info`, `/metrics`;
+/// `/embed` and `/predict` equal `aam-rs embed` and `predict`; a load test
+/// of 320 requests from 32 clients, a tenth malformed or oversized, gets
+/// 200 for every good one, 422 or 413 for every bad one, nothing else;
+/// SIGTERM ends it cleanly.
+#[test]
+fn serve_answers_like_the_cli() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let tr = tmp.path().join("train");
+    run_ok(&tiny_train(&tr, 1, &demo("demo_map.txt"), "age"));
+    let model = tr.join("checkpoints/best.safetensors");
+    let (embed_tsv, predict_tsv) = (tmp.path().join("e.tsv"), tmp.path().join("p.tsv"));
+    let mut a = args(&["embed", "--model"]);
+    a.extend([
+        s(&model),
+        "--table".into(),
+        s(&demo("demo.biom")),
+        "--output".into(),
+        s(&embed_tsv),
+    ]);
+    run_ok(&a);
+    predict(&model, &predict_tsv);
+
+    let mut server = Server(
+        Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+            .args([
+                "serve",
+                "--model",
+                &s(&model),
+                "--port",
+                "0",
+                "--max-request-samples",
+                "16",
+            ])
+            .args(["--max-concurrent-requests", "64"])
+            .env("AAM_LOG", "info")
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("starts aam-rs serve"),
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = server.0.stderr.take().unwrap();
+    let log = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(at) = line.find("listening on http://") {
+                let addr = line[at + 20..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .to_string();
+                let _ = tx.send(addr);
+            }
+            lines.push(line);
+        }
+        lines.join("\n")
+    });
+    let addr = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the server logs its address");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while http(&addr, "GET", "/health", "").0 != 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/health never became 200"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let (status, body) = http(&addr, "GET", "/info", "");
+    assert_eq!(status, 200);
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(info["info"]["kind"], "regressor", "{info}");
+    assert_eq!(info["info"]["embedding_dim"], 16);
+    assert_eq!(info["sha256"].as_str().unwrap().len(), 64);
+    assert_eq!(info["limits"]["max_request_samples"], 16);
+
+    // The CLI's numbers, by the service.
+    let table = aam_data::BiomTable::read(demo("demo.biom")).unwrap();
+    let samples = aam_data::SampleReads::from_table(&table);
+    let (_, rows) = tsv(&embed_tsv);
+    let cli_embeddings: BTreeMap<String, Vec<f64>> = rows
+        .iter()
+        .map(|r| {
+            (
+                r[0].clone(),
+                r[1..].iter().map(|v| v.parse().unwrap()).collect(),
+            )
+        })
+        .collect();
+    let cli_predictions = numeric_predictions(&predict_tsv);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(1.0);
+    for (k, chunk) in samples.chunks(7).enumerate() {
+        let (status, body) = http(&addr, "POST", "/embed", &request_json(chunk, k % 2 == 1));
+        assert_eq!(status, 200, "{body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(answer["dim"], 16);
+        for e in answer["embeddings"].as_array().unwrap() {
+            let id = e["id"].as_str().unwrap();
+            let served: Vec<f64> = e["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap())
+                .collect();
+            let cli = &cli_embeddings[id];
+            assert!(
+                served.iter().zip(cli).all(|(a, b)| close(*a, *b)),
+                "{id}: served {served:?}, aam-rs embed {cli:?}"
+            );
+        }
+        let (status, body) = http(&addr, "POST", "/predict", &request_json(chunk, k % 2 == 0));
+        assert_eq!(status, 200, "{body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        for p in answer["predictions"].as_array().unwrap() {
+            let id = p["id"].as_str().unwrap();
+            let served = p["prediction"].as_f64().unwrap();
+            assert!(
+                close(served, cli_predictions[id]),
+                "{id}: served {served}, aam-rs predict {}",
+                cli_predictions[id]
+            );
+        }
+    }
+
+    // Load: 32 clients x 10 requests; every tenth request is bad.
+    let samples = std::sync::Arc::new(samples);
+    let clients: Vec<_> = (0..32)
+        .map(|c| {
+            let (addr, samples) = (addr.clone(), samples.clone());
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                for r in 0..10 {
+                    let k = c * 10 + r;
+                    let (route, body, expected) = match (k % 10, k / 10 % 3) {
+                        (0, 0) => ("/embed", "{\"samples\": [{\"id\": ".to_string(), 422),
+                        (0, 1) => (
+                            "/predict",
+                            "{\"samples\":[{\"id\":\"x\",\"counts\":{\"ACGU!\":1000}}]}"
+                                .to_string(),
+                            422,
+                        ),
+                        (0, _) => ("/embed", request_json(&samples[..17], false), 413),
+                        _ => {
+                            let start = k % 60;
+                            let route = if k % 2 == 0 { "/embed" } else { "/predict" };
+                            (
+                                route,
+                                request_json(&samples[start..start + 1 + k % 4], k % 3 == 0),
+                                200,
+                            )
+                        }
+                    };
+                    let (status, answer) = http(&addr, "POST", route, &body);
+                    seen.push((route, status, expected, answer));
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut counts: BTreeMap<(&str, u16), usize> = BTreeMap::new();
+    for client in clients {
+        for (route, status, expected, answer) in client.join().unwrap() {
+            assert_eq!(status, expected, "{route}: {answer}");
+            *counts.entry((route, status)).or_default() += 1;
+        }
+    }
+    assert_eq!(counts.values().sum::<usize>(), 320);
+    assert_eq!(
+        http(&addr, "GET", "/health", "").0,
+        200,
+        "healthy after the load"
+    );
+    let (status, metrics) = http(&addr, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    for ((route, status), n) in &counts {
+        let line = format!("aam_requests_total{{route=\"{route}\",status=\"{status}\"}} ");
+        let total: usize = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no {line} in /metrics:\n{metrics}"))
+            .parse()
+            .unwrap();
+        // The comparison requests above count too.
+        assert!(total >= *n, "{line}{total} < {n}");
+    }
+    assert!(metrics.contains("aam_batch_samples_count"), "{metrics}");
+    assert!(!metrics.contains("status=\"5"), "{metrics}");
+
+    // SIGTERM: a clean exit.
+    let killed = Command::new("kill")
+        .args(["-TERM", &server.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = server.0.wait().unwrap();
+    let log = log.join().unwrap();
+    assert!(status.success(), "serve exited with {status}:\n{log}");
+    assert!(log.contains("shutting down"), "{log}");
+}

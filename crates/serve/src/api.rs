@@ -12,7 +12,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::de::{MapAccess, Visitor};
+use serde::de::{MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::{json, Value};
 
@@ -46,9 +46,11 @@ struct RequestSample {
     counts: Counts,
 }
 
-/// A JSON object of reads per sequence, in the document's order (the
-/// order the model sees the ASVs in); a key given twice stays twice (and
-/// is refused by the sample check, naming it).
+/// Reads per sequence, in the document's order (the order the model sees
+/// the ASVs in): a JSON object `{"TACG...": 12, ...}` or, for clients whose
+/// JSON objects sort or shuffle their keys, a list of pairs
+/// `[["TACG...", 12], ...]`. A sequence given twice stays twice (and the
+/// sample check refuses it, naming it).
 struct Counts(Vec<(String, f64)>);
 
 impl<'de> Deserialize<'de> for Counts {
@@ -57,7 +59,16 @@ impl<'de> Deserialize<'de> for Counts {
         impl<'de> Visitor<'de> for Ordered {
             type Value = Counts;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an object of reads per ASV sequence")
+                f.write_str(
+                    "reads per ASV sequence: {\"TACG...\": 12, ...} or [[\"TACG...\", 12], ...]",
+                )
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Counts, A::Error> {
+                let mut reads = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+                while let Some(pair) = seq.next_element::<(String, f64)>()? {
+                    reads.push(pair);
+                }
+                Ok(Counts(reads))
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Counts, A::Error> {
                 let mut reads = Vec::with_capacity(map.size_hint().unwrap_or(0));
@@ -67,7 +78,7 @@ impl<'de> Deserialize<'de> for Counts {
                 Ok(Counts(reads))
             }
         }
-        deserializer.deserialize_map(Ordered)
+        deserializer.deserialize_any(Ordered)
     }
 }
 
