@@ -1,0 +1,264 @@
+//! `serve-bench`: `aam-rs serve` under load beside offline `aam-rs embed`
+//! on the same samples and machine, in one run.
+//!
+//! 1. Offline: `aam-rs embed` on the whole table, twice (the second run
+//!    finds the kernels compiled); samples/s of the second, process start
+//!    and model load included.
+//! 2. Service: `aam-rs serve` on a free local port; for each concurrency,
+//!    that many clients send `--samples-per-request` samples of the table
+//!    per `POST /embed` (round robin) until `--requests` have been answered:
+//!    requests/s, samples/s, p50/p99 latency, and the mean device batch of
+//!    that phase from `/metrics` (`aam_inference_duration_seconds`; at
+//!    concurrency 1, one request's forward pass and preparation).
+//!
+//! ```sh
+//! cargo build --release -p aam-benches --bin serve-bench
+//! target/release/serve-bench --aam-rs target/release/aam-rs --model runs/demo/checkpoints/best.safetensors \
+//!   --table ../shared/data/oral2550/oral_2550.biom --concurrency 1,16,64
+//! ```
+
+use std::io::{BufRead, Read, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aam_data::{BiomTable, SampleReads};
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// The `aam-rs` binary.
+    #[arg(long)]
+    aam_rs: PathBuf,
+    /// The model (a checkpoint).
+    #[arg(long)]
+    model: PathBuf,
+    /// The samples (a BIOM table).
+    #[arg(long)]
+    table: PathBuf,
+    /// `--backend` of both runs.
+    #[arg(long, default_value = "ndarray")]
+    backend: String,
+    /// Batch size of the offline `embed`.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Concurrent clients, one phase each.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    concurrency: Vec<usize>,
+    /// Requests per phase (at least 4 per client).
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// Samples per request.
+    #[arg(long, default_value_t = 1)]
+    samples_per_request: usize,
+    /// Also write the results here (JSON).
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let table = BiomTable::read(&args.table).expect("reads the table");
+    let samples = Arc::new(SampleReads::from_table(&table));
+    let n = samples.len();
+    let tmp = std::env::temp_dir().join(format!("serve-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+
+    // 1. Offline.
+    let mut offline = 0.0;
+    for round in 0..2 {
+        let start = Instant::now();
+        let status = Command::new(&args.aam_rs)
+            .args(["embed", "--model"])
+            .arg(&args.model)
+            .arg("--table")
+            .arg(&args.table)
+            .arg("--output")
+            .arg(tmp.join("offline.tsv"))
+            .args(["--backend", &args.backend, "--batch-size"])
+            .arg(args.batch_size.to_string())
+            .stderr(Stdio::null())
+            .status()
+            .expect("runs aam-rs embed");
+        assert!(status.success(), "aam-rs embed failed");
+        let seconds = start.elapsed().as_secs_f64();
+        offline = n as f64 / seconds;
+        println!(
+            "offline embed, run {}: {n} samples in {seconds:.2} s = {offline:.1} samples/s",
+            round + 1
+        );
+    }
+
+    // 2. The service.
+    let mut server = Command::new(&args.aam_rs)
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&args.model)
+        .args([
+            "--backend",
+            &args.backend,
+            "--max-concurrent-requests",
+            "4096",
+        ])
+        .env("AAM_LOG", "info")
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("starts aam-rs serve");
+    let stderr = server.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(at) = line.find("listening on http://") {
+                let _ = tx.send(
+                    line[at + 20..]
+                        .split_whitespace()
+                        .next()
+                        .unwrap()
+                        .to_string(),
+                );
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the server's address");
+    let loaded = Instant::now();
+    while http(&addr, "GET", "/health", "").0 != 200 {
+        assert!(loaded.elapsed() < Duration::from_secs(900), "never healthy");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let bodies: Arc<Vec<String>> = Arc::new(
+        samples
+            .chunks(args.samples_per_request)
+            .map(request_json)
+            .collect(),
+    );
+    let mut phases = Vec::new();
+    for &c in &args.concurrency {
+        let total = args.requests.max(4 * c);
+        let before = inference(&addr);
+        let next = Arc::new(AtomicUsize::new(0));
+        let start = Instant::now();
+        let clients: Vec<_> = (0..c)
+            .map(|_| {
+                let (addr, bodies, next) = (addr.clone(), bodies.clone(), next.clone());
+                std::thread::spawn(move || {
+                    let mut latencies = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= total {
+                            break latencies;
+                        }
+                        let t = Instant::now();
+                        let (status, body) =
+                            http(&addr, "POST", "/embed", &bodies[k % bodies.len()]);
+                        assert_eq!(status, 200, "{body}");
+                        latencies.push(t.elapsed().as_secs_f64());
+                    }
+                })
+            })
+            .collect();
+        let mut latencies: Vec<f64> = clients
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
+        let seconds = start.elapsed().as_secs_f64();
+        let after = inference(&addr);
+        latencies.sort_by(f64::total_cmp);
+        let pct =
+            |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
+        let samples_per_s = (total * args.samples_per_request) as f64 / seconds;
+        let batch_ms = 1e3 * (after.0 - before.0) / (after.1 - before.1).max(1.0);
+        let batch_samples =
+            (total * args.samples_per_request) as f64 / (after.1 - before.1).max(1.0);
+        println!(
+            "concurrency {c:3}: {:8.1} requests/s {samples_per_s:8.1} samples/s ({:.2}x offline), p50 {:7.2} ms, p99 {:7.2} ms; device batches {batch_samples:.1} samples, {batch_ms:.2} ms mean",
+            total as f64 / seconds,
+            samples_per_s / offline,
+            1e3 * pct(0.5),
+            1e3 * pct(0.99),
+        );
+        phases.push(json!({
+            "concurrency": c, "requests": total, "seconds": seconds,
+            "requests_per_s": total as f64 / seconds, "samples_per_s": samples_per_s,
+            "ratio_to_offline": samples_per_s / offline,
+            "p50_ms": 1e3 * pct(0.5), "p99_ms": 1e3 * pct(0.99),
+            "mean_batch_samples": batch_samples, "mean_batch_ms": batch_ms,
+        }));
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &server.id().to_string()])
+        .status();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(&tmp);
+    if let Some(path) = &args.json {
+        let out = json!({
+            "table": args.table, "model": args.model, "backend": args.backend, "samples": n,
+            "samples_per_request": args.samples_per_request,
+            "offline_samples_per_s": offline, "phases": phases,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+    }
+}
+
+/// (sum, count) of `aam_inference_duration_seconds`.
+fn inference(addr: &str) -> (f64, f64) {
+    let (_, text) = http(addr, "GET", "/metrics", "");
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value("aam_inference_duration_seconds_sum "),
+        value("aam_inference_duration_seconds_count "),
+    )
+}
+
+/// `{"samples": [...]}` with each sample's ASVs in table order.
+fn request_json(samples: &[SampleReads]) -> String {
+    let samples: Vec<String> = samples
+        .iter()
+        .map(|s| {
+            let reads: Vec<String> = s
+                .reads
+                .iter()
+                .map(|(q, n)| format!("[\"{q}\",{n}]"))
+                .collect();
+            format!(
+                "{{\"id\":{},\"counts\":[{}]}}",
+                serde_json::Value::from(s.id.clone()),
+                reads.join(",")
+            )
+        })
+        .collect();
+    format!("{{\"samples\":[{}]}}", samples.join(","))
+}
+
+/// One HTTP/1.1 request on a fresh connection: (status, body).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = std::net::TcpStream::connect(addr).expect("connects");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").expect("a response head");
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status");
+    (status, rest.to_string())
+}
