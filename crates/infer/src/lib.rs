@@ -41,7 +41,8 @@
 //! file, sample or option: an unreadable checkpoint, a character that is
 //! not a nucleotide code, a sequence over [`Options::max_sequence_length`],
 //! a sample without reads, an ID given twice, a `pretrain` model asked to
-//! predict, missing metadata for a model with categorical columns.
+//! predict, predictions that read metadata columns (categorical inputs,
+//! per-category normalisation) without the samples' metadata.
 //!
 //! **Threads.** A [`Model`] is used from one thread at a time (Burn's
 //! GPU backends tie a device to the thread that drives it); a service puts

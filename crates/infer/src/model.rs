@@ -57,8 +57,9 @@ pub struct ModelInfo {
     pub class_labels: Option<Vec<String>>,
     /// Quantile levels (quantile regressors).
     pub quantiles: Option<Vec<f64>>,
-    /// Categorical metadata columns the model reads.
-    pub categorical_columns: Vec<String>,
+    /// The metadata columns its predictions read: categorical inputs and the
+    /// columns of a per-category target normalisation (embeddings read none).
+    pub metadata_columns: Vec<String>,
     /// Whether predictions come back in the target's original units: true
     /// for checkpoints (they keep the normalisation statistics), false for
     /// a `convert` folder (the model's normalised scale).
@@ -71,7 +72,7 @@ impl ModelInfo {
     /// the rarefaction depth is an error here (they would leave it out).
     /// A service checks each request with it before queueing it.
     pub fn check(&self, samples: &[SampleReads], options: &Options) -> Result<()> {
-        check_options(self, samples, options)?;
+        check_options(self, samples, options, true)?;
         Dataset::from_samples(samples, self.max_bp, None)?;
         if let Some(depth) = self.rarefy_depth.filter(|_| options.rarefy) {
             for sample in samples {
@@ -248,10 +249,20 @@ impl<B: AttentionBackend> Model<B> {
             outputs,
             class_labels: data.as_ref().and_then(|d| d.class_labels.clone()),
             quantiles: quantiles.filter(|_| kind == ModelKind::Regressor),
-            categorical_columns: transforms
-                .and_then(|t| t.categorical.as_ref())
-                .map(|c| c.column_names().to_vec())
-                .unwrap_or_default(),
+            metadata_columns: transforms.map_or_else(Vec::new, |t| {
+                let mut columns: Vec<String> = t
+                    .categorical
+                    .as_ref()
+                    .map(|c| c.column_names().to_vec())
+                    .unwrap_or_default();
+                let by_category = t.target.as_ref().and_then(|n| n.category.as_ref());
+                for column in by_category.map_or(&[][..], |c| &c.columns[..]) {
+                    if !columns.contains(column) {
+                        columns.push(column.clone());
+                    }
+                }
+                columns
+            }),
             original_units: data.is_some(),
         };
         Ok(Model {
@@ -283,7 +294,7 @@ impl<B: AttentionBackend> Model<B> {
     /// UniFrac-pretrained model, the space whose distances the UniFrac loss
     /// fitted), and each sample's ASV embeddings when `options` asks.
     pub fn embed(&self, samples: &[SampleReads], options: &Options) -> Result<Embeddings> {
-        let (dataset, dropped) = self.prepare(samples, options)?;
+        let (dataset, dropped) = self.prepare(samples, options, false)?;
         let d = self.info.embedding_dim;
         let mut values = vec![0f32; dataset.len() * d];
         let mut asvs = options
@@ -331,7 +342,7 @@ impl<B: AttentionBackend> Model<B> {
                 path: self.info.source.clone(),
             });
         }
-        let (dataset, dropped) = self.prepare(samples, options)?;
+        let (dataset, dropped) = self.prepare(samples, options, true)?;
         let target = self
             .data
             .as_ref()
@@ -418,8 +429,9 @@ impl<B: AttentionBackend> Model<B> {
         &self,
         samples: &[SampleReads],
         options: &Options,
+        predicting: bool,
     ) -> Result<(Arc<Dataset>, Vec<String>)> {
-        check_options(&self.info, samples, options)?;
+        check_options(&self.info, samples, options, predicting)?;
         let mut dropped = Vec::new();
         let kept: Vec<SampleReads> = match self.info.rarefy_depth.filter(|_| options.rarefy) {
             None => samples.to_vec(),
@@ -466,15 +478,18 @@ impl<B: AttentionBackend> Model<B> {
         options: &Options,
         mut each: impl FnMut(&Batch, aam_models::output::ModelInput<B>) -> Result<()>,
     ) -> Result<()> {
-        // Targets are not read at inference: no target transform on batches.
-        let transforms = Arc::new(Transforms {
-            target: None,
-            ..self
-                .data
-                .as_ref()
-                .map(|d| d.transforms.clone())
-                .unwrap_or_default()
-        });
+        // Targets are not read at inference: no target transform on batches;
+        // without metadata (embeddings), no categorical ids either.
+        let mut transforms: Transforms = self
+            .data
+            .as_ref()
+            .map(|d| d.transforms.clone())
+            .unwrap_or_default();
+        transforms.target = None;
+        if dataset.metadata().is_none() {
+            transforms.categorical = None;
+        }
+        let transforms = Arc::new(transforms);
         let mut config =
             BatchConfig::validation(options.batch_size, self.info.token_limit, options.seed);
         config.require_even = false;
@@ -502,8 +517,15 @@ impl<B: AttentionBackend> Model<B> {
     }
 }
 
-/// The checks of `samples` that need no dataset: options, sequences, metadata.
-fn check_options(info: &ModelInfo, samples: &[SampleReads], options: &Options) -> Result<()> {
+/// The checks of `samples` that need no dataset: options, sequences, and
+/// metadata where the model's categorical columns are read (`predicting`;
+/// embeddings come from the base model, which reads none).
+fn check_options(
+    info: &ModelInfo,
+    samples: &[SampleReads],
+    options: &Options,
+    predicting: bool,
+) -> Result<()> {
     if options.batch_size == 0 {
         return Err(InferError::InvalidOption {
             option: "batch_size",
@@ -515,9 +537,9 @@ fn check_options(info: &ModelInfo, samples: &[SampleReads], options: &Options) -
             check_sequence(&sample.id, sequence, options.max_sequence_length)?;
         }
     }
-    if !info.categorical_columns.is_empty() && options.metadata.is_none() {
+    if predicting && !info.metadata_columns.is_empty() && options.metadata.is_none() {
         return Err(InferError::MetadataRequired {
-            columns: info.categorical_columns.clone(),
+            columns: info.metadata_columns.clone(),
         });
     }
     Ok(())

@@ -57,11 +57,11 @@ pub fn run<B: AttentionBackend>(
         }
     };
     let info = model.info().clone();
-    if !info.categorical_columns.is_empty() {
+    if !info.metadata_columns.is_empty() {
         let _ = fatal.send(format!(
-            "{}: the model reads the categorical metadata columns {:?}, which `serve` does not take yet; use `aam-rs predict --metadata`",
+            "{}: the model's predictions read the metadata columns {:?}, which `serve` does not take yet; use `aam-rs predict --metadata`",
             path.display(),
-            info.categorical_columns
+            info.metadata_columns
         ));
         return;
     }
