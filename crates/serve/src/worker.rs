@@ -145,7 +145,7 @@ fn answer<B: AttentionBackend>(
     shared: &Shared,
     options: &Options,
     kind: JobKind,
-    batch: Vec<Job>,
+    mut batch: Vec<Job>,
 ) {
     let start = Instant::now();
     for job in &batch {
@@ -153,7 +153,12 @@ fn answer<B: AttentionBackend>(
             .metrics
             .queue_seconds(start.duration_since(job.queued_at).as_secs_f64());
     }
-    let samples: Vec<SampleReads> = batch.iter().flat_map(|j| j.samples.clone()).collect();
+    // The samples move into one list; each request keeps its count.
+    let counts: Vec<usize> = batch.iter().map(|j| j.samples.len()).collect();
+    let samples: Vec<SampleReads> = batch
+        .iter_mut()
+        .flat_map(|j| std::mem::take(&mut j.samples))
+        .collect();
     let options = Options {
         batch_size: samples.len(),
         ..options.clone()
@@ -173,8 +178,8 @@ fn answer<B: AttentionBackend>(
         // Requests were checked strictly (no sample is left out), so the
         // results are the samples', in order.
         Ok(mut all) => {
-            for job in batch.into_iter().rev() {
-                let mine = all.split_off(all.len() - job.samples.len());
+            for (job, n) in batch.into_iter().zip(counts).rev() {
+                let mine = all.split_off(all.len() - n);
                 let _ = job.reply.send(Ok(mine));
             }
         }
