@@ -38,14 +38,19 @@ pub enum ModelConfig {
 
 impl ModelConfig {
     /// Builds the model with fresh weights.
+    ///
+    /// Every weight is drawn here, in module order, from the backend's RNG
+    /// as it stands (Burn would otherwise draw each on its first use).
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<AamModel<B>, ModelError> {
-        Ok(match self {
+        let model = match self {
             ModelConfig::SequenceEncoder(c) => AamModel::SequenceEncoder(c.init(device)),
             ModelConfig::SequencePredictor(c) => {
                 c.validate()?;
                 AamModel::SequencePredictor(c.init(device))
             }
-        })
+        };
+        model.materialize();
+        Ok(model)
     }
 
     /// The base model's configuration.
@@ -279,6 +284,32 @@ impl<B: Backend> AamModel<B> {
         match self {
             AamModel::SequenceEncoder(m) => m,
             AamModel::SequencePredictor(m) => &m.base_model,
+        }
+    }
+
+    /// A copy of this model on `device` whose parameters are tensors of their
+    /// own (under autodiff: leaves of a separate graph), for a data-parallel
+    /// replica.
+    pub fn replica(&self, device: &B::Device) -> AamModel<B> {
+        // A copy of a parameter not drawn yet would draw values of its own.
+        self.materialize();
+        match self {
+            AamModel::SequenceEncoder(m) => AamModel::SequenceEncoder(m.clone().fork(device)),
+            AamModel::SequencePredictor(m) => AamModel::SequencePredictor(m.clone().fork(device)),
+        }
+    }
+
+    /// Draws every parameter that is still lazily initialised.
+    fn materialize(&self) {
+        struct Draw;
+        impl<B: Backend> burn::module::ModuleVisitor<B> for Draw {
+            fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+                let _ = param.val();
+            }
+        }
+        match self {
+            AamModel::SequenceEncoder(m) => m.visit(&mut Draw),
+            AamModel::SequencePredictor(m) => m.visit(&mut Draw),
         }
     }
 

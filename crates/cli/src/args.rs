@@ -12,6 +12,7 @@ use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
 use aam_models::{AttnImplementation, MixedPrecision};
 use aam_train::config::{ModelSpec, PhaseTiming};
 use aam_train::optim::OptimizerKind;
+use aam_train::parallel::UnifracPairs;
 use aam_train::prepare::{DataSpec, Prepared, TargetSpec};
 use aam_train::schedule::SchedulerKind;
 use aam_train::TrainError;
@@ -216,6 +217,73 @@ pub struct RunArgs {
     /// per problem size and caches the winners; minutes on a GPU's first run).
     #[arg(long, value_enum, default_value_t)]
     pub matmul_kernels: MatmulKernels,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+}
+
+/// `--devices`: the backend's devices by index, or all it sees.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceList {
+    /// Every device the backend sees, one replica each.
+    All,
+    /// These indices, one replica per entry.
+    Indices(Vec<usize>),
+}
+
+impl std::str::FromStr for DeviceList {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim() == "all" {
+            return Ok(DeviceList::All);
+        }
+        let indices = s
+            .split(',')
+            .map(|d| {
+                d.trim().parse::<usize>().map_err(|_| {
+                    format!("`{d}` is not a device index (give indices like 0,1 or `all`)")
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(DeviceList::Indices(indices))
+    }
+}
+
+/// Data-parallel training: `--devices`, `--unifrac-pairs`, and the
+/// reference's `--data-parallel` / `--distributed`.
+#[derive(Args, Debug, Clone)]
+pub struct ParallelArgs {
+    /// Devices to train on, one model replica each: the backend's device
+    /// indices (`0,1,2,3`) or `all`. A device listed twice holds two replicas
+    /// (`0,0`: data parallel on one device, as the CPU backends run it).
+    /// `--batch-size` stays the global batch, split evenly over the replicas,
+    /// so results do not depend on the number of devices.
+    #[arg(long, value_name = "LIST", default_value = "0")]
+    pub devices: DeviceList,
+    /// Which pairs the UniFrac loss of a data-parallel step compares: `global`
+    /// (every pair of the global batch: the single-device loss and the
+    /// reference's --data-parallel) or `local` (pairs within each replica's
+    /// shard: the reference's --distributed, DDP).
+    #[arg(long, default_value = "global", value_parser = serde_value::<UnifracPairs>)]
+    pub unifrac_pairs: UnifracPairs,
+    /// The reference's DataParallel switch: here the same as `--devices all`.
+    #[arg(long, conflicts_with_all = ["devices", "distributed"])]
+    pub data_parallel: bool,
+    /// The reference's DDP switch: here the same as `--devices all` (one
+    /// process drives every GPU of the node); add `--unifrac-pairs local` for
+    /// the reference's DDP loss.
+    #[arg(long, conflicts_with = "devices")]
+    pub distributed: bool,
+}
+
+impl ParallelArgs {
+    /// The device list, with the reference's switches read as `all`.
+    pub fn list(&self) -> DeviceList {
+        if self.data_parallel || self.distributed {
+            DeviceList::All
+        } else {
+            self.devices.clone()
+        }
+    }
 }
 
 /// `--mixed-precision`.

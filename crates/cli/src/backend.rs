@@ -434,3 +434,103 @@ fn tch_gpu_devices() -> Result<Vec<String>> {
         .map(|i| format!("cuda:{i} (libtorch {flavour})"))
         .collect())
 }
+
+/// A backend's device by its index (`--devices`).
+pub trait IndexedDevice: Sized {
+    /// Device `index` of backend `kind` (whose device count was checked).
+    fn at(kind: BackendKind, index: usize) -> Self;
+}
+
+#[cfg(feature = "ndarray")]
+impl IndexedDevice for burn::backend::ndarray::NdArrayDevice {
+    fn at(_: BackendKind, _: usize) -> Self {
+        Self::Cpu
+    }
+}
+
+#[cfg(feature = "candle")]
+#[allow(deprecated)]
+impl IndexedDevice for burn::backend::candle::CandleDevice {
+    fn at(_: BackendKind, _: usize) -> Self {
+        Self::Cpu
+    }
+}
+
+#[cfg(feature = "wgpu")]
+impl IndexedDevice for burn::backend::wgpu::WgpuDevice {
+    fn at(_: BackendKind, _: usize) -> Self {
+        // One adapter: `--devices 0,0` (replicas on it) is what wgpu runs.
+        Self::DefaultDevice
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl IndexedDevice for burn::backend::cuda::CudaDevice {
+    fn at(_: BackendKind, index: usize) -> Self {
+        Self::new(index)
+    }
+}
+
+#[cfg(feature = "rocm")]
+impl IndexedDevice for burn::backend::rocm::RocmDevice {
+    fn at(_: BackendKind, index: usize) -> Self {
+        Self::new(index)
+    }
+}
+
+#[cfg(feature = "tch")]
+impl IndexedDevice for burn::backend::libtorch::LibTorchDevice {
+    fn at(kind: BackendKind, index: usize) -> Self {
+        match kind {
+            BackendKind::TchGpu => Self::Cuda(index),
+            _ => Self::Cpu,
+        }
+    }
+}
+
+impl BackendKind {
+    /// How many devices `--devices` can index: the GPUs a GPU backend sees,
+    /// one for the CPU backends and wgpu (which runs on one adapter).
+    fn indexable_devices(self) -> Result<usize> {
+        match self {
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => self.device_count(),
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => self.device_count(),
+            #[cfg(feature = "tch")]
+            BackendKind::TchGpu => self.device_count(),
+            _ => Ok(1),
+        }
+    }
+
+    /// The devices of `--devices` (one per replica, in order), each checked
+    /// to exist.
+    pub fn devices_of<D: IndexedDevice>(self, list: &crate::args::DeviceList) -> Result<Vec<D>> {
+        let count = self.indexable_devices()?;
+        let indices = match list {
+            crate::args::DeviceList::All => (0..count).collect(),
+            crate::args::DeviceList::Indices(i) => i.clone(),
+        };
+        if indices.is_empty() {
+            bail!("--devices names no device");
+        }
+        for &i in &indices {
+            if i >= count {
+                let seen = if count == 1 {
+                    format!(
+                        "the {} backend has one device, 0 (list it several times for several replicas: --devices 0,0)",
+                        self.name()
+                    )
+                } else {
+                    format!(
+                        "the {} backend sees {count} devices, 0 to {}",
+                        self.name(),
+                        count - 1
+                    )
+                };
+                bail!("--devices {i}: {seen}");
+            }
+        }
+        Ok(indices.into_iter().map(|i| D::at(self, i)).collect())
+    }
+}

@@ -192,6 +192,7 @@ fn run_config(
         memory_profile: false,
         time_phases: Default::default(),
         mixed_precision: Default::default(),
+        unifrac_pairs: Default::default(),
     }
 }
 
@@ -542,6 +543,7 @@ fn start(
         tracing::info!("{note}");
     }
     run.mixed_precision = r.precision.mixed_precision;
+    run.unifrac_pairs = r.parallel.unifrac_pairs;
     std::fs::create_dir_all(&r.output_dir)
         .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
     let (train_file, val_file) = match run.task {
@@ -559,15 +561,15 @@ fn start(
         validation: prepared.validation,
         info,
     };
-    aam_cli::with_backend!(r.backend, |B, device| fit_on::<B>(
-        &device,
-        &r,
-        model_config,
-        run,
-        data,
-        resume,
-        pretrained
-    ))
+    aam_cli::with_backend!(r.backend, |B, _device| {
+        match r
+            .backend
+            .devices_of::<<B as burn::tensor::backend::Backend>::Device>(&r.parallel.list())
+        {
+            Err(err) => Err(err),
+            Ok(devices) => fit_on::<B>(&devices, &r, model_config, run, data, resume, pretrained),
+        }
+    })
 }
 
 /// A run resumed into an --output-dir without `checkpoints/best.safetensors`
@@ -618,7 +620,7 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
 }
 
 fn fit_on<B: AttentionBackend>(
-    device: &B::Device,
+    devices: &[B::Device],
     r: &RunArgs,
     model_config: ModelConfig,
     run: RunConfig,
@@ -626,13 +628,24 @@ fn fit_on<B: AttentionBackend>(
     resume: Option<Checkpoint>,
     pretrained: Option<Checkpoint>,
 ) -> Result<()> {
-    r.precision.check::<B>(device, &r.backend.name())?;
+    r.precision.check::<B>(&devices[0], &r.backend.name())?;
+    if devices.len() > 1 {
+        tracing::info!(
+            "data parallel: {} replicas on {:?}, {} samples each per batch; UniFrac pairs {}",
+            devices.len(),
+            devices,
+            run.batch_size / devices.len(),
+            serde_json::to_value(run.unifrac_pairs)?
+                .as_str()
+                .unwrap_or_default()
+        );
+    }
     if r.checkpointing.gradient_checkpointing {
         tracing::info!(
             "gradient checkpointing: memory-bound operations are recomputed in the backward pass"
         );
         fit_with::<Autodiff<B, BalancedCheckpointing>>(
-            device,
+            devices,
             r,
             model_config,
             run,
@@ -641,14 +654,14 @@ fn fit_on<B: AttentionBackend>(
             pretrained,
         )
     } else {
-        fit_with::<Autodiff<B>>(device, r, model_config, run, data, resume, pretrained)
+        fit_with::<Autodiff<B>>(devices, r, model_config, run, data, resume, pretrained)
     }
 }
 
 /// Trains with autodiff backend `AB` (its checkpointing strategy decides
 /// what the backward pass recomputes).
 fn fit_with<AB>(
-    device: &AB::Device,
+    devices: &[AB::Device],
     r: &RunArgs,
     model_config: ModelConfig,
     run: RunConfig,
@@ -660,6 +673,7 @@ where
     AB: burn::tensor::backend::AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
 {
+    let device = &devices[0];
     let model: AamModel<AB> = match &resume {
         Some(c) => c.model::<AB>(device)?,
         None => {
@@ -682,7 +696,7 @@ where
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
     let mut progress = Progress::new(run.epochs);
     let summary = fit::<AB>(
-        device,
+        devices,
         model_config,
         model,
         run,

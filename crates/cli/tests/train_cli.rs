@@ -576,6 +576,36 @@ fn bad_input_names_the_flag() {
         );
     }
 
+    // Data parallel: a device the backend does not have; a global batch that
+    // does not split into even shards, one per replica.
+    let dp = |extra: &[&str]| {
+        let mut a = tiny("pretrain", &tmp.path().join("dp"), 1);
+        a.extend(args(extra));
+        a
+    };
+    let stderr = run_err(&dp(&["--devices", "0,1"]));
+    assert!(
+        stderr.contains("--devices 1") && stderr.contains("ndarray"),
+        "{stderr}"
+    );
+    let stderr = run_err(&dp(&["--devices", "0,0,0"]));
+    assert!(
+        stderr.contains("batch-size") && stderr.contains("3 even shards"),
+        "{stderr}"
+    );
+    let stderr = run_err(&dp(&["--devices", "zero"]));
+    assert!(
+        stderr.contains("--devices") && stderr.contains("zero"),
+        "{stderr}"
+    );
+    // Two replicas on the one CPU device, pairs within each shard.
+    let log = run_ok(&dp(&["--devices", "0,0", "--unifrac-pairs", "local"]));
+    assert!(
+        log.contains("data parallel: 2 replicas") && log.contains("4 samples each"),
+        "{log}"
+    );
+    assert_eq!(metrics(&tmp.path().join("dp")).1.len(), 1);
+
     // A missing table: the path, once.
     let mut a = tiny("pretrain", &tmp.path().join("missing"), 1);
     let missing = tmp.path().join("no_such_table.biom");

@@ -270,6 +270,56 @@ impl Batch {
         }
     }
 
+    /// How many slots of the batch hold an ASV (any token not padding): the
+    /// count loss's denominator.
+    pub fn occupied_slots(&self) -> usize {
+        let l = self.seq_len.max(1);
+        self.tokens
+            .chunks_exact(l)
+            .filter(|row| row.iter().any(|&t| t != 0))
+            .count()
+    }
+
+    /// The batch cut into `n` consecutive runs of `B / n` samples (data
+    /// parallel training: shard `r` goes to replica `r`). Each shard keeps
+    /// `token_limit` and the UniFrac block of its own samples.
+    ///
+    /// # Panics
+    /// If `n` is 0 or does not divide the batch size (the trainer checks it).
+    pub fn shards(&self, n: usize) -> Vec<Batch> {
+        let b = self.batch_size();
+        assert!(
+            n > 0 && b % n == 0,
+            "a batch of {b} does not split into {n} shards"
+        );
+        let size = b / n;
+        let (s, l) = (self.token_limit, self.seq_len);
+        (0..n)
+            .map(|r| {
+                let rows = r * size..(r + 1) * size;
+                Batch {
+                    sample_ids: self.sample_ids[rows.clone()].to_vec(),
+                    positions: self.positions[rows.clone()].to_vec(),
+                    token_limit: s,
+                    seq_len: l,
+                    tokens: self.tokens[rows.start * s * l..rows.end * s * l].to_vec(),
+                    counts: self.counts[rows.start * s..rows.end * s].to_vec(),
+                    unifrac: self.unifrac.as_ref().map(|u| {
+                        rows.clone()
+                            .flat_map(|i| u[i * b + rows.start..i * b + rows.end].iter().copied())
+                            .collect()
+                    }),
+                    targets: self.targets.as_ref().map(|t| t[rows.clone()].to_vec()),
+                    categorical_ids: self
+                        .categorical_ids
+                        .iter()
+                        .map(|(col, ids)| (col.clone(), ids[rows.clone()].to_vec()))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
     /// Everything but the per-slot data (tokens and counts left empty).
     fn clone_without_slots(&self) -> Batch {
         Batch {
@@ -860,6 +910,37 @@ mod tests {
         assert!(matches!(b.without_empty_slots(8), Cow::Borrowed(_)));
         let dropped = std::panic::catch_unwind(|| b.with_slots(3));
         assert!(dropped.is_err(), "cutting a filled slot must panic");
+    }
+
+    /// Shards are the batch's consecutive samples, each with the UniFrac block
+    /// of its own samples: the batch of those samples, built directly.
+    #[test]
+    fn shards_are_the_batches_of_their_samples() {
+        let d = dataset();
+        let positions = vec![7, 2, 9, 4, 1, 5];
+        let build = |positions: Vec<usize>| {
+            BatchLoader::new(
+                d.clone(),
+                positions.clone(),
+                Arc::default(),
+                BatchConfig::validation(positions.len(), 6, 0),
+            )
+            .unwrap()
+            .batch(0, 0)
+            .unwrap()
+        };
+        let whole = build(positions.clone());
+        assert_eq!(whole.occupied_slots(), 6 + 3 + 6 + 5 + 2 + 6);
+        let shards = whole.shards(3);
+        assert_eq!(shards.len(), 3);
+        for (r, shard) in shards.iter().enumerate() {
+            assert_eq!(*shard, build(positions[2 * r..2 * r + 2].to_vec()));
+        }
+        assert_eq!(
+            shards.iter().map(Batch::occupied_slots).sum::<usize>(),
+            whole.occupied_slots()
+        );
+        assert_eq!(whole.shards(1), vec![whole.clone()]);
     }
 
     #[test]

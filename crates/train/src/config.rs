@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TrainError};
 use crate::loss::LossConfig;
 use crate::optim::OptimizerConfig;
+use crate::parallel::UnifracPairs;
 use crate::schedule::SchedulerConfig;
 
 /// Timing of the training step's phases (`--time-phases`): for finding where
@@ -128,6 +129,10 @@ pub struct RunConfig {
     /// adds dynamic loss scaling.
     #[serde(default)]
     pub mixed_precision: MixedPrecision,
+    /// Which sample pairs the UniFrac loss of a data-parallel step compares
+    /// (`--unifrac-pairs`; one device always has the whole batch).
+    #[serde(default)]
+    pub unifrac_pairs: UnifracPairs,
 }
 
 impl RunConfig {

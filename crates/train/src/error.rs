@@ -63,6 +63,17 @@ pub enum TrainError {
         #[source]
         source: aam_data::Error,
     },
+    /// A data-parallel replica failed (its device ran out of memory, a
+    /// kernel failed); the step is abandoned on every replica.
+    #[error("replica {rank} (device {device}): {reason}")]
+    Replica {
+        /// The replica's rank (its place in `--devices`).
+        rank: usize,
+        /// Its device.
+        device: String,
+        /// What failed.
+        reason: String,
+    },
     /// The data pipeline failed.
     #[error(transparent)]
     Data(#[from] aam_data::Error),

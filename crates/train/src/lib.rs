@@ -8,8 +8,10 @@
 //! (§4.1–4.2: [`optim`], [`schedule`]), checkpoints ([`checkpoint`]) and the
 //! epoch loop with validation, early stopping and logs (§4.3–4.4:
 //! [`run::fit`]), generic over any Burn autodiff backend that implements the
-//! attention extension; and [`gradcheck`], which compares a backend's
-//! training step with the CPU's on the same weights and batch.
+//! attention extension; data-parallel steps over several devices
+//! ([`parallel`]: one replica per device, gradients summed, UniFrac pairs
+//! across the whole global batch); and [`gradcheck`], which compares a
+//! backend's training step with the CPU's on the same weights and batch.
 //!
 //! **How a run goes.** A front end (the `aam-rs` binary) turns flags into a
 //! [`prepare::DataSpec`], a [`config::ModelSpec`] and a [`config::RunConfig`],
@@ -45,6 +47,7 @@ pub mod gradcheck;
 pub mod loss;
 pub mod metrics;
 pub mod optim;
+pub mod parallel;
 pub mod prepare;
 pub mod run;
 pub mod schedule;

@@ -366,19 +366,13 @@ impl LossConfig {
             (Some(p), Some(t)) => Some(self.target_loss(p, t, targets.sample_weights.clone())?),
             _ => None,
         };
-        let mut total = Tensor::<B, 1>::zeros([1], &device);
-        for (weight, part) in [
-            (self.target_penalty, &target),
-            (self.count_penalty, &count),
-            (self.penalty, &unifrac),
-            (self.nuc_penalty, &nuc),
-        ] {
-            if let Some(p) = part {
-                if weight != 0.0 {
-                    total = total + p.clone() * weight;
-                }
-            }
-        }
+        let total = self.total(
+            unifrac.as_ref(),
+            nuc.as_ref(),
+            count.as_ref(),
+            target.as_ref(),
+            &device,
+        );
         Ok(LossParts {
             total,
             unifrac,
@@ -386,6 +380,31 @@ impl LossConfig {
             count,
             target,
         })
+    }
+
+    /// The weighted sum of the components present (`[1]`, 0 without any).
+    pub fn total<B: Backend>(
+        &self,
+        unifrac: Option<&Tensor<B, 1>>,
+        nuc: Option<&Tensor<B, 1>>,
+        count: Option<&Tensor<B, 1>>,
+        target: Option<&Tensor<B, 1>>,
+        device: &B::Device,
+    ) -> Tensor<B, 1> {
+        let mut total = Tensor::<B, 1>::zeros([1], device);
+        for (weight, part) in [
+            (self.target_penalty, target),
+            (self.count_penalty, count),
+            (self.penalty, unifrac),
+            (self.nuc_penalty, nuc),
+        ] {
+            if let Some(p) = part {
+                if weight != 0.0 {
+                    total = total + p.clone() * weight;
+                }
+            }
+        }
+        total
     }
 
     /// §3.5: the target loss for a point, quantile or class prediction.
@@ -566,7 +585,7 @@ pub fn unifrac_loss<B: Backend>(embeddings: Tensor<B, 2>, target: Tensor<B, 2>) 
 
 /// The positions scored by the nucleotide loss: masked ∧ valid when the model
 /// corrupted its input, else every valid (non-zero) position, START included.
-fn nucleotide_positions<B: Backend>(
+pub(crate) fn nucleotide_positions<B: Backend>(
     tokens: Tensor<B, 3, Int>,
     mask_indices: Option<Tensor<B, 3, Bool>>,
 ) -> Tensor<B, 3, Bool> {

@@ -180,6 +180,21 @@ impl<B: Backend> GradientBuffer<B> {
         Self { grads: c.out }
     }
 
+    /// A buffer of these gradients, by torch key.
+    pub fn from_map(grads: BTreeMap<String, FloatTensor<B>>) -> Self {
+        Self { grads }
+    }
+
+    /// The torch keys that have a gradient, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.grads.keys()
+    }
+
+    /// The gradient of `key`.
+    pub fn get(&self, key: &str) -> Option<&FloatTensor<B>> {
+        self.grads.get(key)
+    }
+
     /// Adds another buffer (gradient accumulation).
     pub fn accumulate(&mut self, other: Self) {
         for (k, g) in other.grads {

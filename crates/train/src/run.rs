@@ -35,10 +35,15 @@ use crate::checkpoint::{
 use crate::config::{PhaseTiming, RunConfig, Task};
 use crate::error::{Result, TrainError};
 use crate::loss::{
-    nucleotide_accuracy, pairwise_tanh_distances, LossParts, LossTargets, Predictions, Target,
+    nucleotide_accuracy, nucleotide_positions, pairwise_tanh_distances, LossParts, LossTargets,
+    Predictions, Target,
 };
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
 use crate::optim::{GradientBuffer, LossScaler, Optimizer};
+use crate::parallel::{
+    all_reduce, check_shards, gathered_embeddings, guarded, nucleotide_share, Exchange, Offer,
+    Shares, TermScales, UnifracPairs,
+};
 use crate::schedule::Scheduler;
 
 /// The samples of a run.
@@ -268,32 +273,32 @@ pub fn is_categorical_param(key: &str) -> bool {
 /// Reads a batch's losses (and nucleotide accuracy counts, and the gradient
 /// norm) in one device read, adds them to `means`, and returns the total.
 fn record_batch<B: Backend>(
-    parts: &LossParts<B>,
-    accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+    values: StepValues<B>,
     grad_norm: Option<Tensor<B, 1>>,
     means: &mut Means,
 ) -> f64 {
-    let mut names = vec!["total_loss"];
-    let mut values = vec![parts.total.clone()];
-    for (name, part) in [
-        ("unifrac_loss", &parts.unifrac),
-        ("nuc_loss", &parts.nuc),
-        ("count_loss", &parts.count),
-        ("target_loss", &parts.target),
-        ("grad_norm", &grad_norm),
-    ] {
-        if let Some(p) = part {
-            names.push(name);
-            values.push(p.clone());
+    let StepValues {
+        mut names,
+        values,
+        accuracy: with_accuracy,
+    } = values;
+    // The gradient norm goes before the accuracy counts (the last two).
+    let values = match grad_norm {
+        Some(norm) => {
+            let k = values.dims()[0] - if with_accuracy { 2 } else { 0 };
+            names.insert(k, "grad_norm");
+            Tensor::cat(
+                vec![
+                    values.clone().narrow(0, 0, k),
+                    norm,
+                    values.clone().narrow(0, k, values.dims()[0] - k),
+                ],
+                0,
+            )
         }
-    }
-    let with_accuracy = accuracy.is_some();
-    if let Some((hits, n)) = accuracy {
-        values.push(hits);
-        values.push(n);
-    }
-    let host: Vec<f64> = Tensor::cat(values, 0)
-        .detach()
+        None => values,
+    };
+    let host: Vec<f64> = values
         .into_data()
         .convert::<f64>()
         .to_vec::<f64>()
@@ -460,9 +465,9 @@ impl StepProfiler {
 /// epoch, early stopping, checkpoints, metrics).
 #[allow(clippy::too_many_arguments)]
 pub fn fit<AB>(
-    device: &AB::Device,
+    devices: &[AB::Device],
     model_config: ModelConfig,
-    mut model: AamModel<AB>,
+    model: AamModel<AB>,
     mut run: RunConfig,
     data: TrainData,
     out_dir: &Path,
@@ -474,6 +479,12 @@ where
     AB::InnerBackend: AttentionBackend,
 {
     run.validate()?;
+    let device = devices
+        .first()
+        .ok_or_else(|| TrainError::arg("devices", "names no device"))?;
+    if devices.len() > 1 {
+        check_shards(run.batch_size, devices.len())?;
+    }
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
     let slots = Slots::for_model(&model_config, run.all_slots);
     let (train_loader, val_loader) = loaders(&run, &data)?;
@@ -481,8 +492,13 @@ where
     run.scheduler.total_steps =
         (batches.div_ceil(run.gradient_accumulation_steps) * run.epochs) as u64;
 
-    let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone())
-        .with_per_parameter_updates(AB::fuses_elementwise());
+    let mut optimizers: Vec<_> = devices
+        .iter()
+        .map(|_| {
+            Optimizer::<AB::InnerBackend>::new(run.optimizer.clone())
+                .with_per_parameter_updates(AB::fuses_elementwise())
+        })
+        .collect();
     let (scheduler, mut progress) = match resume {
         Some(ckpt) => {
             if ckpt.meta.data.train_ids != data.info.train_ids
@@ -493,8 +509,10 @@ where
                     reason: "its train/validation samples differ from this run's (same table, matrix, seed and --test-size are needed to resume)".into(),
                 });
             }
-            let mut tensors = ckpt.optimizer.clone();
-            optimizer.load_state(&mut tensors, &ckpt.meta.optimizer_steps, device)?;
+            for (optimizer, device) in optimizers.iter_mut().zip(devices) {
+                let mut tensors = ckpt.optimizer.clone();
+                optimizer.load_state(&mut tensors, &ckpt.meta.optimizer_steps, device)?;
+            }
             (ckpt.meta.scheduler.clone(), ckpt.meta.progress.clone())
         }
         None => (
@@ -518,12 +536,12 @@ where
         _ => progress.loss_scaler = None,
     }
     let mut trainer = Trainer {
-        device,
+        devices,
         model_config: &model_config,
         run: &run,
         data: &data,
         out_dir,
-        optimizer,
+        optimizers,
         scheduler,
         progress,
         classifier,
@@ -531,21 +549,30 @@ where
         return_nucleotides: run.loss.nuc_penalty > 0.0,
         batches,
     };
+    // Replica 0 is `model`; the others are its copies on their devices.
+    let mut models = vec![model];
+    for d in &devices[1..] {
+        let replica = models[0].replica(d);
+        models.push(replica);
+    }
     let mut stopped_early = false;
     for epoch in trainer.progress.epochs_done..run.epochs {
-        let (trained, training) = trainer.train_epoch(model, &train_loader, epoch, observer)?;
-        model = trained;
-        // Validation (eval mode: the inner backend has no autodiff).
+        let (trained, training) = trainer.train_epoch(models, &train_loader, epoch, observer)?;
+        models = trained;
+        if cfg!(debug_assertions) {
+            check_replicas_agree(&models, &model_config)?;
+        }
+        // Validation on the first replica (eval mode: the inner backend has no autodiff).
         let (validation, val_rows) = match &val_loader {
             Some(loader) => {
                 observer.validating(loader.num_batches());
-                let eval_model = valid(&model);
+                let eval_model = valid(&models[0]);
                 validate(&eval_model, loader, &run, &data, classifier, slots, device)?
             }
             None => (BTreeMap::new(), Vec::new()),
         };
         let (record, improved) =
-            trainer.end_epoch(&model, epoch, training, validation, &val_rows)?;
+            trainer.end_epoch(&models[0], epoch, training, validation, &val_rows)?;
         observer.epoch(&record, improved);
         if trainer.progress.bad_epochs >= run.patience.max(1) {
             tracing::info!(
@@ -567,6 +594,31 @@ where
         last_checkpoint: out_dir.join(files::LAST),
         stopped_early,
     })
+}
+
+/// Data-parallel replicas take the same steps from the same weights, so
+/// their weights stay bit-identical; checked after every epoch in debug
+/// builds (the tests).
+fn check_replicas_agree<B: Backend>(models: &[AamModel<B>], config: &ModelConfig) -> Result<()> {
+    let Some((first, rest)) = models.split_first() else {
+        return Ok(());
+    };
+    if rest.is_empty() {
+        return Ok(());
+    }
+    let reference = first.state_dict(config);
+    for (rank, model) in rest.iter().enumerate() {
+        for ((key, a), (_, b)) in reference.iter().zip(model.state_dict(config)) {
+            if a.values != b.values {
+                return Err(TrainError::Replica {
+                    rank: rank + 1,
+                    device: "-".into(),
+                    reason: format!("its {key} differs from replica 0's after the same steps"),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The training and (when there are validation samples) validation loaders.
@@ -615,21 +667,231 @@ struct EpochTraining {
     started: Instant,
 }
 
-/// One batch's forward and backward pass, before the optimiser.
-struct BatchPass<AB: AutodiffBackend> {
-    parts: LossParts<AB>,
-    accuracy: Option<(Tensor<AB, 1>, Tensor<AB, 1>)>,
+/// A batch's losses (and nucleotide accuracy counts) as one `[k]` tensor
+/// on the inner backend, named: what the step reads to the host at its end.
+struct StepValues<B: Backend> {
+    names: Vec<&'static str>,
+    values: Tensor<B, 1>,
+    /// The last two values are nucleotide hits and scored positions.
+    accuracy: bool,
+}
+
+impl<B: Backend> StepValues<B> {
+    fn new(parts: &LossParts<B>, accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>) -> Self {
+        let mut names = vec!["total_loss"];
+        let mut values = vec![parts.total.clone()];
+        for (name, part) in [
+            ("unifrac_loss", &parts.unifrac),
+            ("nuc_loss", &parts.nuc),
+            ("count_loss", &parts.count),
+            ("target_loss", &parts.target),
+        ] {
+            if let Some(p) = part {
+                names.push(name);
+                values.push(p.clone());
+            }
+        }
+        let with_accuracy = accuracy.is_some();
+        if let Some((hits, n)) = accuracy {
+            values.push(hits);
+            values.push(n);
+        }
+        Self {
+            names,
+            values: Tensor::cat(values, 0),
+            accuracy: with_accuracy,
+        }
+    }
+
+    /// The replicas' values summed on `device` (each replica reports its
+    /// share of the global batch's losses).
+    fn sum(all: Vec<Self>, device: &B::Device) -> Self {
+        let mut all = all.into_iter();
+        let first = all.next().expect("one replica at least");
+        let values = all.fold(first.values.to_device(device), |sum, v| {
+            sum + v.values.to_device(device)
+        });
+        Self { values, ..first }
+    }
+}
+
+impl<AB: AutodiffBackend> StepValues<AB> {
+    /// The values without their autodiff graph.
+    fn into_inner(self) -> StepValues<AB::InnerBackend> {
+        StepValues {
+            names: self.names,
+            values: self.values.inner(),
+            accuracy: self.accuracy,
+        }
+    }
+}
+
+/// What every replica's pass of one step reads, besides its own batch.
+struct PassContext<'a> {
+    run: &'a RunConfig,
+    model_config: &'a ModelConfig,
+    classifier: bool,
+    slots: Slots,
+    return_nucleotides: bool,
+    loss_scale: f64,
+    replicas: usize,
+}
+
+/// One replica's part of a step: its shard of the batch and what it shares.
+struct Shard<'a, B: Backend> {
+    rank: usize,
+    batch: &'a Batch,
+    shares: Shares,
+    /// The meeting point of the step's replicas (`None` on one device).
+    exchange: Option<&'a Exchange<B>>,
+    /// The global batch's UniFrac block `[B, B]` (`global` pairs).
+    global_unifrac: Option<&'a [f32]>,
+}
+
+/// The forward pass, losses and backward pass of one replica's shard; its
+/// gradients are added to `buffer`, scaled for accumulation and fp16.
+/// `Ok(None)`: another replica failed before the exchange.
+fn shard_pass<AB>(
+    ctx: &PassContext,
+    model: &AamModel<AB>,
+    device: &AB::Device,
+    shard: Shard<AB::InnerBackend>,
+    buffer: &mut GradientBuffer<AB::InnerBackend>,
+    mut timer: Option<&mut StepProfiler>,
+) -> Result<Option<StepValues<AB::InnerBackend>>>
+where
+    AB: AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    let mut mark = |phase| {
+        if let Some(t) = timer.as_deref_mut() {
+            t.mark::<AB>(device, phase)
+        }
+    };
+    let global = shard.global_unifrac.is_some();
+    let forward = || -> Result<_> {
+        let (input, mut targets) =
+            batch_tensors::<AB>(shard.batch, device, ctx.classifier, ctx.slots);
+        if let Some(u) = shard.global_unifrac {
+            let b = (u.len() as f64).sqrt() as usize;
+            targets.base = Some(Tensor::from_data(
+                TensorData::new(u.to_vec(), [b, b]),
+                device,
+            ));
+        }
+        let predictions = {
+            let _autocast = autocast(ctx.run.mixed_precision);
+            predict_batch(model, input, ctx.return_nucleotides)
+        };
+        let offer = shard.exchange.is_some().then(|| {
+            let nuc_positions = predictions
+                .nuc_logits
+                .as_ref()
+                .map(|_| {
+                    Ok::<_, TrainError>(
+                        nucleotide_positions(
+                            predictions.nuc_targets(&targets)?,
+                            predictions.mask_indices.clone(),
+                        )
+                        .float()
+                        .sum()
+                        .inner(),
+                    )
+                })
+                .transpose()?;
+            let embeddings = predictions
+                .embeddings
+                .as_ref()
+                .filter(|_| global)
+                .map(|e| e.clone().detach().inner());
+            Ok::<_, TrainError>(Offer {
+                embeddings,
+                nuc_positions,
+            })
+        });
+        Ok((predictions, targets, offer.transpose()?))
+    };
+    // Every replica reaches the exchange, also after a failure of its own.
+    let (forward, offers) = match shard.exchange {
+        None => (forward(), None),
+        Some(exchange) => {
+            let forward = guarded(shard.rank, device, forward);
+            let offer = forward.as_ref().ok().and_then(|(_, _, o)| o.clone());
+            let offers = exchange.all_gather(shard.rank, offer, device);
+            (forward, Some(offers))
+        }
+    };
+    let (mut predictions, targets, _) = forward?;
+    mark("forward");
+    let scales = match offers {
+        None => None,
+        Some(None) => return Ok(None),
+        Some(Some(offers)) => {
+            if global {
+                if let Some(own) = predictions.embeddings.take() {
+                    predictions.embeddings =
+                        Some(gathered_embeddings::<AB>(&offers, shard.rank, own));
+                }
+            }
+            let nuc_share = nucleotide_share::<AB>(&offers, shard.rank);
+            Some(TermScales::of(
+                &ctx.run.loss,
+                ctx.run.unifrac_pairs,
+                ctx.classifier,
+                shard.shares,
+                ctx.replicas,
+                nuc_share,
+            ))
+        }
+    };
+    let parts = ctx.run.loss.forward(&predictions, &targets)?;
+    let (objective, parts) = match scales {
+        None => (parts.total.clone(), parts),
+        Some((objective, report)) => (
+            objective.apply(&ctx.run.loss, &parts).total,
+            report.apply(&ctx.run.loss, &parts),
+        ),
+    };
+    let accuracy = predictions
+        .nuc_logits
+        .as_ref()
+        .map(|logits| {
+            Ok::<_, TrainError>(nucleotide_accuracy(
+                logits.clone().detach(),
+                predictions.nuc_targets(&targets)?,
+                predictions.mask_indices.clone(),
+            ))
+        })
+        .transpose()?;
+    mark("loss");
+    let grads = if ctx.loss_scale == 1.0 {
+        objective.backward()
+    } else {
+        (objective * ctx.loss_scale).backward()
+    };
+    mark("backward");
+    let name = |path: &str| ctx.model_config.torch_key(path);
+    buffer.accumulate(GradientBuffer::collect_model(
+        model,
+        &grads,
+        &name,
+        1.0 / (ctx.run.gradient_accumulation_steps as f64 * ctx.loss_scale),
+    ));
+    mark("collect");
+    Ok(Some(StepValues::new(&parts, accuracy).into_inner()))
 }
 
 /// The state a run carries from batch to batch: optimiser, schedule and
 /// progress counters (everything a checkpoint stores besides the weights).
 struct Trainer<'a, AB: AutodiffBackend> {
-    device: &'a AB::Device,
+    /// One per replica; the first holds the run's checkpoints and validation.
+    devices: &'a [AB::Device],
     model_config: &'a ModelConfig,
     run: &'a RunConfig,
     data: &'a TrainData,
     out_dir: &'a Path,
-    optimizer: Optimizer<AB::InnerBackend>,
+    /// One per replica (they take the same steps; the first's is saved).
+    optimizers: Vec<Optimizer<AB::InnerBackend>>,
     scheduler: Scheduler,
     progress: Progress,
     classifier: bool,
@@ -649,16 +911,17 @@ where
     /// (and after the last), one host read per batch.
     fn train_epoch(
         &mut self,
-        mut model: AamModel<AB>,
+        mut models: Vec<AamModel<AB>>,
         loader: &BatchLoader,
         epoch: usize,
         observer: &mut dyn Observer,
-    ) -> Result<(AamModel<AB>, EpochTraining)> {
-        let (run, device) = (self.run, self.device);
+    ) -> Result<(Vec<AamModel<AB>>, EpochTraining)> {
+        let (run, device) = (self.run, &self.devices[0]);
         let accum = run.gradient_accumulation_steps;
         let started = Instant::now();
         let mut means = Means::default();
-        let mut buffer = GradientBuffer::<AB::InnerBackend>::default();
+        let mut buffers: Vec<GradientBuffer<AB::InnerBackend>> =
+            self.devices.iter().map(|_| Default::default()).collect();
         let mut pending = 0usize;
         let mut seen = 0usize;
         let mut last_lr = self.scheduler.lr();
@@ -666,19 +929,28 @@ where
         for (k, batch) in loader.epoch(epoch as u64).enumerate() {
             let batch = batch?;
             let stream = mix(run.seed, self.progress.micro_step);
-            AB::seed(device, stream);
+            for (rank, d) in self.devices.iter().enumerate().rev() {
+                AB::seed(
+                    d,
+                    if rank == 0 {
+                        stream
+                    } else {
+                        mix(stream, rank as u64)
+                    },
+                );
+            }
             set_attention_dropout_seed(stream);
             self.progress.micro_step += 1;
             timer.mark::<AB>(device, "data");
-            let pass = self.forward_backward(&model, &batch, &mut buffer, &mut timer)?;
+            let values = self.forward_backward(&mut models, &batch, &mut buffers, &mut timer)?;
             pending += 1;
             seen += batch.batch_size();
             // The gradient norm before clipping, still on the device.
             let mut grad_norm = None;
             if pending == accum || k + 1 == self.batches {
                 last_lr = self.scheduler.lr();
-                let (stepped, norm) = self.optimizer_step(model, &mut buffer, &mut means);
-                model = stepped;
+                let (stepped, norm) = self.optimizer_step(models, &mut buffers, &mut means)?;
+                models = stepped;
                 grad_norm = norm;
                 pending = 0;
                 timer.mark::<AB>(device, "optimizer");
@@ -686,7 +958,7 @@ where
             // The step's one host read (losses, accuracy counts, gradient norm),
             // after everything is queued. A non-finite loss stops the run before
             // any checkpoint is written from the weights it produced.
-            let total = record_batch(&pass.parts, pass.accuracy, grad_norm, &mut means);
+            let total = record_batch(values, grad_norm, &mut means);
             timer.mark::<AB>(device, "read");
             tracing::debug!(
                 "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples, {} filled slots",
@@ -715,7 +987,7 @@ where
         let seconds = started.elapsed().as_secs_f64();
         timer.epoch_end(epoch, &self.out_dir.join(files::MEMORY_PROFILE))?;
         Ok((
-            model,
+            models,
             EpochTraining {
                 means: means.finish(),
                 seen,
@@ -726,89 +998,147 @@ where
         ))
     }
 
-    /// The forward pass, losses and backward pass of one batch; its
-    /// gradients are added to `buffer`, scaled for accumulation and fp16.
+    /// The forward and backward passes of one batch: on one device the whole
+    /// batch; on several, each replica its shard, on a thread of its own
+    /// (see [`crate::parallel`]). Returns the batch's losses, summed over the
+    /// replicas on the first device.
     fn forward_backward(
         &self,
-        model: &AamModel<AB>,
+        models: &mut Vec<AamModel<AB>>,
         batch: &Batch,
-        buffer: &mut GradientBuffer<AB::InnerBackend>,
+        buffers: &mut [GradientBuffer<AB::InnerBackend>],
         timer: &mut StepProfiler,
-    ) -> Result<BatchPass<AB>> {
-        let device = self.device;
-        let (input, targets) = batch_tensors::<AB>(batch, device, self.classifier, self.slots);
-        timer.mark::<AB>(device, "upload");
-        let predictions = {
-            let _autocast = autocast(self.run.mixed_precision);
-            predict_batch(model, input, self.return_nucleotides)
+    ) -> Result<StepValues<AB::InnerBackend>> {
+        let n = self.devices.len();
+        let ctx = PassContext {
+            run: self.run,
+            model_config: self.model_config,
+            classifier: self.classifier,
+            slots: self.slots,
+            return_nucleotides: self.return_nucleotides,
+            loss_scale: self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale),
+            replicas: n,
         };
-        timer.mark::<AB>(device, "forward");
-        let parts = self.run.loss.forward(&predictions, &targets)?;
-        let accuracy = predictions
-            .nuc_logits
-            .as_ref()
-            .map(|logits| {
-                Ok::<_, TrainError>(nucleotide_accuracy(
-                    logits.clone().detach(),
-                    predictions.nuc_targets(&targets)?,
-                    predictions.mask_indices.clone(),
-                ))
-            })
-            .transpose()?;
-        timer.mark::<AB>(device, "loss");
-        let loss_scale = self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
-        let grads = if loss_scale == 1.0 {
-            parts.total.backward()
-        } else {
-            (parts.total.clone() * loss_scale).backward()
+        if n == 1 {
+            let shard = Shard {
+                rank: 0,
+                batch,
+                shares: Shares::WHOLE,
+                exchange: None,
+                global_unifrac: None,
+            };
+            timer.mark::<AB>(&self.devices[0], "upload");
+            let values = shard_pass(
+                &ctx,
+                &models[0],
+                &self.devices[0],
+                shard,
+                &mut buffers[0],
+                Some(timer),
+            )?;
+            return Ok(values.expect("one device has no peers to fail"));
+        }
+        let shards = batch.shards(n);
+        let class_weights = self
+            .classifier
+            .then_some(self.run.loss.class_weights.as_deref())
+            .flatten();
+        let shares = Shares::of(&shards, class_weights);
+        let global_unifrac = match self.run.unifrac_pairs {
+            UnifracPairs::Global => batch.unifrac.as_deref(),
+            UnifracPairs::Local => None,
         };
-        timer.mark::<AB>(device, "backward");
-        let name = |path: &str| self.model_config.torch_key(path);
-        buffer.accumulate(GradientBuffer::collect_model(
-            model,
-            &grads,
-            &name,
-            1.0 / (self.run.gradient_accumulation_steps as f64 * loss_scale),
-        ));
-        timer.mark::<AB>(device, "collect");
-        Ok(BatchPass { parts, accuracy })
+        let exchange = Exchange::new(n);
+        let replicas = std::mem::take(models);
+        let (ctx, exchange) = (&ctx, &exchange);
+        let results: Vec<(AamModel<AB>, Result<Option<StepValues<AB::InnerBackend>>>)> =
+            std::thread::scope(|s| {
+                let handles: Vec<_> = replicas
+                    .into_iter()
+                    .zip(self.devices)
+                    .zip(shards.iter().zip(shares))
+                    .zip(buffers.iter_mut())
+                    .enumerate()
+                    .map(|(rank, (((model, device), (batch, shares)), buffer))| {
+                        s.spawn(move || {
+                            let shard = Shard {
+                                rank,
+                                batch,
+                                shares,
+                                exchange: Some(exchange),
+                                global_unifrac,
+                            };
+                            let values = shard_pass(ctx, &model, device, shard, buffer, None);
+                            (model, values)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a replica's thread returns its model"))
+                    .collect()
+            });
+        let mut all = Vec::with_capacity(n);
+        let mut failure = None;
+        for (model, values) in results {
+            models.push(model);
+            match values {
+                Ok(Some(v)) => all.push(v),
+                Ok(None) => {}
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(StepValues::sum(all, &self.devices[0])),
+        }
     }
 
-    /// Clips the accumulated gradients (fp16: skips the step when they
-    /// overflowed) and takes one optimiser step. Returns the stepped model
-    /// and, when clipping ran on the device, the gradient norm before it.
+    /// Sums the replicas' accumulated gradients, clips them (fp16: skips the
+    /// step when they overflowed) and takes one optimiser step on every
+    /// replica. Returns the stepped models and, when clipping ran on the
+    /// device, the gradient norm before it.
     fn optimizer_step(
         &mut self,
-        model: AamModel<AB>,
-        buffer: &mut GradientBuffer<AB::InnerBackend>,
+        models: Vec<AamModel<AB>>,
+        buffers: &mut [GradientBuffer<AB::InnerBackend>],
         means: &mut Means,
-    ) -> (AamModel<AB>, Option<Tensor<AB, 1>>) {
+    ) -> Result<(Vec<AamModel<AB>>, Option<Tensor<AB::InnerBackend, 1>>)> {
         let run = self.run;
+        all_reduce(buffers, self.devices);
         let mut grad_norm = None;
         if let Some(scaler) = self.progress.loss_scaler.as_mut() {
             // fp16: the norm is read here (one host read serves the overflow
             // check and clipping). A step whose scaled gradients overflowed is
             // skipped (its gradients dropped) and the scale lowered.
-            let norm = buffer.global_norm();
+            let norm = buffers[0].global_norm();
             if !scaler.update(norm.is_finite()) {
                 tracing::debug!(
                     "fp16 gradients overflowed: step skipped, loss scale now {}",
                     scaler.scale
                 );
-                buffer.clear();
+                buffers.iter_mut().for_each(GradientBuffer::clear);
             }
             if let Some(max_norm) = run.max_grad_norm {
-                if !buffer.is_empty() {
-                    buffer.clip_to_norm(max_norm, norm);
+                if !buffers[0].is_empty() {
+                    for buffer in buffers.iter_mut() {
+                        buffer.clip_to_norm(max_norm, norm);
+                    }
                     means.add("grad_norm", norm);
                 }
             }
         } else if let Some(max_norm) = run.max_grad_norm {
             // On the device: the optimiser is queued behind the backward
-            // pass, and the norm is read with the losses.
-            grad_norm = buffer
-                .clip_global_norm(max_norm)
-                .map(Tensor::<AB, 1>::from_inner);
+            // pass, and the norm is read with the losses. Every replica
+            // clips its copy of the same sum by the same norm.
+            for (rank, buffer) in buffers.iter_mut().enumerate() {
+                let norm = buffer.clip_global_norm(max_norm);
+                if rank == 0 {
+                    grad_norm = norm;
+                }
+            }
         }
         let lr = self.scheduler.lr();
         let factor = lr / run.scheduler.lr;
@@ -817,17 +1147,46 @@ where
             _ => lr,
         };
         let name = |path: &str| self.model_config.torch_key(path);
-        let model = step_model(
-            &mut self.optimizer,
-            model,
-            std::mem::take(buffer),
-            &name,
-            &group_lr,
-            self.scheduler.beta1(),
-        );
+        let beta1 = self.scheduler.beta1();
+        let stepped = if models.len() == 1 {
+            let model = models.into_iter().next().expect("one model");
+            let grads = std::mem::take(&mut buffers[0]);
+            vec![step_model(
+                &mut self.optimizers[0],
+                model,
+                grads,
+                &name,
+                &group_lr,
+                beta1,
+            )]
+        } else {
+            // Each replica steps on its own device, on a thread of its own.
+            let (name, group_lr) = (&name, &group_lr);
+            let devices = self.devices;
+            std::thread::scope(|s| {
+                let handles: Vec<_> = models
+                    .into_iter()
+                    .zip(self.optimizers.iter_mut())
+                    .zip(buffers.iter_mut())
+                    .enumerate()
+                    .map(|(rank, ((model, optimizer), buffer))| {
+                        let grads = std::mem::take(buffer);
+                        s.spawn(move || {
+                            guarded(rank, &devices[rank], || {
+                                Ok(step_model(optimizer, model, grads, name, group_lr, beta1))
+                            })
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("a replica's thread returns"))
+                    .collect::<Result<Vec<_>>>()
+            })?
+        };
         self.scheduler.step();
         self.progress.global_step += 1;
-        (model, grad_norm)
+        Ok((stepped, grad_norm))
     }
 
     /// Closes an epoch: steps the plateau schedule, decides whether the
@@ -894,7 +1253,7 @@ where
         progress.epochs_done = epoch + 1;
 
         let out = |rel: &str| self.out_dir.join(rel);
-        let (optim_tensors, optimizer_steps) = self.optimizer.state_tensors();
+        let (optim_tensors, optimizer_steps) = self.optimizers[0].state_tensors();
         let meta = CheckpointMeta {
             format: FORMAT_VERSION,
             producer: format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
@@ -990,7 +1349,7 @@ fn validate<B: AttentionBackend>(
             predict_batch(model, input, return_nucleotides)
         };
         let parts = run.loss.forward(&predictions, &targets)?;
-        record_batch(&parts, None, None, &mut means);
+        record_batch(StepValues::new(&parts, None), None, &mut means);
         if let Some(logits) = &predictions.nuc_logits {
             let (hits, n) =
                 nucleotide_accuracy(logits.clone(), predictions.nuc_targets(&targets)?, None);

@@ -19,13 +19,13 @@ use aam_train::run::{files, fit, Observer, Silent, TrainData};
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
 use burn::backend::{Autodiff, NdArray};
 
-type AB = Autodiff<NdArray<f32>>;
+pub(crate) type AB = Autodiff<NdArray<f32>>;
 
 fn demo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/demo")
 }
 
-fn data() -> TrainData {
+pub(crate) fn data() -> TrainData {
     let table = BiomTable::read(demo().join("demo.biom"))
         .unwrap()
         .rarefy(500, 7)
@@ -62,7 +62,7 @@ fn data() -> TrainData {
     }
 }
 
-fn model_config() -> ModelConfig {
+pub(crate) fn model_config() -> ModelConfig {
     let asv = AsvEncoderConfig::new()
         .with_embedding_dim(16)
         .with_max_bp(40)
@@ -81,7 +81,7 @@ fn model_config() -> ModelConfig {
     )
 }
 
-fn run_config() -> RunConfig {
+pub(crate) fn run_config() -> RunConfig {
     RunConfig {
         task: Task::Pretrain,
         epochs: 3,
@@ -105,11 +105,12 @@ fn run_config() -> RunConfig {
         memory_profile: false,
         time_phases: Default::default(),
         mixed_precision: Default::default(),
+        unifrac_pairs: Default::default(),
     }
 }
 
 /// Stops after `n` epochs, as an interruption would.
-struct StopAfter(usize, usize);
+pub(crate) struct StopAfter(pub usize, pub usize);
 impl Observer for StopAfter {
     fn epoch(&mut self, _: &aam_train::checkpoint::EpochRecord, _: bool) {
         self.1 += 1;
@@ -132,7 +133,7 @@ fn train(out: &Path, resume: Option<&Path>, observer: &mut dyn Observer) {
         }
     };
     fit::<AB>(
-        &device,
+        &[device],
         config,
         model,
         run_config(),
