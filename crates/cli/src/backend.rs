@@ -503,9 +503,13 @@ impl BackendKind {
         }
     }
 
-    /// The devices of `--devices` (one per replica, in order), each checked
-    /// to exist.
-    pub fn devices_of<D: IndexedDevice>(self, list: &crate::args::DeviceList) -> Result<Vec<D>> {
+    /// The devices of `--devices` (one per replica, in order, of the type
+    /// of `_default`), each checked to exist.
+    pub fn devices_like<D: IndexedDevice>(
+        self,
+        _default: &D,
+        list: &crate::args::DeviceList,
+    ) -> Result<Vec<D>> {
         let count = self.indexable_devices()?;
         let indices = match list {
             crate::args::DeviceList::All => (0..count).collect(),

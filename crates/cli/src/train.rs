@@ -561,11 +561,8 @@ fn start(
         validation: prepared.validation,
         info,
     };
-    aam_cli::with_backend!(r.backend, |B, _device| {
-        match r
-            .backend
-            .devices_of::<<B as burn::tensor::backend::Backend>::Device>(&r.parallel.list())
-        {
+    aam_cli::with_backend!(r.backend, |B, device| {
+        match r.backend.devices_like(&device, &r.parallel.list()) {
             Err(err) => Err(err),
             Ok(devices) => fit_on::<B>(&devices, &r, model_config, run, data, resume, pretrained),
         }

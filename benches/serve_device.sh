@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `aam-rs serve` under load beside offline `aam-rs embed` on the GPU machine: serve-bench
+# (benches/src/serve_load.rs) on the full oral2550 table, concurrency 1, 16 and 64.
+#
+# Run from the repository root on the GPU machine (docs/gpu-benchmarks.md), with carried:
+#   .carry/serve/aam-rs.xz        CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-cli
+#                                 --features cuda,fusion; xz
+#   .carry/serve/serve-bench.xz   cargo build --profile device -p aam-benches --bin serve-bench; xz
+#   .carry/serve/model.safetensors.xz   a checkpoint (the reference's default model: pretrain
+#                                 with default flags on the demo table, 1 epoch, CPU)
+#   .carry/serve/oral_2550.biom.xz  from ../shared/data/oral2550
+#   .carry/gpu/cache/             optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
+# Env: REQUESTS (per phase, default 1280), BACKEND (cuda).
+# Writes to $OUT: serve.txt, serve.json, cache.txz.*.
+set -uo pipefail
+source benches/kernel_cache.sh
+restore_kernel_cache
+mkdir -p /tmp/bin /tmp/serve
+for b in aam-rs serve-bench; do xz -dc ".carry/serve/$b.xz" > "/tmp/bin/$b"; chmod +x "/tmp/bin/$b"; done
+xz -dc .carry/serve/model.safetensors.xz > /tmp/serve/model.safetensors
+xz -dc .carry/serve/oral_2550.biom.xz > /tmp/serve/oral_2550.biom
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nproc
+/tmp/bin/serve-bench --aam-rs /tmp/bin/aam-rs --model /tmp/serve/model.safetensors \
+  --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
+  --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt"
+save_kernel_cache
