@@ -3,14 +3,20 @@
 //!
 //! **The step.** The global batch of `--batch-size` samples is cut into `N`
 //! consecutive shards ([`Batch::shards`]). Replica `r` runs the forward pass
-//! of shard `r` on its device (a thread per replica). The replicas then meet
-//! once ([`Exchange`]): each offers its sample embeddings `[B/N, D]` and the
-//! count of its scored nucleotide positions, and receives everyone's. Each
-//! replica's backward pass starts from *its share of the global batch's loss*
-//! ([`Shares`]), so that the replicas' gradients summed
+//! of shard `r` on its device. Each replica then offers the others ([`Offer`])
+//! its sample embeddings `[B/N, D]` and the count of its scored nucleotide
+//! positions. Each replica's backward pass starts from *its share of the
+//! global batch's loss* ([`Shares`]), so that the replicas' gradients summed
 //! ([`all_reduce`]) are the gradient of the loss of the whole batch on one
 //! device. Every replica then takes the same optimiser step on the same
 //! summed gradients, which keeps the replicas identical.
+//!
+//! The replicas run one after another on the training thread (every forward
+//! pass, then every backward pass, then every optimiser step). Kernel
+//! launches are asynchronous, so replicas on different GPUs compute at the
+//! same time, but their host work adds up. No tensor crosses a thread:
+//! Burn 0.21's fusion streams are per thread and lose track of tensors used
+//! on another (measured: a panic in `burn-fusion`'s stream ordering).
 //!
 //! **Shares.** Each loss term is a mean with its own denominator: samples
 //! (target loss), class weights (class-weighted NLL), filled ASV slots
@@ -35,8 +41,6 @@
 //! The sum runs in rank order, so a run repeats bit for bit.
 
 use std::collections::BTreeMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Barrier, Mutex};
 
 use aam_data::Batch;
 use burn::prelude::*;
@@ -214,43 +218,13 @@ pub(crate) struct Offer<B: Backend> {
     pub nuc_positions: Option<Tensor<B, 1>>,
 }
 
-/// The one meeting point of a data-parallel step's replicas: each offers
-/// what it has (or nothing, when its forward pass failed) and waits for all.
-pub(crate) struct Exchange<B: Backend> {
-    offers: Mutex<Vec<Option<Offer<B>>>>,
-    barrier: Barrier,
-}
-
-impl<B: Backend> Exchange<B> {
-    /// A meeting of `replicas` replicas (one per step).
-    pub(crate) fn new(replicas: usize) -> Self {
-        Self {
-            offers: Mutex::new(vec![None; replicas]),
-            barrier: Barrier::new(replicas),
+impl<B: Backend> Offer<B> {
+    /// The offer on `device` (nothing moves when it is there already).
+    pub(crate) fn to_device(&self, device: &B::Device) -> Self {
+        Offer {
+            embeddings: self.embeddings.clone().map(|e| e.to_device(device)),
+            nuc_positions: self.nuc_positions.clone().map(|n| n.to_device(device)),
         }
-    }
-
-    /// Offers replica `rank`'s part and returns every replica's, in rank
-    /// order, moved to `device`; `None` when any replica offered nothing
-    /// (every replica must call this once per step, even after a failure).
-    pub(crate) fn all_gather(
-        &self,
-        rank: usize,
-        offer: Option<Offer<B>>,
-        device: &B::Device,
-    ) -> Option<Vec<Offer<B>>> {
-        self.offers.lock().unwrap_or_else(|p| p.into_inner())[rank] = offer;
-        self.barrier.wait();
-        let offers = self.offers.lock().unwrap_or_else(|p| p.into_inner());
-        offers
-            .iter()
-            .map(|o| {
-                o.as_ref().map(|o| Offer {
-                    embeddings: o.embeddings.clone().map(|e| e.to_device(device)),
-                    nuc_positions: o.nuc_positions.clone().map(|n| n.to_device(device)),
-                })
-            })
-            .collect()
     }
 }
 
@@ -293,29 +267,6 @@ pub(crate) fn nucleotide_share<AB: AutodiffBackend>(
         .collect::<Option<_>>()?;
     let total = counts.iter().cloned().reduce(|a, b| a + b)?.clamp_min(1.0);
     Some(Tensor::from_inner(counts[rank].clone() / total))
-}
-
-/// Runs `f`, turning a panic into an error naming the replica.
-pub(crate) fn guarded<T>(
-    rank: usize,
-    device: &impl std::fmt::Debug,
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(result) => result,
-        Err(payload) => {
-            let reason = payload
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "panicked".into());
-            Err(TrainError::Replica {
-                rank,
-                device: format!("{device:?}"),
-                reason,
-            })
-        }
-    }
 }
 
 /// Sums the replicas' gradients and gives every replica the sum on its own

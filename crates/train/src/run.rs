@@ -41,8 +41,8 @@ use crate::loss::{
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
 use crate::optim::{GradientBuffer, LossScaler, Optimizer};
 use crate::parallel::{
-    all_reduce, check_shards, gathered_embeddings, guarded, nucleotide_share, Exchange, Offer,
-    Shares, TermScales, UnifracPairs,
+    all_reduce, check_shards, gathered_embeddings, nucleotide_share, Offer, Shares, TermScales,
+    UnifracPairs,
 };
 use crate::schedule::Scheduler;
 
@@ -738,27 +738,96 @@ struct PassContext<'a> {
 }
 
 /// One replica's part of a step: its shard of the batch and what it shares.
-struct Shard<'a, B: Backend> {
+struct Shard<'a> {
     rank: usize,
     batch: &'a Batch,
     shares: Shares,
-    /// The meeting point of the step's replicas (`None` on one device).
-    exchange: Option<&'a Exchange<B>>,
     /// The global batch's UniFrac block `[B, B]` (`global` pairs).
     global_unifrac: Option<&'a [f32]>,
 }
 
-/// The forward pass, losses and backward pass of one replica's shard; its
-/// gradients are added to `buffer`, scaled for accumulation and fp16.
-/// `Ok(None)`: another replica failed before the exchange.
-fn shard_pass<AB>(
+/// A shard's forward pass, waiting for the other replicas' offers.
+struct ShardForward<AB: AutodiffBackend> {
+    predictions: Predictions<AB>,
+    targets: LossTargets<AB>,
+    /// What this replica hands the others (several replicas only).
+    offer: Option<Offer<AB::InnerBackend>>,
+}
+
+/// The forward pass of one replica's shard; with `replicas > 1`, also what
+/// it offers the others (its embeddings in `global` mode, its count of
+/// scored nucleotide positions).
+fn shard_forward<AB>(
     ctx: &PassContext,
     model: &AamModel<AB>,
     device: &AB::Device,
-    shard: Shard<AB::InnerBackend>,
+    shard: &Shard,
+) -> Result<ShardForward<AB>>
+where
+    AB: AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    let (input, mut targets) = batch_tensors::<AB>(shard.batch, device, ctx.classifier, ctx.slots);
+    if let Some(u) = shard.global_unifrac {
+        let b = (u.len() as f64).sqrt() as usize;
+        targets.base = Some(Tensor::from_data(
+            TensorData::new(u.to_vec(), [b, b]),
+            device,
+        ));
+    }
+    let predictions = {
+        let _autocast = autocast(ctx.run.mixed_precision);
+        predict_batch(model, input, ctx.return_nucleotides)
+    };
+    let offer = if ctx.replicas > 1 {
+        let nuc_positions = predictions
+            .nuc_logits
+            .as_ref()
+            .map(|_| {
+                Ok::<_, TrainError>(
+                    nucleotide_positions(
+                        predictions.nuc_targets(&targets)?,
+                        predictions.mask_indices.clone(),
+                    )
+                    .float()
+                    .sum()
+                    .inner(),
+                )
+            })
+            .transpose()?;
+        let embeddings = predictions
+            .embeddings
+            .as_ref()
+            .filter(|_| shard.global_unifrac.is_some())
+            .map(|e| e.clone().detach().inner());
+        Some(Offer {
+            embeddings,
+            nuc_positions,
+        })
+    } else {
+        None
+    };
+    Ok(ShardForward {
+        predictions,
+        targets,
+        offer,
+    })
+}
+
+/// The losses and backward pass of one replica's shard, with every
+/// replica's offer (none on one device); its gradients are added to
+/// `buffer`, scaled for accumulation and fp16.
+#[allow(clippy::too_many_arguments)]
+fn shard_backward<AB>(
+    ctx: &PassContext,
+    model: &AamModel<AB>,
+    device: &AB::Device,
+    shard: &Shard,
+    forward: ShardForward<AB>,
+    offers: Option<&[Offer<AB::InnerBackend>]>,
     buffer: &mut GradientBuffer<AB::InnerBackend>,
     mut timer: Option<&mut StepProfiler>,
-) -> Result<Option<StepValues<AB::InnerBackend>>>
+) -> Result<StepValues<AB::InnerBackend>>
 where
     AB: AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
@@ -768,82 +837,28 @@ where
             t.mark::<AB>(device, phase)
         }
     };
-    let global = shard.global_unifrac.is_some();
-    let forward = || -> Result<_> {
-        let (input, mut targets) =
-            batch_tensors::<AB>(shard.batch, device, ctx.classifier, ctx.slots);
-        if let Some(u) = shard.global_unifrac {
-            let b = (u.len() as f64).sqrt() as usize;
-            targets.base = Some(Tensor::from_data(
-                TensorData::new(u.to_vec(), [b, b]),
-                device,
-            ));
-        }
-        let predictions = {
-            let _autocast = autocast(ctx.run.mixed_precision);
-            predict_batch(model, input, ctx.return_nucleotides)
-        };
-        let offer = shard.exchange.is_some().then(|| {
-            let nuc_positions = predictions
-                .nuc_logits
-                .as_ref()
-                .map(|_| {
-                    Ok::<_, TrainError>(
-                        nucleotide_positions(
-                            predictions.nuc_targets(&targets)?,
-                            predictions.mask_indices.clone(),
-                        )
-                        .float()
-                        .sum()
-                        .inner(),
-                    )
-                })
-                .transpose()?;
-            let embeddings = predictions
-                .embeddings
-                .as_ref()
-                .filter(|_| global)
-                .map(|e| e.clone().detach().inner());
-            Ok::<_, TrainError>(Offer {
-                embeddings,
-                nuc_positions,
-            })
-        });
-        Ok((predictions, targets, offer.transpose()?))
-    };
-    // Every replica reaches the exchange, also after a failure of its own.
-    let (forward, offers) = match shard.exchange {
-        None => (forward(), None),
-        Some(exchange) => {
-            let forward = guarded(shard.rank, device, forward);
-            let offer = forward.as_ref().ok().and_then(|(_, _, o)| o.clone());
-            let offers = exchange.all_gather(shard.rank, offer, device);
-            (forward, Some(offers))
-        }
-    };
-    let (mut predictions, targets, _) = forward?;
-    mark("forward");
-    let scales = match offers {
-        None => None,
-        Some(None) => return Ok(None),
-        Some(Some(offers)) => {
-            if global {
-                if let Some(own) = predictions.embeddings.take() {
-                    predictions.embeddings =
-                        Some(gathered_embeddings::<AB>(&offers, shard.rank, own));
-                }
+    let ShardForward {
+        mut predictions,
+        targets,
+        ..
+    } = forward;
+    let scales = offers.map(|offers| {
+        let offers: Vec<Offer<AB::InnerBackend>> =
+            offers.iter().map(|o| o.to_device(device)).collect();
+        if shard.global_unifrac.is_some() {
+            if let Some(own) = predictions.embeddings.take() {
+                predictions.embeddings = Some(gathered_embeddings::<AB>(&offers, shard.rank, own));
             }
-            let nuc_share = nucleotide_share::<AB>(&offers, shard.rank);
-            Some(TermScales::of(
-                &ctx.run.loss,
-                ctx.run.unifrac_pairs,
-                ctx.classifier,
-                shard.shares,
-                ctx.replicas,
-                nuc_share,
-            ))
         }
-    };
+        TermScales::of(
+            &ctx.run.loss,
+            ctx.run.unifrac_pairs,
+            ctx.classifier,
+            shard.shares,
+            ctx.replicas,
+            nucleotide_share::<AB>(&offers, shard.rank),
+        )
+    });
     let parts = ctx.run.loss.forward(&predictions, &targets)?;
     let (objective, parts) = match scales {
         None => (parts.total.clone(), parts),
@@ -878,7 +893,7 @@ where
         1.0 / (ctx.run.gradient_accumulation_steps as f64 * ctx.loss_scale),
     ));
     mark("collect");
-    Ok(Some(StepValues::new(&parts, accuracy).into_inner()))
+    Ok(StepValues::new(&parts, accuracy).into_inner())
 }
 
 /// The state a run carries from batch to batch: optimiser, schedule and
@@ -942,14 +957,14 @@ where
             set_attention_dropout_seed(stream);
             self.progress.micro_step += 1;
             timer.mark::<AB>(device, "data");
-            let values = self.forward_backward(&mut models, &batch, &mut buffers, &mut timer)?;
+            let values = self.forward_backward(&models, &batch, &mut buffers, &mut timer)?;
             pending += 1;
             seen += batch.batch_size();
             // The gradient norm before clipping, still on the device.
             let mut grad_norm = None;
             if pending == accum || k + 1 == self.batches {
                 last_lr = self.scheduler.lr();
-                let (stepped, norm) = self.optimizer_step(models, &mut buffers, &mut means)?;
+                let (stepped, norm) = self.optimizer_step(models, &mut buffers, &mut means);
                 models = stepped;
                 grad_norm = norm;
                 pending = 0;
@@ -999,12 +1014,17 @@ where
     }
 
     /// The forward and backward passes of one batch: on one device the whole
-    /// batch; on several, each replica its shard, on a thread of its own
-    /// (see [`crate::parallel`]). Returns the batch's losses, summed over the
-    /// replicas on the first device.
+    /// batch; on several, each replica its shard (see [`crate::parallel`]).
+    /// Returns the batch's losses, summed over the replicas on the first
+    /// device.
+    ///
+    /// The replicas run one after another on this thread: every forward
+    /// pass, then every backward pass. Launches are asynchronous, so the
+    /// devices of several replicas compute at the same time; tensors never
+    /// move between threads (Burn's fusion streams are per thread).
     fn forward_backward(
         &self,
-        models: &mut Vec<AamModel<AB>>,
+        models: &[AamModel<AB>],
         batch: &Batch,
         buffers: &mut [GradientBuffer<AB::InnerBackend>],
         timer: &mut StepProfiler,
@@ -1019,81 +1039,79 @@ where
             loss_scale: self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale),
             replicas: n,
         };
+        let device = &self.devices[0];
         if n == 1 {
             let shard = Shard {
                 rank: 0,
                 batch,
                 shares: Shares::WHOLE,
-                exchange: None,
                 global_unifrac: None,
             };
-            timer.mark::<AB>(&self.devices[0], "upload");
-            let values = shard_pass(
+            timer.mark::<AB>(device, "upload");
+            let forward = shard_forward(&ctx, &models[0], device, &shard)?;
+            timer.mark::<AB>(device, "forward");
+            return shard_backward(
                 &ctx,
                 &models[0],
-                &self.devices[0],
-                shard,
+                device,
+                &shard,
+                forward,
+                None,
                 &mut buffers[0],
                 Some(timer),
-            )?;
-            return Ok(values.expect("one device has no peers to fail"));
+            );
         }
-        let shards = batch.shards(n);
+        let batches = batch.shards(n);
         let class_weights = self
             .classifier
             .then_some(self.run.loss.class_weights.as_deref())
             .flatten();
-        let shares = Shares::of(&shards, class_weights);
+        let shares = Shares::of(&batches, class_weights);
         let global_unifrac = match self.run.unifrac_pairs {
             UnifracPairs::Global => batch.unifrac.as_deref(),
             UnifracPairs::Local => None,
         };
-        let exchange = Exchange::new(n);
-        let replicas = std::mem::take(models);
-        let (ctx, exchange) = (&ctx, &exchange);
-        let results: Vec<(AamModel<AB>, Result<Option<StepValues<AB::InnerBackend>>>)> =
-            std::thread::scope(|s| {
-                let handles: Vec<_> = replicas
-                    .into_iter()
-                    .zip(self.devices)
-                    .zip(shards.iter().zip(shares))
-                    .zip(buffers.iter_mut())
-                    .enumerate()
-                    .map(|(rank, (((model, device), (batch, shares)), buffer))| {
-                        s.spawn(move || {
-                            let shard = Shard {
-                                rank,
-                                batch,
-                                shares,
-                                exchange: Some(exchange),
-                                global_unifrac,
-                            };
-                            let values = shard_pass(ctx, &model, device, shard, buffer, None);
-                            (model, values)
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("a replica's thread returns its model"))
-                    .collect()
-            });
-        let mut all = Vec::with_capacity(n);
-        let mut failure = None;
-        for (model, values) in results {
-            models.push(model);
-            match values {
-                Ok(Some(v)) => all.push(v),
-                Ok(None) => {}
-                Err(e) => {
-                    failure.get_or_insert(e);
-                }
-            }
-        }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(StepValues::sum(all, &self.devices[0])),
-        }
+        let shards: Vec<Shard> = batches
+            .iter()
+            .zip(shares)
+            .enumerate()
+            .map(|(rank, (batch, shares))| Shard {
+                rank,
+                batch,
+                shares,
+                global_unifrac,
+            })
+            .collect();
+        let forwards = shards
+            .iter()
+            .zip(models)
+            .zip(self.devices)
+            .map(|((shard, model), device)| shard_forward(&ctx, model, device, shard))
+            .collect::<Result<Vec<_>>>()?;
+        timer.mark::<AB>(device, "forward");
+        let offers: Vec<Offer<AB::InnerBackend>> = forwards
+            .iter()
+            .map(|f| f.offer.clone().expect("several replicas offer"))
+            .collect();
+        let values = shards
+            .iter()
+            .zip(forwards)
+            .zip(models.iter().zip(self.devices))
+            .zip(buffers.iter_mut())
+            .map(|(((shard, forward), (model, device)), buffer)| {
+                shard_backward(
+                    &ctx,
+                    model,
+                    device,
+                    shard,
+                    forward,
+                    Some(&offers),
+                    buffer,
+                    None,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StepValues::sum(values, device))
     }
 
     /// Sums the replicas' accumulated gradients, clips them (fp16: skips the
@@ -1105,7 +1123,7 @@ where
         models: Vec<AamModel<AB>>,
         buffers: &mut [GradientBuffer<AB::InnerBackend>],
         means: &mut Means,
-    ) -> Result<(Vec<AamModel<AB>>, Option<Tensor<AB::InnerBackend, 1>>)> {
+    ) -> (Vec<AamModel<AB>>, Option<Tensor<AB::InnerBackend, 1>>) {
         let run = self.run;
         all_reduce(buffers, self.devices);
         let mut grad_norm = None;
@@ -1148,45 +1166,18 @@ where
         };
         let name = |path: &str| self.model_config.torch_key(path);
         let beta1 = self.scheduler.beta1();
-        let stepped = if models.len() == 1 {
-            let model = models.into_iter().next().expect("one model");
-            let grads = std::mem::take(&mut buffers[0]);
-            vec![step_model(
-                &mut self.optimizers[0],
-                model,
-                grads,
-                &name,
-                &group_lr,
-                beta1,
-            )]
-        } else {
-            // Each replica steps on its own device, on a thread of its own.
-            let (name, group_lr) = (&name, &group_lr);
-            let devices = self.devices;
-            std::thread::scope(|s| {
-                let handles: Vec<_> = models
-                    .into_iter()
-                    .zip(self.optimizers.iter_mut())
-                    .zip(buffers.iter_mut())
-                    .enumerate()
-                    .map(|(rank, ((model, optimizer), buffer))| {
-                        let grads = std::mem::take(buffer);
-                        s.spawn(move || {
-                            guarded(rank, &devices[rank], || {
-                                Ok(step_model(optimizer, model, grads, name, group_lr, beta1))
-                            })
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("a replica's thread returns"))
-                    .collect::<Result<Vec<_>>>()
-            })?
-        };
+        let stepped = models
+            .into_iter()
+            .zip(self.optimizers.iter_mut())
+            .zip(buffers.iter_mut())
+            .map(|((model, optimizer), buffer)| {
+                let grads = std::mem::take(buffer);
+                step_model(optimizer, model, grads, &name, &group_lr, beta1)
+            })
+            .collect();
         self.scheduler.step();
         self.progress.global_step += 1;
-        Ok((stepped, grad_norm))
+        (stepped, grad_norm)
     }
 
     /// Closes an epoch: steps the plateau schedule, decides whether the
