@@ -11,16 +11,17 @@
 #                             --features cuda,fusion; xz
 #   .carry/oral2550/*.xz      oral_2550.biom and unifrac.unweighted.h5 from ../shared/data, xz'd
 #   .carry/gpu/cache/         optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
-# Env: EPOCHS (default 1), BACKEND (cuda), TRAIN_TIMEOUT (s per run, default 240).
+# Env: EPOCHS (default 2: the first may compile kernels, compare the last), BACKEND (cuda),
+#      TRAIN_TIMEOUT (s per run, default 300).
 # Writes to $OUT: one.log, two.log, one.csv, two.csv (metrics.csv of each run), cache.txz.*.
 set -uo pipefail
-EPOCHS=${EPOCHS:-1}; BACKEND=${BACKEND:-cuda}
+EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}
 source tests/oral2550_carry.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for run in one:0 two:0,0; do
   name=${run%%:*}; devices=${run#*:}
   start=$(date +%s)
-  AAM_LOG=info timeout "${TRAIN_TIMEOUT:-240}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" \
+  AAM_LOG=info timeout "${TRAIN_TIMEOUT:-300}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" \
     --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
     --rarefy-depth 1000 --epochs "$EPOCHS" --warmup-steps 100 --num-workers 8 \
     --dropout 0 --nuc-mask-ratio 0 --devices "$devices" \
