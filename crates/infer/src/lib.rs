@@ -57,6 +57,7 @@ pub use aam_data::{BiomTable, Metadata, SampleReads};
 pub use error::{InferError, Result};
 pub use model::{
     AsvEmbedding, Embeddings, Model, ModelInfo, ModelKind, Options, Prediction, Predictions,
+    Prepared,
 };
 
 /// Every sample of a BIOM table (BIOM 2.x HDF5 or 1.0 JSON), each with its

@@ -66,7 +66,83 @@ pub struct ModelInfo {
     pub original_units: bool,
 }
 
+/// Samples checked, rarefied and tokenised for one model
+/// ([`ModelInfo::prepare`]), ready for its device.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    dataset: Arc<Dataset>,
+    dropped: Vec<String>,
+    predicting: bool,
+}
+
+impl Prepared {
+    /// The samples kept, in order.
+    pub fn ids(&self) -> &[String] {
+        self.dataset.sample_ids()
+    }
+
+    /// Samples left out: fewer reads than the rarefaction depth.
+    pub fn dropped(&self) -> &[String] {
+        &self.dropped
+    }
+}
+
 impl ModelInfo {
+    /// The host's part of [`Model::embed`] (`predicting` false) and
+    /// [`Model::predict`]: checks `samples`, rarefies them to the model's
+    /// depth and tokenises them. Needs no model or device, so a service
+    /// prepares its next batch while the device runs the current one, and
+    /// [`Model::embed_prepared`] / [`Model::predict_prepared`] finish it.
+    pub fn prepare(
+        &self,
+        samples: &[SampleReads],
+        options: &Options,
+        predicting: bool,
+    ) -> Result<Prepared> {
+        check_options(self, samples, options, predicting)?;
+        let mut dropped = Vec::new();
+        let kept: Vec<SampleReads> = match self.rarefy_depth.filter(|_| options.rarefy) {
+            None => samples.to_vec(),
+            Some(depth) => {
+                let mut kept = Vec::with_capacity(samples.len());
+                for sample in samples {
+                    let (sequences, counts): (Vec<&str>, Vec<f64>) =
+                        sample.reads.iter().map(|(s, c)| (s.as_str(), *c)).unzip();
+                    match rarefy_sample(
+                        &sample.id,
+                        &sequences,
+                        &counts,
+                        depth as u64,
+                        options.seed,
+                    )? {
+                        Some(drawn) => kept.push(SampleReads {
+                            id: sample.id.clone(),
+                            reads: sequences
+                                .iter()
+                                .zip(drawn)
+                                .map(|(s, n)| (s.to_string(), n))
+                                .collect(),
+                        }),
+                        None => dropped.push(sample.id.clone()),
+                    }
+                }
+                if kept.is_empty() && !samples.is_empty() {
+                    return Err(InferError::AllTooShallow {
+                        depth,
+                        dropped: dropped.len(),
+                    });
+                }
+                kept
+            }
+        };
+        let dataset = Dataset::from_samples(&kept, self.max_bp, options.metadata.clone())?;
+        Ok(Prepared {
+            dataset: Arc::new(dataset),
+            dropped,
+            predicting,
+        })
+    }
+
     /// Checks `samples` as [`Model::embed`] and [`Model::predict`] would,
     /// without a model or device, and strictly: a sample too shallow for
     /// the rarefaction depth is an error here (they would leave it out).
@@ -294,7 +370,15 @@ impl<B: AttentionBackend> Model<B> {
     /// UniFrac-pretrained model, the space whose distances the UniFrac loss
     /// fitted), and each sample's ASV embeddings when `options` asks.
     pub fn embed(&self, samples: &[SampleReads], options: &Options) -> Result<Embeddings> {
-        let (dataset, dropped) = self.prepare(samples, options, false)?;
+        self.embed_prepared(self.info.prepare(samples, options, false)?, options)
+    }
+
+    /// [`Model::embed`] of samples prepared by [`ModelInfo::prepare`] (with
+    /// the same `options`).
+    pub fn embed_prepared(&self, prepared: Prepared, options: &Options) -> Result<Embeddings> {
+        let Prepared {
+            dataset, dropped, ..
+        } = prepared;
         let d = self.info.embedding_dim;
         let mut values = vec![0f32; dataset.len() * d];
         let mut asvs = options
@@ -342,7 +426,26 @@ impl<B: AttentionBackend> Model<B> {
                 path: self.info.source.clone(),
             });
         }
-        let (dataset, dropped) = self.prepare(samples, options, true)?;
+        self.predict_prepared(self.info.prepare(samples, options, true)?, options)
+    }
+
+    /// [`Model::predict`] of samples prepared by [`ModelInfo::prepare`] with
+    /// `predicting` (and the same `options`).
+    pub fn predict_prepared(&self, prepared: Prepared, options: &Options) -> Result<Predictions> {
+        if self.info.kind == ModelKind::Encoder {
+            return Err(InferError::NoTargetHead {
+                path: self.info.source.clone(),
+            });
+        }
+        if !prepared.predicting {
+            return Err(InferError::InvalidOption {
+                option: "prepared",
+                reason: "these samples were prepared for embeddings (`predicting` false): their metadata was not checked".into(),
+            });
+        }
+        let Prepared {
+            dataset, dropped, ..
+        } = prepared;
         let target = self
             .data
             .as_ref()
@@ -421,54 +524,6 @@ impl<B: AttentionBackend> Model<B> {
             values,
             dropped,
         })
-    }
-
-    /// Checks and rarefies `samples`: the dataset of those kept, and the IDs
-    /// of those too shallow for the rarefaction depth.
-    fn prepare(
-        &self,
-        samples: &[SampleReads],
-        options: &Options,
-        predicting: bool,
-    ) -> Result<(Arc<Dataset>, Vec<String>)> {
-        check_options(&self.info, samples, options, predicting)?;
-        let mut dropped = Vec::new();
-        let kept: Vec<SampleReads> = match self.info.rarefy_depth.filter(|_| options.rarefy) {
-            None => samples.to_vec(),
-            Some(depth) => {
-                let mut kept = Vec::with_capacity(samples.len());
-                for sample in samples {
-                    let (sequences, counts): (Vec<&str>, Vec<f64>) =
-                        sample.reads.iter().map(|(s, c)| (s.as_str(), *c)).unzip();
-                    match rarefy_sample(
-                        &sample.id,
-                        &sequences,
-                        &counts,
-                        depth as u64,
-                        options.seed,
-                    )? {
-                        Some(drawn) => kept.push(SampleReads {
-                            id: sample.id.clone(),
-                            reads: sequences
-                                .iter()
-                                .zip(drawn)
-                                .map(|(s, n)| (s.to_string(), n))
-                                .collect(),
-                        }),
-                        None => dropped.push(sample.id.clone()),
-                    }
-                }
-                if kept.is_empty() && !samples.is_empty() {
-                    return Err(InferError::AllTooShallow {
-                        depth,
-                        dropped: dropped.len(),
-                    });
-                }
-                kept
-            }
-        };
-        let dataset = Dataset::from_samples(&kept, self.info.max_bp, options.metadata.clone())?;
-        Ok((Arc::new(dataset), dropped))
     }
 
     /// Runs `each` on the model input of every batch of `dataset`, in order.
