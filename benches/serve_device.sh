@@ -7,21 +7,29 @@
 #                                 --features cuda,fusion; xz
 #   .carry/serve/serve-bench.xz   cargo build --profile device -p aam-benches --bin serve-bench; xz
 #   .carry/serve/model.safetensors.xz   a checkpoint (the reference's default model: pretrain
-#                                 with default flags on the demo table, 1 epoch, CPU)
+#                                 with default flags on the demo table, 1 epoch, CPU), its
+#                                 `optim.*` tensors dropped (inference reads the weights only)
 #   .carry/serve/oral_2550.biom.xz  from ../shared/data/oral2550
 #   .carry/gpu/cache/             optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
-# Env: REQUESTS (per phase, default 1280), BACKEND (cuda).
-# Writes to $OUT: serve.txt, serve.json, cache.txz.*.
+# Env: REQUESTS (per phase, default 1280), BACKEND (cuda), BINS (the aam-rs builds to run in turn,
+#      default .carry/serve/aam-rs.xz; several, space-separated, for an A/B in one call).
+# Writes to $OUT: serve-<k>.txt and serve-<k>.json for the k-th of BINS, cache.txz.*.
 set -uo pipefail
 source benches/kernel_cache.sh
 restore_kernel_cache
 mkdir -p /tmp/bin /tmp/serve
-for b in aam-rs serve-bench; do xz -dc ".carry/serve/$b.xz" > "/tmp/bin/$b"; chmod +x "/tmp/bin/$b"; done
+xz -dc .carry/serve/serve-bench.xz > /tmp/bin/serve-bench; chmod +x /tmp/bin/serve-bench
 xz -dc .carry/serve/model.safetensors.xz > /tmp/serve/model.safetensors
 xz -dc .carry/serve/oral_2550.biom.xz > /tmp/serve/oral_2550.biom
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 nproc
-/tmp/bin/serve-bench --aam-rs /tmp/bin/aam-rs --model /tmp/serve/model.safetensors \
-  --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
-  --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt"
+k=0
+for bin in ${BINS:-.carry/serve/aam-rs.xz}; do
+  k=$((k + 1))
+  xz -dc "$bin" > "/tmp/bin/aam-rs-$k"; chmod +x "/tmp/bin/aam-rs-$k"
+  echo "== $k: $bin"
+  /tmp/bin/serve-bench --aam-rs "/tmp/bin/aam-rs-$k" --model /tmp/serve/model.safetensors \
+    --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
+    --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve-$k.json" 2>&1 | tee "$OUT/serve-$k.txt"
+done
 save_kernel_cache
