@@ -40,10 +40,6 @@ pub struct ServeArgs {
     /// Bytes per request body before answering 413.
     #[arg(long, default_value_t = 16 << 20)]
     max_body_bytes: usize,
-    /// Threads that parse and check requests (default: the machine's
-    /// cores, at most 8).
-    #[arg(long, value_name = "N")]
-    http_threads: Option<usize>,
     /// Refuse sequences longer than this (422) instead of cutting them to
     /// the model's --max-bp as training did.
     #[arg(long, value_name = "BP")]
@@ -67,7 +63,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ("--max-concurrent-requests", args.max_concurrent_requests),
         ("--max-request-samples", args.max_request_samples),
         ("--max-body-bytes", args.max_body_bytes),
-        ("--http-threads", args.http_threads.unwrap_or(1)),
     ] {
         ensure!(value > 0, "{flag} must be ≥ 1");
     }
@@ -79,9 +74,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_concurrent_requests: args.max_concurrent_requests,
         max_request_samples: args.max_request_samples,
         max_body_bytes: args.max_body_bytes,
-        http_threads: args
-            .http_threads
-            .unwrap_or_else(aam_serve::default_http_threads),
         options: Options {
             rarefy: !args.no_rarefy,
             seed: args.seed,

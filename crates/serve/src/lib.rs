@@ -13,13 +13,11 @@
 //!   tokio runtime; they parse and check a request completely
 //!   ([`aam_infer::ModelInfo::check`]) and only then queue it, so a bad
 //!   request never reaches the device and never fails anyone else's batch.
-//! - *Requests are merged into device batches by an ASV budget*: a batcher
+//! - *Requests are merged into device batches by an ASV budget*: the model
 //!   thread takes the oldest request and adds the queued ones behind it
 //!   while their ASVs fit in `max_batch_asvs` (sample IDs must not collide
-//!   within a batch; a request that does waits for the next one), and
-//!   prepares the batch on the host ([`aam_infer::ModelInfo::prepare`]) while
-//!   the model thread runs the previous one. Under load a device batch is
-//!   many requests; alone, a request runs at once.
+//!   within a batch; a request that does waits for the next one). Under
+//!   load a device batch is many requests; alone, a request runs at once.
 //! - *A semaphore bounds the work in the server*: beyond
 //!   `max_concurrent_requests` requests in flight the answer is 429 at
 //!   once, not a growing queue.
@@ -66,9 +64,6 @@ pub struct ServeConfig {
     pub max_request_samples: usize,
     /// Bytes per request body before answering 413.
     pub max_body_bytes: usize,
-    /// Threads that parse and check requests (the model and batcher
-    /// threads come on top); by default the machine's cores, at most 8.
-    pub http_threads: usize,
     /// Rarefaction (to the training depth, with this seed) and the sequence
     /// length limit; `batch_size` is ignored (the ASV budget forms batches).
     pub options: Options,
@@ -84,16 +79,9 @@ impl Default for ServeConfig {
             max_concurrent_requests: 512,
             max_request_samples: 64,
             max_body_bytes: 16 << 20,
-            http_threads: default_http_threads(),
             options: Options::default(),
         }
     }
-}
-
-/// The machine's cores, at least 2 and at most 8 (each request's JSON is
-/// parsed and its samples checked and tokenised on these threads).
-pub fn default_http_threads() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
 }
 
 /// Why the service could not start or stopped.
@@ -149,7 +137,7 @@ pub fn serve<B: AttentionBackend>(
         .clone()
         .unwrap_or_else(|| default_name(model));
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(config.http_threads.max(1))
+        .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|source| ServeError::Io {

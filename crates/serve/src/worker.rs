@@ -1,6 +1,5 @@
-//! The model thread: loads and warms the model, then runs the device
-//! batches that a batcher thread merges from queued requests (by the ASV
-//! budget) and prepares on the host, one batch ahead, and answers each.
+//! The model thread: loads and warms the model, then merges queued
+//! requests into device batches by the ASV budget and answers each.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -8,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use aam_infer::{Model, ModelInfo, ModelKind, Options, Prediction, Prepared, SampleReads};
+use aam_infer::{Model, ModelKind, Options, Prediction, SampleReads};
 use aam_models::AttentionBackend;
 use tokio::sync::{mpsc, oneshot};
 
@@ -46,7 +45,7 @@ pub fn run<B: AttentionBackend>(
     path: PathBuf,
     device: B::Device,
     shared: Arc<Shared>,
-    queue: mpsc::UnboundedReceiver<Job>,
+    mut queue: mpsc::UnboundedReceiver<Job>,
     fatal: oneshot::Sender<String>,
 ) {
     let started = Instant::now();
@@ -106,44 +105,6 @@ pub fn run<B: AttentionBackend>(
         shared.device
     );
 
-    // A batcher thread merges queued requests and prepares each merged batch
-    // on the host while this thread runs the previous one on the device;
-    // the channel holds one prepared batch, so requests that arrive during a
-    // device batch merge into the next.
-    let (prepared_tx, prepared_rx) = std::sync::mpsc::sync_channel::<Ready>(1);
-    let batcher = {
-        let (shared, options, info) = (shared.clone(), options.clone(), info.clone());
-        std::thread::Builder::new()
-            .name("aam-serve-batcher".into())
-            .spawn(move || batch_requests(&info, &shared, &options, queue, prepared_tx))
-    };
-    if let Err(e) = batcher {
-        let _ = fatal.send(format!("starting the batcher thread: {e}"));
-        return;
-    }
-    for ready in prepared_rx {
-        answer(&model, &shared, &options, ready);
-    }
-}
-
-/// A merged batch of requests and its samples prepared for the device.
-struct Ready {
-    kind: JobKind,
-    jobs: Vec<Job>,
-    /// Each request's number of samples, in order.
-    counts: Vec<usize>,
-    prepared: aam_infer::Result<Prepared>,
-}
-
-/// The batcher thread's body: merges queued requests into device batches by
-/// the ASV budget (same kind, disjoint sample IDs) and prepares each.
-fn batch_requests(
-    info: &ModelInfo,
-    shared: &Shared,
-    options: &Options,
-    mut queue: mpsc::UnboundedReceiver<Job>,
-    ready: std::sync::mpsc::SyncSender<Ready>,
-) {
     let budget = shared.config.max_batch_asvs;
     let mut held: Option<Job> = None;
     loop {
@@ -158,7 +119,7 @@ fn batch_requests(
         let kind = first.kind;
         let mut asvs = first.asvs;
         let mut ids: HashSet<String> = first.samples.iter().map(|s| s.id.clone()).collect();
-        let mut jobs = vec![first];
+        let mut batch = vec![first];
         while let Ok(job) = queue.try_recv() {
             shared.queued.fetch_sub(1, Ordering::AcqRel);
             let fits = job.kind == kind
@@ -172,71 +133,59 @@ fn batch_requests(
             }
             asvs += job.asvs;
             ids.extend(job.samples.iter().map(|s| s.id.clone()));
-            jobs.push(job);
+            batch.push(job);
         }
-        // The samples move into one list; each request keeps its count.
-        let counts: Vec<usize> = jobs.iter().map(|j| j.samples.len()).collect();
-        let samples: Vec<SampleReads> = jobs
-            .iter_mut()
-            .flat_map(|j| std::mem::take(&mut j.samples))
-            .collect();
-        let options = Options {
-            batch_size: samples.len(),
-            ..options.clone()
-        };
-        let prepared = info.prepare(&samples, &options, kind == JobKind::Predict);
-        let batch = Ready {
-            kind,
-            jobs,
-            counts,
-            prepared,
-        };
-        if ready.send(batch).is_err() {
-            break;
-        }
+        answer(&model, &shared, &options, kind, batch);
     }
 }
 
 /// Runs one merged device batch and replies to each of its requests.
-fn answer<B: AttentionBackend>(model: &Model<B>, shared: &Shared, options: &Options, ready: Ready) {
+fn answer<B: AttentionBackend>(
+    model: &Model<B>,
+    shared: &Shared,
+    options: &Options,
+    kind: JobKind,
+    mut batch: Vec<Job>,
+) {
     let start = Instant::now();
-    let Ready {
-        kind,
-        jobs,
-        counts,
-        prepared,
-    } = ready;
-    for job in &jobs {
+    for job in &batch {
         shared
             .metrics
             .queue_seconds(start.duration_since(job.queued_at).as_secs_f64());
     }
-    let samples: usize = counts.iter().sum();
+    // The samples move into one list; each request keeps its count.
+    let counts: Vec<usize> = batch.iter().map(|j| j.samples.len()).collect();
+    let samples: Vec<SampleReads> = batch
+        .iter_mut()
+        .flat_map(|j| std::mem::take(&mut j.samples))
+        .collect();
     let options = Options {
-        batch_size: samples.max(1),
+        batch_size: samples.len(),
         ..options.clone()
     };
-    let result = prepared.and_then(|prepared| match kind {
+    let result = match kind {
         JobKind::Embed => model
-            .embed_prepared(prepared, &options)
+            .embed(&samples, &options)
             .map(|e| Answer::Embeddings(e.values.chunks(e.dim).map(<[f32]>::to_vec).collect())),
         JobKind::Predict => model
-            .predict_prepared(prepared, &options)
+            .predict(&samples, &options)
             .map(|p| Answer::Predictions(p.values)),
-    });
-    shared.metrics.batch(samples, start.elapsed().as_secs_f64());
+    };
+    shared
+        .metrics
+        .batch(samples.len(), start.elapsed().as_secs_f64());
     match result {
         // Requests were checked strictly (no sample is left out), so the
         // results are the samples', in order.
         Ok(mut all) => {
-            for (job, n) in jobs.into_iter().zip(counts).rev() {
+            for (job, n) in batch.into_iter().zip(counts).rev() {
                 let mine = all.split_off(all.len() - n);
                 let _ = job.reply.send(Ok(mine));
             }
         }
         Err(e) => {
-            tracing::error!("a batch of {} request(s) failed: {e}", jobs.len());
-            for job in jobs {
+            tracing::error!("a batch of {} request(s) failed: {e}", batch.len());
+            for job in batch {
                 let _ = job.reply.send(Err(e.to_string()));
             }
         }
