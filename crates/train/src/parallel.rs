@@ -24,7 +24,7 @@
 //! (UniFrac). A replica's term is its own mean times its share of the
 //! denominator: `mean_r · n_r / Σ n`. The denominators known on the host
 //! come from the shard's batch; the nucleotide positions (drawn by masking on
-//! the device) come through the exchange.
+//! the device) come with the offers.
 //!
 //! **UniFrac pairs** ([`UnifracPairs`]). `global`: every replica computes the
 //! UniFrac loss over all `B(B−1)/2` pairs of the global batch, from the

@@ -463,6 +463,11 @@ impl StepProfiler {
 /// `gradient_accumulation_steps` batches, [`Trainer::optimizer_step`]), then
 /// [`validate`] on the validation samples, then [`Trainer::end_epoch`] (best
 /// epoch, early stopping, checkpoints, metrics).
+///
+/// `model` lives on `devices[0]`. More devices (a device may repeat) train
+/// data parallel, one replica each on an equal shard of every batch
+/// ([`crate::parallel`]); checkpoints, validation and logs come from the
+/// first, and are the same files whatever the number of devices.
 #[allow(clippy::too_many_arguments)]
 pub fn fit<AB>(
     devices: &[AB::Device],
