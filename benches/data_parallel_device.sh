@@ -12,19 +12,23 @@
 #   .carry/oral2550/*.xz      oral_2550.biom and unifrac.unweighted.h5 from ../shared/data, xz'd
 #   .carry/gpu/cache/         optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
 # Env: EPOCHS (default 2: the first may compile kernels, compare the last), BACKEND (cuda),
-#      TRAIN_TIMEOUT (s per run, default 300).
+#      TRAIN_TIMEOUT (s per run, default 300), STOCHASTIC=1 (keep dropout and masking on: the two
+#      runs then draw differently, and their loss curves should agree within noise; every
+#      step's losses are logged, benches/loss_curves.py plots them).
 # Writes to $OUT: one.log, two.log, one.csv, two.csv (metrics.csv of each run), cache.txz.*.
 set -uo pipefail
 EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}
+if [ "${STOCHASTIC:-0}" = 1 ]; then DETERMINISTIC=; LOG=info,aam_train=debug
+else DETERMINISTIC="--dropout 0 --nuc-mask-ratio 0"; LOG=info; fi
 source tests/oral2550_carry.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for run in one:0 two:0,0; do
   name=${run%%:*}; devices=${run#*:}
   start=$(date +%s)
-  AAM_LOG=info timeout "${TRAIN_TIMEOUT:-300}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" \
+  AAM_LOG=$LOG timeout "${TRAIN_TIMEOUT:-300}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" \
     --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
     --rarefy-depth 1000 --epochs "$EPOCHS" --warmup-steps 100 --num-workers 8 \
-    --dropout 0 --nuc-mask-ratio 0 --devices "$devices" \
+    $DETERMINISTIC --devices "$devices" \
     --output-dir "/tmp/run_$name" > "$OUT/$name.log" 2>&1
   echo "$name (--devices $devices): rc=$? wall=$(( $(date +%s) - start ))s"
   cp "/tmp/run_$name/metrics.csv" "$OUT/$name.csv" 2>/dev/null
