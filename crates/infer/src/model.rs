@@ -90,9 +90,10 @@ impl Prepared {
 impl ModelInfo {
     /// The host's part of [`Model::embed`] (`predicting` false) and
     /// [`Model::predict`]: checks `samples`, rarefies them to the model's
-    /// depth and tokenises them. Needs no model or device, so a service
-    /// prepares its next batch while the device runs the current one, and
-    /// [`Model::embed_prepared`] / [`Model::predict_prepared`] finish it.
+    /// depth and tokenises them. Needs no model or device, so it can run on
+    /// another thread than the model's (a service can prepare its next batch
+    /// while the device runs the current one); [`Model::embed_prepared`] /
+    /// [`Model::predict_prepared`] finish it.
     pub fn prepare(
         &self,
         samples: &[SampleReads],
