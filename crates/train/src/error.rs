@@ -63,14 +63,12 @@ pub enum TrainError {
         #[source]
         source: aam_data::Error,
     },
-    /// A data-parallel replica failed (its device ran out of memory, a
-    /// kernel failed); the step is abandoned on every replica.
-    #[error("replica {rank} (device {device}): {reason}")]
+    /// A data-parallel replica's weights left the others' (a bug: they take
+    /// the same steps).
+    #[error("replica {rank}: {reason}")]
     Replica {
         /// The replica's rank (its place in `--devices`).
         rank: usize,
-        /// Its device.
-        device: String,
         /// What failed.
         reason: String,
     },

@@ -280,24 +280,17 @@ fn record_batch<B: Backend>(
     let StepValues {
         mut names,
         values,
-        accuracy: with_accuracy,
+        accuracy,
     } = values;
-    // The gradient norm goes before the accuracy counts (the last two).
-    let values = match grad_norm {
-        Some(norm) => {
-            let k = values.dims()[0] - if with_accuracy { 2 } else { 0 };
-            names.insert(k, "grad_norm");
-            Tensor::cat(
-                vec![
-                    values.clone().narrow(0, 0, k),
-                    norm,
-                    values.clone().narrow(0, k, values.dims()[0] - k),
-                ],
-                0,
-            )
-        }
-        None => values,
-    };
+    let with_accuracy = accuracy.is_some();
+    let mut all = vec![values];
+    if let Some(norm) = grad_norm {
+        names.push("grad_norm");
+        all.push(norm);
+    }
+    // The accuracy counts (hits, scored) go last.
+    all.extend(accuracy);
+    let values = Tensor::cat(all, 0);
     let host: Vec<f64> = values
         .into_data()
         .convert::<f64>()
@@ -617,7 +610,6 @@ fn check_replicas_agree<B: Backend>(models: &[AamModel<B>], config: &ModelConfig
             if a.values != b.values {
                 return Err(TrainError::Replica {
                     rank: rank + 1,
-                    device: "-".into(),
                     reason: format!("its {key} differs from replica 0's after the same steps"),
                 });
             }
@@ -677,8 +669,8 @@ struct EpochTraining {
 struct StepValues<B: Backend> {
     names: Vec<&'static str>,
     values: Tensor<B, 1>,
-    /// The last two values are nucleotide hits and scored positions.
-    accuracy: bool,
+    /// Nucleotide hits and scored positions `[2]`.
+    accuracy: Option<Tensor<B, 1>>,
 }
 
 impl<B: Backend> StepValues<B> {
@@ -696,15 +688,10 @@ impl<B: Backend> StepValues<B> {
                 values.push(p.clone());
             }
         }
-        let with_accuracy = accuracy.is_some();
-        if let Some((hits, n)) = accuracy {
-            values.push(hits);
-            values.push(n);
-        }
         Self {
             names,
             values: Tensor::cat(values, 0),
-            accuracy: with_accuracy,
+            accuracy: accuracy.map(|(hits, n)| Tensor::cat(vec![hits, n], 0)),
         }
     }
 
@@ -713,10 +700,23 @@ impl<B: Backend> StepValues<B> {
     fn sum(all: Vec<Self>, device: &B::Device) -> Self {
         let mut all = all.into_iter();
         let first = all.next().expect("one replica at least");
-        let values = all.fold(first.values.to_device(device), |sum, v| {
-            sum + v.values.to_device(device)
+        let start = (
+            first.values.to_device(device),
+            first.accuracy.map(|a| a.to_device(device)),
+        );
+        let (values, accuracy) = all.fold(start, |(values, accuracy), v| {
+            (
+                values + v.values.to_device(device),
+                accuracy
+                    .zip(v.accuracy)
+                    .map(|(a, b)| a + b.to_device(device)),
+            )
         });
-        Self { values, ..first }
+        Self {
+            names: first.names,
+            values,
+            accuracy,
+        }
     }
 }
 
@@ -726,7 +726,7 @@ impl<AB: AutodiffBackend> StepValues<AB> {
         StepValues {
             names: self.names,
             values: self.values.inner(),
-            accuracy: self.accuracy,
+            accuracy: self.accuracy.map(Tensor::inner),
         }
     }
 }
@@ -767,12 +767,16 @@ fn shard_forward<AB>(
     model: &AamModel<AB>,
     device: &AB::Device,
     shard: &Shard,
+    mut timer: Option<&mut StepProfiler>,
 ) -> Result<ShardForward<AB>>
 where
     AB: AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
 {
     let (input, mut targets) = batch_tensors::<AB>(shard.batch, device, ctx.classifier, ctx.slots);
+    if let Some(t) = timer.as_deref_mut() {
+        t.mark::<AB>(device, "upload");
+    }
     if let Some(u) = shard.global_unifrac {
         let b = (u.len() as f64).sqrt() as usize;
         targets.base = Some(Tensor::from_data(
@@ -784,6 +788,9 @@ where
         let _autocast = autocast(ctx.run.mixed_precision);
         predict_batch(model, input, ctx.return_nucleotides)
     };
+    if let Some(t) = timer {
+        t.mark::<AB>(device, "forward");
+    }
     let offer = if ctx.replicas > 1 {
         let nuc_positions = predictions
             .nuc_logits
@@ -1052,9 +1059,7 @@ where
                 shares: Shares::WHOLE,
                 global_unifrac: None,
             };
-            timer.mark::<AB>(device, "upload");
-            let forward = shard_forward(&ctx, &models[0], device, &shard)?;
-            timer.mark::<AB>(device, "forward");
+            let forward = shard_forward(&ctx, &models[0], device, &shard, Some(&mut *timer))?;
             return shard_backward(
                 &ctx,
                 &models[0],
@@ -1091,7 +1096,7 @@ where
             .iter()
             .zip(models)
             .zip(self.devices)
-            .map(|((shard, model), device)| shard_forward(&ctx, model, device, shard))
+            .map(|((shard, model), device)| shard_forward(&ctx, model, device, shard, None))
             .collect::<Result<Vec<_>>>()?;
         timer.mark::<AB>(device, "forward");
         let offers: Vec<Offer<AB::InnerBackend>> = forwards
