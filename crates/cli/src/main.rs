@@ -10,8 +10,9 @@
 //! `forward` (run a model on raw token tensors, write every output to .npz),
 //! `backends` (what this binary can run on, here), `inspect` (check a run's
 //! inputs), `diagnose attention` (does this platform compute attention
-//! correctly?) and `diagnose gradients` (does this backend's training step
-//! give the CPU's gradients on my data?). The flag groups several commands
+//! correctly?), `diagnose gradients` (does this backend's training step
+//! give the CPU's gradients on my data?) and `unifrac` (a UniFrac matrix
+//! from a table and a tree, `aam-unifrac`). The flag groups several commands
 //! share and the backend choice are the crate's library (`aam_cli::args`,
 //! `aam_cli::backend`); every option is listed in `docs/cli.md`.
 
@@ -26,6 +27,7 @@ mod predict;
 mod progress;
 mod serve;
 mod train;
+mod unifrac;
 
 use std::process::ExitCode;
 
@@ -61,6 +63,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Check that this platform computes attention correctly (exit 1 when it does not).
     Diagnose(diagnose::DiagnoseArgs),
+    /// Compute a UniFrac distance matrix (or Faith's PD) from a table and a tree; no ssu needed.
+    Unifrac(unifrac::UnifracArgs),
 }
 
 fn main() -> ExitCode {
@@ -77,6 +81,7 @@ fn main() -> ExitCode {
         Command::Backends => aam_cli::backend::list(),
         Command::Inspect(args) => inspect::run(args),
         Command::Diagnose(args) => diagnose::run(args),
+        Command::Unifrac(args) => unifrac::run(args),
     };
     aam_cli::exit_code(result)
 }

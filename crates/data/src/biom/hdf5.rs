@@ -5,6 +5,10 @@
 //! `observation/matrix` is read from that one instead. Metadata groups are
 //! ignored (§2.1: the reference uses none). An empty `ids` dataset is an empty
 //! list whatever its datatype (biom writes the ids of a 0 x 0 table as float64).
+//!
+//! Writes BIOM 2.1 with both matrices (`sample/matrix` and
+//! `observation/matrix`, as `ssu` and the biom package read them) and the
+//! root attributes the format defines.
 
 use std::path::Path;
 
@@ -105,6 +109,98 @@ pub(super) fn read(bytes: Vec<u8>, path: &Path) -> Result<BiomTable> {
     }
 }
 
+/// The table as a BIOM 2.1 HDF5 image.
+pub(super) fn write(table: &BiomTable) -> Result<Vec<u8>> {
+    let n_obs = table.observation_ids.len();
+    let n_samples = table.sample_ids.len();
+    let too_big = || Error::InvalidTable {
+        path: table.source.clone(),
+        reason: "more than 2^31 entries do not fit BIOM 2.1's int32 indices".into(),
+    };
+    let int = |v: usize| i32::try_from(v).map_err(|_| too_big());
+    // Observation-major copy (CSR over observations).
+    let mut obs_ptr = vec![0usize; n_obs + 1];
+    for &o in &table.indices {
+        obs_ptr[o as usize + 1] += 1;
+    }
+    for o in 0..n_obs {
+        obs_ptr[o + 1] += obs_ptr[o];
+    }
+    let mut fill = obs_ptr.clone();
+    let mut obs_indices = vec![0i32; table.indices.len()];
+    let mut obs_data = vec![0f64; table.indices.len()];
+    for s in 0..n_samples {
+        for k in table.indptr[s]..table.indptr[s + 1] {
+            let o = table.indices[k] as usize;
+            obs_indices[fill[o]] = int(s)?;
+            obs_data[fill[o]] = table.data[k];
+            fill[o] += 1;
+        }
+    }
+    let sample_indices: Vec<i32> = table.indices.iter().map(|&o| o as i32).collect();
+    let sample_ptr = table.indptr.iter().map(|&p| int(p)).collect::<Result<Vec<_>>>()?;
+    let obs_ptr = obs_ptr.into_iter().map(int).collect::<Result<Vec<_>>>()?;
+    use hdf5_pure::AttrValue;
+    let mut b = hdf5_pure::FileBuilder::new();
+    let name = table.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    b.set_attr("id", AttrValue::String(name));
+    b.set_attr("type", AttrValue::String("OTU table".into()));
+    b.set_attr("format-url", AttrValue::String("http://biom-format.org".into()));
+    b.set_attr("format-version", AttrValue::I32Array(vec![2, 1]));
+    b.set_attr("generated-by", AttrValue::String("aam-rs".into()));
+    b.set_attr("creation-date", AttrValue::String(utc_now()));
+    b.set_attr("shape", AttrValue::I32Array(vec![int(n_obs)?, int(n_samples)?]));
+    b.set_attr("nnz", AttrValue::I32(int(table.data.len())?));
+    let axes: [(&str, &[String], &[f64], &[i32], &[i32]); 2] = [
+        ("observation", &table.observation_ids, &obs_data, &obs_indices, &obs_ptr),
+        ("sample", &table.sample_ids, &table.data, &sample_indices, &sample_ptr),
+    ];
+    let mut groups = Vec::new();
+    for (axis, axis_ids, data, indices, indptr) in axes {
+        let mut g = b.create_group(axis);
+        let axis_ids: Vec<&str> = axis_ids.iter().map(String::as_str).collect();
+        g.create_dataset("ids").with_vlen_strings(&axis_ids);
+        let mut m = g.create_group("matrix");
+        m.create_dataset("data").with_f64_data(data);
+        m.create_dataset("indices").with_i32_data(indices);
+        m.create_dataset("indptr").with_i32_data(indptr);
+        g.add_group(m.finish());
+        groups.push(g.finish());
+    }
+    for g in groups {
+        b.add_group(g);
+    }
+    b.finish().map_err(|e| Error::Hdf5 {
+        path: table.source.clone(),
+        object: "/".into(),
+        message: format!("writing BIOM 2.1: {e}"),
+    })
+}
+
+/// The current UTC time as ISO 8601 (`YYYY-MM-DDTHH:MM:SS`).
+fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 fn read_ids(file: &H5, object: &str) -> Result<Vec<String>> {
     if file.len(object)? == 0 {
         return Ok(Vec::new());
@@ -156,6 +252,33 @@ mod tests {
             b.add_group(g);
         }
         b.finish().unwrap()
+    }
+
+    #[test]
+    fn written_tables_read_back_and_carry_both_axes() {
+        let t = BiomTable::from_triplets(
+            "w.biom",
+            vec!["s1".into(), "s2".into()],
+            vec!["o1".into(), "o2".into(), "o3".into()],
+            &[0, 2, 1, 2],
+            &[0, 0, 1, 1],
+            &[1.0, 2.0, 4.0, 8.0],
+        )
+        .unwrap();
+        let bytes = write(&t).unwrap();
+        let back = BiomTable::from_bytes(&bytes, Path::new("w.biom")).unwrap();
+        assert_eq!(back.sample_ids(), t.sample_ids());
+        assert_eq!(back.observation_ids(), t.observation_ids());
+        for s in 0..2 {
+            assert_eq!(back.sample(s).observations, t.sample(s).observations);
+            assert_eq!(back.sample(s).counts, t.sample(s).counts);
+        }
+        let file = H5::open(bytes, Path::new("w.biom")).unwrap();
+        assert_eq!(file.read_i64("observation/matrix/indptr").unwrap(), [0, 1, 2, 4]);
+        assert_eq!(file.read_i64("observation/matrix/indices").unwrap(), [0, 1, 0, 1]);
+        assert_eq!(file.read_f64("observation/matrix/data").unwrap(), [1.0, 4.0, 2.0, 8.0]);
+        let date = utc_now();
+        assert!(date.starts_with("20") && date.len() == 19, "{date}");
     }
 
     #[test]

@@ -265,6 +265,11 @@ impl BiomTable {
         &self.source
     }
 
+    /// Write the table as BIOM 2.1 (HDF5, both axes), atomically; errors name `path`.
+    pub fn write_hdf5(&self, path: &Path) -> Result<()> {
+        crate::write_atomic(path, &hdf5::write(self)?)
+    }
+
     /// Number of samples (columns).
     pub fn n_samples(&self) -> usize {
         self.sample_ids.len()
