@@ -3,7 +3,7 @@
 //! `aam-train`'s specifications. An invalid value is reported by its flag
 //! ([`flagged`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use aam_data::AsvSampling;
 use aam_models::asv_encoder::MaskStrategy;
@@ -13,7 +13,7 @@ use aam_models::{AttnImplementation, MixedPrecision};
 use aam_train::config::{ModelSpec, PhaseTiming};
 use aam_train::optim::OptimizerKind;
 use aam_train::parallel::UnifracPairs;
-use aam_train::prepare::{DataSpec, Prepared, TargetSpec};
+use aam_train::prepare::{DataSpec, Prepared, TargetSpec, UnifracSource};
 use aam_train::schedule::SchedulerKind;
 use aam_train::TrainError;
 use anyhow::Result;
@@ -58,9 +58,24 @@ pub struct DataArgs {
     /// BIOM table (HDF5 2.x or JSON 1.0); observation IDs are the ASV sequences.
     #[arg(long, value_name = "BIOM")]
     pub table: PathBuf,
-    /// UniFrac distances (.h5 from ssu, .npy/.npz with a sample-ID sidecar, .csv/.tsv).
-    #[arg(long, value_name = "FILE")]
-    pub unifrac_matrix: PathBuf,
+    /// UniFrac distances (.h5 from ssu or `aam-rs unifrac`, .npy/.npz with a
+    /// sample-ID sidecar, .csv/.tsv). Or give --tree.
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present = "tree",
+        conflicts_with = "tree"
+    )]
+    pub unifrac_matrix: Option<PathBuf>,
+    /// Newick tree: compute the UniFrac distances of the rarefied table's
+    /// samples instead of reading --unifrac-matrix (kept in --output-dir as
+    /// `unifrac-<metric>-<key>.h5` and reused by runs on the same inputs).
+    #[arg(long, value_name = "NEWICK")]
+    pub tree: Option<PathBuf>,
+    /// With --tree, the UniFrac variant to compute (`unifrac` and `weighted`
+    /// are the reference's names). With --unifrac-matrix the file decides.
+    #[arg(long, value_enum, default_value_t = UnifracMetric::Unweighted)]
+    pub unifrac_metric: UnifracMetric,
     /// Reads per sample after rarefaction (samples with fewer are dropped, with a warning).
     #[arg(long, default_value_t = 5000)]
     pub rarefy_depth: u64,
@@ -325,12 +340,47 @@ pub struct CheckpointingArgs {
     pub no_gradient_checkpointing: bool,
 }
 
+/// `--unifrac-metric`: the UniFrac variant `--tree` computes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum UnifracMetric {
+    /// Presence/absence UniFrac.
+    #[default]
+    #[value(alias = "unifrac")]
+    Unweighted,
+    /// Abundance-weighted, normalised UniFrac.
+    #[value(alias = "weighted")]
+    WeightedNormalized,
+    /// Abundance-weighted UniFrac, not normalised.
+    WeightedUnnormalized,
+}
+
+impl UnifracMetric {
+    fn method(self) -> aam_unifrac::Method {
+        match self {
+            Self::Unweighted => aam_unifrac::Method::Unweighted,
+            Self::WeightedNormalized => aam_unifrac::Method::WeightedNormalized,
+            Self::WeightedUnnormalized => aam_unifrac::Method::WeightedUnnormalized,
+        }
+    }
+}
+
 impl DataArgs {
-    /// The inputs of a run, prepared with `seed`.
-    pub fn spec(&self, seed: u64) -> DataSpec {
+    /// The inputs of a run, prepared with `seed`; a matrix computed from
+    /// `--tree` is kept in `cache_dir` (a run's output folder).
+    pub fn spec(&self, seed: u64, cache_dir: Option<&Path>) -> DataSpec {
+        let unifrac = match (&self.tree, &self.unifrac_matrix) {
+            (Some(tree), _) => UnifracSource::Tree {
+                tree: tree.clone(),
+                method: self.unifrac_metric.method(),
+                cache_dir: cache_dir.map(Path::to_path_buf),
+            },
+            // clap requires one of the two.
+            (None, matrix) => UnifracSource::Matrix(matrix.clone().unwrap_or_default()),
+        };
         DataSpec {
             table: self.table.clone(),
-            unifrac_matrix: self.unifrac_matrix.clone(),
+            unifrac,
             rarefy_depth: self.rarefy_depth,
             test_size: self.test_size,
             max_bp: self.max_bp,
@@ -378,7 +428,13 @@ pub fn flagged(e: TrainError) -> anyhow::Error {
     }
 }
 
-/// Reads, rarefies, joins and splits the inputs (`aam_train::prepare`).
-pub fn prepare(d: &DataArgs, seed: u64, target: Option<TargetSpec>) -> Result<Prepared> {
-    aam_train::prepare::prepare(&d.spec(seed), target).map_err(flagged)
+/// Reads, rarefies, joins and splits the inputs (`aam_train::prepare`); a
+/// matrix computed from `--tree` is kept in `cache_dir`.
+pub fn prepare(
+    d: &DataArgs,
+    seed: u64,
+    target: Option<TargetSpec>,
+    cache_dir: Option<&Path>,
+) -> Result<Prepared> {
+    aam_train::prepare::prepare(&d.spec(seed, cache_dir), target).map_err(flagged)
 }

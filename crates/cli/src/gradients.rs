@@ -170,7 +170,7 @@ pub fn run(args: GradientsArgs) -> Result<()> {
         "--checkpoint: diagnose gradients checks pretraining checkpoints (a `train` checkpoint needs its metadata targets)"
     );
     let config = config.without_dropout();
-    let prepared = prepare(&args.data, args.seed, None)?;
+    let prepared = prepare(&args.data, args.seed, None, None)?;
     let transforms = match &checkpoint {
         Some(c) => c.meta.data.transforms.clone(),
         None => Transforms {

@@ -284,7 +284,7 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
         }
     };
     check_run(&run)?;
-    let prepared = prepare(&args.data, run.seed, None)?;
+    let prepared = prepare(&args.data, run.seed, None, Some(&args.run.output_dir))?;
     let counts = prepared.dataset.fit_count_normalizer(&prepared.train)?;
     let transforms = Transforms {
         counts: Some(counts),
@@ -292,7 +292,7 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
     };
     let info = match &resume {
         Some(c) => c.meta.data.clone(),
-        None => prepared.data_info(&args.data.spec(run.seed), transforms, None, None),
+        None => prepared.data_info(&args.data.spec(run.seed, None), transforms, None, None),
     };
     start(
         args.run.clone(),
@@ -336,7 +336,7 @@ pub fn train(args: TrainArgs) -> Result<()> {
         classifier,
         labels,
     };
-    let prepared = prepare(&args.data, seed, Some(target))?;
+    let prepared = prepare(&args.data, seed, Some(target), Some(&args.run.output_dir))?;
     let pretrained = match (&resume, &args.pretrained_encoder) {
         (None, Some(path)) => Some(
             read_checkpoint(path)
@@ -516,7 +516,7 @@ fn train_setup(
         args.best_metric,
     );
     let info = p.data_info(
-        &args.data.spec(args.optim.seed),
+        &args.data.spec(args.optim.seed, None),
         transforms,
         class_labels,
         Some(args.metadata_column.clone()),

@@ -124,7 +124,11 @@ pub fn run(args: UnifracArgs) -> Result<()> {
     tracing::info!(
         "wrote the {n} x {n} {}{} matrix ({} branches) to {} in {:.1} s",
         method.name(),
-        if args.variance_adjusted { " (variance adjusted)" } else { "" },
+        if args.variance_adjusted {
+            " (variance adjusted)"
+        } else {
+            ""
+        },
         report.branches,
         args.output.display(),
         start.elapsed().as_secs_f64(),

@@ -344,6 +344,64 @@ fn pretrain_loss_falls() {
 }
 
 #[test]
+fn pretrain_from_a_tree_learns_as_from_the_ssu_matrix() {
+    // The demo's matrix is the study's `ssu` matrix; --tree computes it from
+    // the table and the study's tree instead.
+    let tree = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data/oral2550/tree.fasttree-midpoint.nwk");
+    let tmp = tempfile::tempdir().unwrap();
+    let (from_matrix, from_tree) = (tmp.path().join("matrix"), tmp.path().join("tree"));
+    run_ok(&tiny("pretrain", &from_matrix, 2));
+    let with_tree = |out: &Path, epochs: usize| {
+        let mut a = tiny("pretrain", out, epochs);
+        let at = a.iter().position(|x| x == "--unifrac-matrix").unwrap();
+        a[at] = "--tree".into();
+        a[at + 1] = s(&tree);
+        a
+    };
+    let log = run_ok(&with_tree(&from_tree, 2));
+    assert!(
+        log.contains("unweighted UniFrac distances of 64 samples"),
+        "{log}"
+    );
+    let cached: Vec<_> = std::fs::read_dir(&from_tree)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n.starts_with("unifrac-unweighted-") && n.ends_with(".h5"))
+        .collect();
+    assert_eq!(cached.len(), 1, "one cached matrix in the run folder");
+    let ((_, a), (_, b)) = (metrics(&from_matrix), metrics(&from_tree));
+    for (ra, rb) in a.iter().zip(&b) {
+        for key in [
+            "train_total_loss",
+            "train_unifrac_loss",
+            "val_total_loss",
+            "val_unifrac_loss",
+        ] {
+            let (x, y) = (ra[key], rb[key]);
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs().max(1e-3),
+                "{key}: {x} vs {y}"
+            );
+        }
+    }
+    // A second run on the same inputs reads the matrix back.
+    let log = run_ok(&with_tree(&from_tree, 1));
+    assert!(log.contains("computed by an earlier run"), "{log}");
+    // A table observation missing from the tree is named.
+    let small = tmp.path().join("small.nwk");
+    std::fs::write(&small, "(a:1,b:2);").unwrap();
+    let mut a = with_tree(&tmp.path().join("bad"), 1);
+    let at = a.iter().position(|x| x == "--tree").unwrap();
+    a[at + 1] = s(&small);
+    let err = run_err(&a);
+    assert!(
+        err.contains("--tree") && err.contains("not tips of the tree") && err.contains("small.nwk"),
+        "{err}"
+    );
+}
+
+#[test]
 fn pretrain_train_predict_workflow() {
     let tmp = tempfile::tempdir().unwrap();
     let (pre, tr) = (tmp.path().join("pre"), tmp.path().join("train"));

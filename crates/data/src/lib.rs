@@ -93,4 +93,4 @@ pub use tokenize::TokenCache;
 pub use unifrac::{
     read_id_file, sidecar_candidates, DistanceMatrix, MatrixIds, MissingPolicy, TOLERANCE,
 };
-pub use write::write_atomic;
+pub use write::{write_atomic, write_atomic_with};

@@ -53,6 +53,9 @@ pub enum TrainError {
         #[source]
         source: std::io::Error,
     },
+    /// The UniFrac distances could not be computed from `--tree`.
+    #[error("--tree: {0}")]
+    Unifrac(#[from] aam_unifrac::Error),
     /// An input file given by an option could not be used (`option` is the
     /// option's command-line spelling without dashes; the source names the file).
     #[error("--{option}: {source}")]

@@ -1,6 +1,9 @@
 //! From the user's files to the samples of a run: the table read and
 //! rarefied, joined by sample ID with the UniFrac matrix (and, for `train`,
 //! the metadata target), and split into training and validation samples.
+//! The UniFrac distances come from a matrix file or, with a tree, are
+//! computed here for the rarefied table's samples (`aam-unifrac`) and kept in
+//! the run's folder, so a second run on the same inputs reads them back.
 //!
 //! `pretrain`, `train` and `diagnose gradients` all start here, so the same
 //! options give the same samples in the same order everywhere (the split and
@@ -25,8 +28,8 @@ use crate::error::{Result, TrainError};
 pub struct DataSpec {
     /// BIOM table whose observation IDs are the ASV sequences.
     pub table: PathBuf,
-    /// UniFrac distance matrix.
-    pub unifrac_matrix: PathBuf,
+    /// Where the UniFrac distances come from.
+    pub unifrac: UnifracSource,
     /// Reads per sample after rarefaction (samples with fewer are dropped).
     pub rarefy_depth: u64,
     /// Fraction of samples held out for validation, in `[0, 1)`.
@@ -37,6 +40,27 @@ pub struct DataSpec {
     pub drop_missing: bool,
     /// Seed of rarefaction and of the split.
     pub seed: u64,
+}
+
+/// Where a run's UniFrac distances come from.
+#[derive(Clone, Debug)]
+pub enum UnifracSource {
+    /// A matrix file: `ssu`'s HDF5, `.npy`/`.npz` with its sample IDs beside
+    /// it, `.tsv`/`.csv`.
+    Matrix(PathBuf),
+    /// Computed from the rarefied table and this Newick tree. With a
+    /// `cache_dir`, the matrix is written there as
+    /// `unifrac-<method>-<key>.h5`, the key a hash of the table's and the
+    /// tree's bytes, the rarefaction depth, the seed and the method, and read
+    /// back by a later run whose key matches.
+    Tree {
+        /// The tree (its tips include the table's observations).
+        tree: PathBuf,
+        /// The UniFrac variant.
+        method: aam_unifrac::Method,
+        /// Where to keep the matrix (a run's output folder).
+        cache_dir: Option<PathBuf>,
+    },
 }
 
 /// The target of `train`: a metadata column, numeric or (with `classifier`)
@@ -89,8 +113,17 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
             aam_data::IdList::new(&rarefied.dropped)
         );
     }
-    let matrix = DistanceMatrix::read(&spec.unifrac_matrix, &MatrixIds::Auto)
-        .map_err(input("unifrac-matrix"))?;
+    let (matrix, matrix_source) = match &spec.unifrac {
+        UnifracSource::Matrix(path) => (
+            DistanceMatrix::read(path, &MatrixIds::Auto).map_err(input("unifrac-matrix"))?,
+            path.display().to_string(),
+        ),
+        UnifracSource::Tree {
+            tree,
+            method,
+            cache_dir,
+        } => tree_matrix(spec, &rarefied.table, tree, *method, cache_dir.as_deref())?,
+    };
     let policy = if spec.drop_missing {
         MissingPolicy::Drop
     } else {
@@ -101,11 +134,11 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
         .unifrac(Arc::new(matrix), policy);
     let mut sources = BTreeMap::from([
         ("table".to_string(), spec.table.display().to_string()),
-        (
-            "unifrac_matrix".to_string(),
-            spec.unifrac_matrix.display().to_string(),
-        ),
+        ("unifrac_matrix".to_string(), matrix_source),
     ]);
+    if let UnifracSource::Tree { tree, .. } = &spec.unifrac {
+        sources.insert("tree".into(), tree.display().to_string());
+    }
     let mut class_labels = None;
     if let Some(t) = target {
         let mut meta = Metadata::read(t.path).map_err(input("metadata"))?;
@@ -161,6 +194,100 @@ impl Prepared {
             sources: self.sources.clone(),
             train_ids: ids(&self.train),
             validation_ids: ids(&self.validation),
+        }
+    }
+}
+
+/// The UniFrac matrix of `table` (the rarefied table) over `tree`: read
+/// back from `cache_dir` when a run with the same inputs computed it, else
+/// computed on every core and, with a `cache_dir`, written there. Returns the
+/// matrix and where it is (or, without a cache, where it came from).
+fn tree_matrix(
+    spec: &DataSpec,
+    table: &BiomTable,
+    tree: &Path,
+    method: aam_unifrac::Method,
+    cache_dir: Option<&Path>,
+) -> Result<(DistanceMatrix, String)> {
+    let read = |path: &Path| {
+        std::fs::read(path).map_err(|source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    };
+    let mut key = Fnv::default();
+    key.write(&read(&spec.table)?);
+    key.write(&read(tree)?);
+    key.write(format!("{}|{}|{method:?}", spec.rarefy_depth, spec.seed).as_bytes());
+    let cached =
+        cache_dir.map(|dir| dir.join(format!("unifrac-{}-{:016x}.h5", method.name(), key.0)));
+    if let Some(path) = cached.as_deref().filter(|p| p.exists()) {
+        match DistanceMatrix::read(path, &MatrixIds::Auto) {
+            Ok(matrix) => {
+                tracing::info!(
+                    "UniFrac distances from {} (computed by an earlier run)",
+                    path.display()
+                );
+                return Ok((matrix, path.display().to_string()));
+            }
+            Err(e) => tracing::warn!("recomputing the UniFrac distances: {e}"),
+        }
+    }
+    let start = std::time::Instant::now();
+    let parsed = aam_unifrac::Tree::read(tree)?;
+    let (distances, report) = aam_unifrac::unifrac(
+        table,
+        &parsed,
+        &aam_unifrac::Options::new(method),
+        &mut |_, _| {},
+    )?;
+    tracing::info!(
+        "{} UniFrac distances of {} samples over {} branches of {} in {:.1} s",
+        method.name(),
+        distances.len(),
+        report.branches,
+        tree.display(),
+        start.elapsed().as_secs_f64()
+    );
+    let source = match &cached {
+        Some(path) => {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(|source| TrainError::Io {
+                    path: dir.to_path_buf(),
+                    source,
+                })?;
+            }
+            distances.write(path, false)?;
+            path.display().to_string()
+        }
+        None => format!("computed from {}", tree.display()),
+    };
+    let matrix = DistanceMatrix::from_values(
+        &source,
+        distances.ids().to_vec(),
+        distances.values().to_vec(),
+    )
+    .map_err(|source| TrainError::Input {
+        option: "tree",
+        source,
+    })?;
+    Ok((matrix, source))
+}
+
+/// FNV-1a, 64 bits: a stable hash (the same in every build and process) for
+/// cache keys; not for untrusted input.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
         }
     }
 }

@@ -85,13 +85,4 @@ pub enum Error {
     /// The table could not be read.
     #[error(transparent)]
     Data(#[from] aam_data::Error),
-
-    /// The HDF5 writer failed.
-    #[error("{}: writing HDF5: {message}", path.display())]
-    Hdf5 {
-        /// The output file.
-        path: PathBuf,
-        /// The writer's message.
-        message: String,
-    },
 }

@@ -57,6 +57,7 @@ impl Distances {
     pub fn write(&self, path: &Path, fp32: bool) -> Result<()> {
         let bytes = match extension(path).as_str() {
             "h5" | "hdf5" => {
+                // Streamed to the file: an N×N matrix is not held twice more.
                 let ids: Vec<&str> = self.ids.iter().map(String::as_str).collect();
                 let n = self.ids.len() as u64;
                 let mut b = hdf5_pure::FileBuilder::new();
@@ -73,10 +74,10 @@ impl Distances {
                         .with_f64_data(&self.values)
                         .with_shape(&[n, n]);
                 }
-                b.finish().map_err(|e| Error::Hdf5 {
-                    path: path.to_path_buf(),
-                    message: e.to_string(),
-                })?
+                return aam_data::write_atomic_with(path, |w| {
+                    b.finish_to(w).map_err(std::io::Error::other)
+                })
+                .map_err(Error::from);
             }
             "tsv" | "txt" => {
                 let mut s = String::new();

@@ -68,7 +68,7 @@ fn batch(rows: Rows) -> usize {
 struct Chunk {
     width: usize,
     lengths: Vec<f64>,
-    /// Active samples, in the order first seen.
+    /// Active samples, ascending.
     active: Vec<u32>,
     /// Per sample: its position in `active`, or NONE.
     slot: Vec<u32>,
@@ -148,15 +148,21 @@ impl<'a> Chunker<'a> {
         let mut lengths = std::mem::take(&mut self.lengths);
         lengths.resize(width, 0.0);
         let entries = std::mem::take(&mut self.entries);
+        // Active samples in ascending order, so that a thread's writes to a
+        // stripe move forward through it.
         let mut slot = vec![NONE; n];
         let mut active = Vec::new();
         for list in &entries {
             for &(s, _) in list {
                 if slot[s as usize] == NONE {
-                    slot[s as usize] = active.len() as u32;
+                    slot[s as usize] = 0;
                     active.push(s);
                 }
             }
+        }
+        active.sort_unstable();
+        for (a, &s) in active.iter().enumerate() {
+            slot[s as usize] = a as u32;
         }
         let m = active.len();
         let mut chunk = Chunk {

@@ -138,22 +138,48 @@ pub(super) fn write(table: &BiomTable) -> Result<Vec<u8>> {
         }
     }
     let sample_indices: Vec<i32> = table.indices.iter().map(|&o| o as i32).collect();
-    let sample_ptr = table.indptr.iter().map(|&p| int(p)).collect::<Result<Vec<_>>>()?;
+    let sample_ptr = table
+        .indptr
+        .iter()
+        .map(|&p| int(p))
+        .collect::<Result<Vec<_>>>()?;
     let obs_ptr = obs_ptr.into_iter().map(int).collect::<Result<Vec<_>>>()?;
     use hdf5_pure::AttrValue;
     let mut b = hdf5_pure::FileBuilder::new();
-    let name = table.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = table
+        .source
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     b.set_attr("id", AttrValue::String(name));
     b.set_attr("type", AttrValue::String("OTU table".into()));
-    b.set_attr("format-url", AttrValue::String("http://biom-format.org".into()));
+    b.set_attr(
+        "format-url",
+        AttrValue::String("http://biom-format.org".into()),
+    );
     b.set_attr("format-version", AttrValue::I32Array(vec![2, 1]));
     b.set_attr("generated-by", AttrValue::String("aam-rs".into()));
     b.set_attr("creation-date", AttrValue::String(utc_now()));
-    b.set_attr("shape", AttrValue::I32Array(vec![int(n_obs)?, int(n_samples)?]));
+    b.set_attr(
+        "shape",
+        AttrValue::I32Array(vec![int(n_obs)?, int(n_samples)?]),
+    );
     b.set_attr("nnz", AttrValue::I32(int(table.data.len())?));
     let axes: [(&str, &[String], &[f64], &[i32], &[i32]); 2] = [
-        ("observation", &table.observation_ids, &obs_data, &obs_indices, &obs_ptr),
-        ("sample", &table.sample_ids, &table.data, &sample_indices, &sample_ptr),
+        (
+            "observation",
+            &table.observation_ids,
+            &obs_data,
+            &obs_indices,
+            &obs_ptr,
+        ),
+        (
+            "sample",
+            &table.sample_ids,
+            &table.data,
+            &sample_indices,
+            &sample_ptr,
+        ),
     ];
     let mut groups = Vec::new();
     for (axis, axis_ids, data, indices, indptr) in axes {
@@ -274,9 +300,18 @@ mod tests {
             assert_eq!(back.sample(s).counts, t.sample(s).counts);
         }
         let file = H5::open(bytes, Path::new("w.biom")).unwrap();
-        assert_eq!(file.read_i64("observation/matrix/indptr").unwrap(), [0, 1, 2, 4]);
-        assert_eq!(file.read_i64("observation/matrix/indices").unwrap(), [0, 1, 0, 1]);
-        assert_eq!(file.read_f64("observation/matrix/data").unwrap(), [1.0, 4.0, 2.0, 8.0]);
+        assert_eq!(
+            file.read_i64("observation/matrix/indptr").unwrap(),
+            [0, 1, 2, 4]
+        );
+        assert_eq!(
+            file.read_i64("observation/matrix/indices").unwrap(),
+            [0, 1, 0, 1]
+        );
+        assert_eq!(
+            file.read_f64("observation/matrix/data").unwrap(),
+            [1.0, 4.0, 2.0, 8.0]
+        );
         let date = utc_now();
         assert!(date.starts_with("20") && date.len() == 19, "{date}");
     }

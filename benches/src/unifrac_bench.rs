@@ -1,0 +1,114 @@
+//! Helpers of `benches/unifrac.sh`, which times `aam-rs unifrac` beside `ssu`:
+//!
+//! - `unifrac-bench synth --table oral_2550.biom --samples 20000 --output
+//!   synth.biom`: a synthetic BIOM table of any size from a real one, for
+//!   timing UniFrac at scale on a real tree: each new sample is the sum of two
+//!   real samples drawn at random (seeded), so it keeps the real ASVs, clades
+//!   and sparsity.
+//! - `unifrac-bench compare a.h5 b.h5`: the largest absolute difference of
+//!   two distance matrices, matched by sample ID.
+
+use std::path::PathBuf;
+
+use aam_data::BiomTable;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a synthetic table.
+    Synth(Args),
+    /// Print max |a - b| over the samples of `a`.
+    Compare { a: PathBuf, b: PathBuf },
+}
+
+#[derive(clap::Args)]
+struct Args {
+    /// The real table to draw from.
+    #[arg(long)]
+    table: PathBuf,
+    /// Samples of the synthetic table.
+    #[arg(long)]
+    samples: usize,
+    /// Output BIOM 2.1 (HDF5).
+    #[arg(long)]
+    output: PathBuf,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+/// SplitMix64: a small, seeded generator (quality is not the point here).
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    match Cli::parse().command {
+        Command::Synth(args) => synth(args),
+        Command::Compare { a, b } => {
+            let ids = aam_data::MatrixIds::Auto;
+            let (a, b) = (
+                aam_data::DistanceMatrix::read(&a, &ids)?,
+                aam_data::DistanceMatrix::read(&b, &ids)?,
+            );
+            let at: Vec<usize> = a
+                .ids()
+                .iter()
+                .map(|id| {
+                    b.position(id)
+                        .ok_or(format!("{id} is missing from the second matrix"))
+                })
+                .collect::<Result<_, _>>()?;
+            let mut worst = 0.0f32;
+            for i in 0..a.len() {
+                for j in 0..a.len() {
+                    worst = worst.max((a.get(i, j) - b.get(at[i], at[j])).abs());
+                }
+            }
+            println!("{worst:e}");
+            Ok(())
+        }
+    }
+}
+
+fn synth(args: Args) -> Result<(), Box<dyn std::error::Error>> {
+    let real = BiomTable::read(&args.table)?;
+    let n = real.n_samples() as u64;
+    let mut state = args.seed;
+    let (mut obs, mut samples, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+    for s in 0..args.samples {
+        for _ in 0..2 {
+            let from = real.sample((next(&mut state) % n) as usize);
+            obs.extend_from_slice(from.observations);
+            counts.extend_from_slice(from.counts);
+            samples.extend(std::iter::repeat_n(s as u32, from.len()));
+        }
+    }
+    let ids = (0..args.samples).map(|s| format!("synth.{s}")).collect();
+    let table = BiomTable::from_triplets(
+        &args.output,
+        ids,
+        real.observation_ids().to_vec(),
+        &obs,
+        &samples,
+        &counts,
+    )?;
+    table.write_hdf5(&args.output)?;
+    eprintln!(
+        "{}: {} samples x {} observations, {} counts",
+        args.output.display(),
+        table.n_samples(),
+        table.n_observations(),
+        table.nnz()
+    );
+    Ok(())
+}
