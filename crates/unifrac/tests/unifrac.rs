@@ -130,6 +130,11 @@ fn options(method: Method, vaw: bool, drop_empty: bool) -> Options {
     }
 }
 
+/// The matrix of `table` over `tree` with `options` (progress not shown).
+fn run(table: &BiomTable, tree: &Tree, options: &Options) -> Distances {
+    unifrac(table, tree, options, &mut |_, _| {}).unwrap().0
+}
+
 const METHODS: [Method; 5] = [
     Method::Unweighted,
     Method::WeightedNormalized,
@@ -173,13 +178,7 @@ fn single_precision_output_matches_ssu_fp32_and_reads_back() {
     let tree = Tree::read(&tree_path).unwrap();
     let dir = tempfile::tempdir().unwrap();
     for method in [Method::Unweighted, Method::WeightedNormalized] {
-        let (ours, _) = unifrac(
-            &table,
-            &tree,
-            &options(method, false, false),
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let ours = run(&table, &tree, &options(method, false, false));
         let path = dir.path().join("ours.h5");
         ours.write(&path, true).unwrap();
         let (ids, values) = read_h5(&path);
@@ -187,8 +186,7 @@ fn single_precision_output_matches_ssu_fp32_and_reads_back() {
         let back = aam_data::DistanceMatrix::read(&path, &aam_data::MatrixIds::Auto).unwrap();
         assert_eq!(back.ids(), ours.ids());
         let (sids, theirs) = ssu(&table_path, &tree_path, method, false, true);
-        let ours32 = Distances::clone(&ours);
-        let diff = max_diff(&ours32, &sids, &theirs);
+        let diff = max_diff(&ours, &sids, &theirs);
         assert!(diff <= 1e-5, "{method:?} fp32: {diff:e}");
         let written: f64 = values
             .iter()
@@ -214,13 +212,7 @@ fn oral2550_matches_ssu() {
     let table = BiomTable::read(&table_path).unwrap();
     let tree = Tree::read(&tree_path).unwrap();
     for method in [Method::Unweighted, Method::WeightedNormalized] {
-        let (ours, _) = unifrac(
-            &table,
-            &tree,
-            &options(method, false, false),
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let ours = run(&table, &tree, &options(method, false, false));
         assert_eq!(ours.len(), table.n_samples());
         let (ids, theirs) = ssu(&table_path, &tree_path, method, false, false);
         let diff = max_diff(&ours, &ids, &theirs);
@@ -305,7 +297,7 @@ fn distances_are_symmetric_zero_on_the_diagonal_and_zero_between_identical_sampl
     )
     .unwrap();
     for method in METHODS {
-        let (d, _) = unifrac(&t, &tree, &options(method, false, false), &mut |_, _| {}).unwrap();
+        let d = run(&t, &tree, &options(method, false, false));
         for i in 0..5 {
             assert_eq!(d.get(i, i), 0.0);
             for j in 0..5 {
@@ -326,16 +318,10 @@ fn distances_do_not_depend_on_sample_order_children_order_or_threads() {
     let shuffled = table.select_samples(&perm);
     let mirrored = Tree::parse(tree.to_newick(true).as_bytes(), Path::new("mirrored.nwk")).unwrap();
     for method in METHODS {
-        let (base, _) = unifrac(
-            &table,
-            &tree,
-            &options(method, false, false),
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let base = run(&table, &tree, &options(method, false, false));
         let mut one = options(method, false, false);
         one.threads = 1;
-        let (single, _) = unifrac(&shuffled, &mirrored, &one, &mut |_, _| {}).unwrap();
+        let single = run(&shuffled, &mirrored, &one);
         for i in 0..n {
             for j in 0..n {
                 let (a, b) = (base.get(i, j), single.get(n - 1 - i, n - 1 - j));
@@ -358,7 +344,7 @@ fn a_tree_of_one_tip_gives_zero_distances() {
     )
     .unwrap();
     for method in METHODS {
-        let (d, _) = unifrac(&t, &tree, &options(method, false, false), &mut |_, _| {}).unwrap();
+        let d = run(&t, &tree, &options(method, false, false));
         assert_eq!(d.values(), &[0.0; 4], "{method:?}");
     }
     let (pd, _) = faith_pd(&t, &tree, &Options::new(Method::Unweighted)).unwrap();
