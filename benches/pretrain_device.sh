@@ -17,7 +17,9 @@
 # Env: EPOCHS (default 2), BACKEND (cuda), ATTN (auto), PT (1: also run the reference),
 #      AAM_LOG (default info; info,aam_train=debug logs every step's loss),
 #      TRAIN_TIMEOUT (s, default 480), TRAIN_ARGS (extra flags), BIN (default aam-rs: the
-#      binary .carry/gpu/$BIN.xz, e.g. a fusion build).
+#      binary .carry/gpu/$BIN.xz, e.g. a fusion build), UNIFRAC (default
+#      `--unifrac-matrix .carry/oral2550/unifrac.unweighted.h5`; `--tree
+#      .carry/oral2550/tree.fasttree-midpoint.nwk` computes the matrix in the run).
 # Writes to $OUT: aam.log, metrics.csv, loss.png, gpu_mem.csv, pt.log, pt_anchor.json, cache.txz.*.
 set -uo pipefail
 EPOCHS=${EPOCHS:-2}; BACKEND=${BACKEND:-cuda}; ATTN=${ATTN:-auto}; PT=${PT:-1}
@@ -31,8 +33,9 @@ fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/gpu_mem.csv" &
 SMI=$!
 start=$(date +%s)
+rm -rf /tmp/run
 AAM_LOG=${AAM_LOG:-info} timeout "${TRAIN_TIMEOUT:-480}" /tmp/bin/aam-rs pretrain --backend "$BACKEND" --attn-implementation "$ATTN" \
-  --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
+  --table .carry/oral2550/oral_2550.biom ${UNIFRAC:---unifrac-matrix .carry/oral2550/unifrac.unweighted.h5} \
   --rarefy-depth 1000 --epochs "$EPOCHS" --warmup-steps 100 --num-workers 8 \
   --output-dir /tmp/run ${TRAIN_ARGS:-} > "$OUT/aam.log" 2>&1
 rc=$?
