@@ -7,6 +7,8 @@
 //!   and sparsity.
 //! - `unifrac-bench compare a.h5 b.h5`: the largest absolute difference of
 //!   two distance matrices, matched by sample ID.
+//! - `unifrac-bench shear --table T --tree N --output O`: the tree sheared to
+//!   the table's observations (how `crates/data/demo/tree.nwk` was made).
 
 use std::path::PathBuf;
 
@@ -25,6 +27,15 @@ enum Command {
     Synth(Args),
     /// Print max |a - b| over the samples of `a`.
     Compare { a: PathBuf, b: PathBuf },
+    /// Write `tree` sheared to the observations of `table` (the demo's tree.nwk).
+    Shear {
+        #[arg(long)]
+        table: PathBuf,
+        #[arg(long)]
+        tree: PathBuf,
+        #[arg(long)]
+        output: PathBuf,
+    },
 }
 
 #[derive(clap::Args)]
@@ -54,6 +65,11 @@ fn next(state: &mut u64) -> u64 {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     match Cli::parse().command {
         Command::Synth(args) => synth(args),
+        Command::Shear {
+            table,
+            tree,
+            output,
+        } => shear(&table, &tree, &output),
         Command::Compare { a, b } => {
             let ids = aam_data::MatrixIds::Auto;
             let (a, b) = (
@@ -78,6 +94,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             Ok(())
         }
     }
+}
+
+fn shear(
+    table: &PathBuf,
+    tree: &PathBuf,
+    output: &PathBuf,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let table = BiomTable::read(table)?;
+    let ids: std::collections::HashSet<&str> =
+        table.observation_ids().iter().map(String::as_str).collect();
+    let tree = aam_unifrac::Tree::read(tree)?;
+    let sheared = tree
+        .sheared(|name| ids.contains(name))
+        .ok_or("no observation of the table is a tip of the tree")?;
+    aam_data::write_atomic(output, format!("{}\n", sheared.to_newick(false)).as_bytes())?;
+    eprintln!("{}: {} tips", output.display(), sheared.n_tips());
+    Ok(())
 }
 
 fn synth(args: Args) -> Result<(), Box<dyn std::error::Error>> {

@@ -346,9 +346,8 @@ fn pretrain_loss_falls() {
 #[test]
 fn pretrain_from_a_tree_learns_as_from_the_ssu_matrix() {
     // The demo's matrix is the study's `ssu` matrix; --tree computes it from
-    // the table and the study's tree instead.
-    let tree = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/oral2550/tree.fasttree-midpoint.nwk");
+    // the table and the study's tree (sheared to the demo's ASVs) instead.
+    let tree = demo("tree.nwk");
     let tmp = tempfile::tempdir().unwrap();
     let (from_matrix, from_tree) = (tmp.path().join("matrix"), tmp.path().join("tree"));
     run_ok(&tiny("pretrain", &from_matrix, 2));

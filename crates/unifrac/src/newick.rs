@@ -122,6 +122,49 @@ impl Tree {
         self.children.iter().filter(|&&c| c == 0).count()
     }
 
+    /// The subtree spanned by the tips `keep` accepts, with every internal
+    /// node left with one child merged into it (lengths add; the root stays),
+    /// as UniFrac shears a tree to a table. None when no tip is kept.
+    pub fn sheared(&self, keep: impl Fn(&str) -> bool) -> Option<Tree> {
+        let mut out = Tree {
+            source: self.source.clone(),
+            names: Vec::new(),
+            lengths: Vec::new(),
+            children: Vec::new(),
+        };
+        // Per finished subtree: the new index of its top node, if it kept a tip.
+        let mut stack: Vec<Option<usize>> = Vec::new();
+        let root = self.len() - 1;
+        for node in 0..self.len() {
+            let c = self.children[node] as usize;
+            let kept: Vec<usize> = if c == 0 {
+                if !keep(&self.names[node]) {
+                    stack.push(None);
+                    continue;
+                }
+                Vec::new()
+            } else {
+                stack
+                    .split_off(stack.len() - c)
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            };
+            if c > 0 && kept.is_empty() {
+                stack.push(None);
+            } else if kept.len() == 1 && node != root {
+                out.lengths[kept[0]] += self.lengths[node];
+                stack.push(Some(kept[0]));
+            } else {
+                out.names.push(self.names[node].clone());
+                out.lengths.push(self.lengths[node]);
+                out.children.push(kept.len() as u32);
+                stack.push(Some(out.names.len() - 1));
+            }
+        }
+        (!out.names.is_empty()).then_some(out)
+    }
+
     /// The tree as Newick text, children in order or reversed (to check that
     /// a result does not depend on the order of children).
     pub fn to_newick(&self, reverse_children: bool) -> String {
@@ -176,7 +219,8 @@ fn label(out: &mut String, tree: &Tree, i: usize) {
         out.push_str(&name.replace('\'', "''"));
         out.push('\'');
     }
-    out.push_str(&format!(":{}", tree.lengths[i]));
+    // Lengths are read at single precision, so this loses nothing.
+    out.push_str(&format!(":{}", tree.lengths[i] as f32));
 }
 
 struct Parser<'a> {
@@ -440,6 +484,21 @@ mod tests {
             );
             assert!(msg.contains("t.nwk"), "{msg}");
         }
+    }
+
+    #[test]
+    fn shears_to_kept_tips_and_merges_single_children() {
+        let t = parse("(((a:1,b:2)x:1,c:3)y:1,(d:1,e:1)z:2)r;").unwrap();
+        let s = t.sheared(|n| n == "a" || n == "c" || n == "d").unwrap();
+        // b goes, so x merges into a (1 + 1); e goes, so z merges into d (1 + 2).
+        assert_eq!(s.names(), ["a", "c", "y", "d", "r"]);
+        assert_eq!(s.lengths(), [2.0, 3.0, 1.0, 3.0, 0.0]);
+        assert_eq!(s.children(), [0, 0, 2, 0, 2]);
+        assert!(t.sheared(|_| false).is_none());
+        // The root stays even with one child left.
+        let one = t.sheared(|n| n == "e").unwrap();
+        assert_eq!(one.children(), [0, 1]);
+        assert_eq!(one.lengths(), [3.0, 0.0]);
     }
 
     #[test]
