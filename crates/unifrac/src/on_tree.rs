@@ -65,7 +65,6 @@ impl OnTree {
             .filter(|(o, _)| !per_obs[*o].is_empty())
             .map(|(o, id)| (id.as_str(), o))
             .collect();
-        let mut tip_obs: Vec<Option<usize>> = vec![None; tree.len()];
         let mut placed = vec![false; n_obs];
         for (node, name) in tree.names().iter().enumerate() {
             if tree.children()[node] != 0 {
@@ -79,7 +78,6 @@ impl OnTree {
                     });
                 }
                 placed[o] = true;
-                tip_obs[node] = Some(o);
             }
         }
         let missing: Vec<String> = (0..n_obs)
@@ -135,64 +133,34 @@ impl OnTree {
             });
         }
 
-        // Shear and collapse in one postorder pass; the stack holds, per
-        // finished subtree, the new index of its top node (None: no tip kept).
-        let root = tree.len() - 1;
+        let no_tip = || Error::NothingToCompare {
+            table: table.source().to_path_buf(),
+            reason: "no observation of the table is a tip of the tree".into(),
+        };
+        let sheared = tree
+            .sheared(|name| obs_index.contains_key(name))
+            .ok_or_else(no_tip)?;
         let mut out = OnTree {
             sample_ids,
             totals: kept_totals,
-            lengths: Vec::new(),
-            children: Vec::new(),
-            tip_range: Vec::new(),
+            lengths: sheared.lengths().to_vec(),
+            children: sheared.children().to_vec(),
+            tip_range: Vec::with_capacity(sheared.len()),
             tip_samples: Vec::new(),
             tip_counts: Vec::new(),
         };
-        let mut stack: Vec<Option<usize>> = Vec::new();
-        for node in 0..tree.len() {
-            let c = tree.children()[node] as usize;
-            let length = tree.lengths()[node];
+        for (name, &c) in sheared.names().iter().zip(sheared.children()) {
+            let start = out.tip_samples.len() as u32;
             if c == 0 {
-                match tip_obs[node] {
-                    Some(o) => {
-                        let start = out.tip_samples.len() as u32;
-                        for &(s, count) in &per_obs[o] {
-                            let s = new_index[s as usize];
-                            if s != u32::MAX {
-                                out.tip_samples.push(s);
-                                out.tip_counts.push(count);
-                            }
-                        }
-                        out.tip_range.push((start, out.tip_samples.len() as u32));
-                        out.lengths.push(length);
-                        out.children.push(0);
-                        stack.push(Some(out.lengths.len() - 1));
+                for &(s, count) in &per_obs[obs_index[name.as_str()]] {
+                    let s = new_index[s as usize];
+                    if s != u32::MAX {
+                        out.tip_samples.push(s);
+                        out.tip_counts.push(count);
                     }
-                    None => stack.push(None),
                 }
-                continue;
             }
-            let kept: Vec<usize> = stack
-                .split_off(stack.len() - c)
-                .into_iter()
-                .flatten()
-                .collect();
-            if kept.is_empty() {
-                stack.push(None);
-            } else if kept.len() == 1 && node != root {
-                out.lengths[kept[0]] += length;
-                stack.push(Some(kept[0]));
-            } else {
-                out.tip_range.push((0, 0));
-                out.lengths.push(length);
-                out.children.push(kept.len() as u32);
-                stack.push(Some(out.lengths.len() - 1));
-            }
-        }
-        if out.lengths.is_empty() {
-            return Err(Error::NothingToCompare {
-                table: table.source().to_path_buf(),
-                reason: "no observation of the table is a tip of the tree".into(),
-            });
+            out.tip_range.push((start, out.tip_samples.len() as u32));
         }
         report.branches = out.lengths.len() - 1;
         Ok((out, report))
