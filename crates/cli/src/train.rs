@@ -193,6 +193,7 @@ fn run_config(
         time_phases: Default::default(),
         mixed_precision: Default::default(),
         unifrac_pairs: Default::default(),
+        checkpoint_every_steps: None,
     }
 }
 

@@ -480,7 +480,14 @@ impl BatchLoader {
 
     /// Iterate over the batches of `epoch`, built ahead on worker threads.
     pub fn epoch(&self, epoch: u64) -> Prefetch {
-        Prefetch::start(self.inner.clone(), epoch)
+        Prefetch::start(self.inner.clone(), epoch, 0)
+    }
+
+    /// The batches of `epoch` from batch `first` on (a run resumed inside an
+    /// epoch): the same batches as [`BatchLoader::epoch`] yields from there,
+    /// without building the ones before.
+    pub fn epoch_from(&self, epoch: u64, first: usize) -> Prefetch {
+        Prefetch::start(self.inner.clone(), epoch, first)
     }
 }
 
@@ -665,20 +672,21 @@ struct Claims {
 }
 
 impl Prefetch {
-    fn start(inner: Arc<Inner>, epoch: u64) -> Self {
+    fn start(inner: Arc<Inner>, epoch: u64, first: usize) -> Self {
         let plan = Arc::new(inner.plan(epoch));
         let total = plan.len();
+        let first = first.min(total);
         let window = inner.config.prefetch;
         let shared = Arc::new(Shared {
             state: Mutex::new(Claims {
-                claimed: 0,
-                consumed: 0,
+                claimed: first,
+                consumed: first,
                 stop: false,
             }),
             wake: Condvar::new(),
         });
         let (tx, results) = channel();
-        let workers = (0..inner.config.workers.min(total.max(1)))
+        let workers = (0..inner.config.workers.min((total - first).max(1)))
             .map(|_| {
                 let (inner, plan, shared, tx) =
                     (inner.clone(), plan.clone(), shared.clone(), tx.clone());
@@ -712,7 +720,7 @@ impl Prefetch {
         Self {
             results,
             pending: BTreeMap::new(),
-            next: 0,
+            next: first,
             total,
             shared,
             workers,
@@ -980,6 +988,10 @@ mod tests {
         assert_ne!(loader.plan(3), loader.plan(4), "epochs reshuffle");
         let c: Vec<Batch> = loader.epoch(3).map(|b| b.unwrap()).collect();
         assert_eq!(a, c);
+        // Starting inside the epoch gives the same batches from there on.
+        let d: Vec<Batch> = loader.epoch_from(3, 2).map(|b| b.unwrap()).collect();
+        assert_eq!(d, a[2..]);
+        assert_eq!(loader.epoch_from(3, 5).count(), 0);
     }
 
     #[test]

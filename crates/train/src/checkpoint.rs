@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
+use crate::metrics::Means;
 use crate::optim::LossScaler;
 use crate::schedule::Scheduler;
 
@@ -101,6 +102,29 @@ pub struct Progress {
     /// fp16 mixed precision's loss scale (absent otherwise).
     #[serde(default)]
     pub loss_scaler: Option<LossScaler>,
+    /// Where the run stands inside an epoch, for a checkpoint written at an
+    /// optimiser step before the epoch's end (`--checkpoint-every-steps`, or
+    /// a signal); None at an epoch's end.
+    #[serde(default)]
+    pub in_epoch: Option<EpochPosition>,
+}
+
+/// A run's place inside an unfinished epoch: with the weights, optimiser
+/// and schedule of the same step, enough to go on as if never stopped
+/// (batches are built from `(seed, epoch, batch)`, random draws from
+/// `(seed, micro_step)`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EpochPosition {
+    /// The epoch under way (0-based; equals `epochs_done`).
+    pub epoch: usize,
+    /// Its training batches done (every one ended with an optimiser step).
+    pub batches_done: usize,
+    /// Its training samples so far.
+    pub samples: usize,
+    /// Learning rate of its last optimiser step.
+    pub lr: f64,
+    /// Running sums of its training means.
+    pub means: Means,
 }
 
 /// Everything in a checkpoint besides tensors.

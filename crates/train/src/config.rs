@@ -133,6 +133,11 @@ pub struct RunConfig {
     /// (`--unifrac-pairs`; one device always has the whole batch).
     #[serde(default)]
     pub unifrac_pairs: UnifracPairs,
+    /// Also write `checkpoints/last.safetensors` after every this many
+    /// optimiser steps, inside epochs (`--checkpoint-every-steps`): bounds
+    /// the work a killed run loses. None: at the end of each epoch only.
+    #[serde(default)]
+    pub checkpoint_every_steps: Option<u64>,
 }
 
 impl RunConfig {

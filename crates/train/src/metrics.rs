@@ -109,7 +109,7 @@ impl ClassificationMetrics {
 }
 
 /// Running means of named scalars (per-batch losses → epoch values).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Means {
     sums: BTreeMap<String, (f64, u64)>,
 }

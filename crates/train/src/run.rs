@@ -29,8 +29,8 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::checkpoint::{
-    write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochRecord, Progress,
-    FORMAT_VERSION,
+    write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochPosition, EpochRecord,
+    Progress, FORMAT_VERSION,
 };
 use crate::config::{PhaseTiming, RunConfig, Task};
 use crate::error::{Result, TrainError};
@@ -91,6 +91,14 @@ pub trait Observer {
     fn should_stop(&mut self) -> bool {
         false
     }
+    /// Checked after each optimiser step: true ends the run at that step
+    /// with `checkpoints/last.safetensors` written there (at the epoch's
+    /// last step, after its validation and checkpoints), and
+    /// [`FitSummary::interrupted`] set. The CLI answers SIGTERM and SIGUSR1
+    /// (a scheduler's warning before it kills a job) this way.
+    fn interrupted(&mut self) -> bool {
+        false
+    }
 }
 
 /// An observer that does nothing.
@@ -110,11 +118,15 @@ pub struct FitSummary {
     pub last_checkpoint: PathBuf,
     /// Whether early stopping ended the run.
     pub stopped_early: bool,
+    /// Whether [`Observer::interrupted`] ended it (`last_checkpoint` holds
+    /// the step it stopped at; `--resume-from` continues from there).
+    pub interrupted: bool,
 }
 
 /// File names inside the output directory.
 pub mod files {
-    /// Checkpoint of the last completed epoch.
+    /// Checkpoint of the last completed epoch, or of a later optimiser step
+    /// (`--checkpoint-every-steps`, an interruption).
     pub const LAST: &str = "checkpoints/last.safetensors";
     /// Checkpoint of the best epoch.
     pub const BEST: &str = "checkpoints/best.safetensors";
@@ -523,6 +535,7 @@ where
                 bad_epochs: 0,
                 history: Vec::new(),
                 loss_scaler: None,
+                in_epoch: None,
             },
         ),
     };
@@ -553,10 +566,15 @@ where
         let replica = models[0].replica(d);
         models.push(replica);
     }
-    let mut stopped_early = false;
+    let (mut stopped_early, mut interrupted) = (false, false);
     for epoch in trainer.progress.epochs_done..run.epochs {
         let (trained, training) = trainer.train_epoch(models, &train_loader, epoch, observer)?;
         models = trained;
+        let Some(training) = training else {
+            interrupted = true;
+            break;
+        };
+        let asked_to_stop = training.interrupted;
         if cfg!(debug_assertions) {
             check_replicas_agree(&models, &model_config)?;
         }
@@ -581,6 +599,10 @@ where
             stopped_early = true;
             break;
         }
+        if asked_to_stop || observer.interrupted() {
+            interrupted = true;
+            break;
+        }
         if observer.should_stop() {
             break;
         }
@@ -591,6 +613,7 @@ where
         best_checkpoint: out_dir.join(files::BEST),
         last_checkpoint: out_dir.join(files::LAST),
         stopped_early,
+        interrupted,
     })
 }
 
@@ -662,6 +685,8 @@ struct EpochTraining {
     last_lr: f64,
     /// When the epoch started.
     started: Instant,
+    /// Whether [`Observer::interrupted`] asked to stop at its last step.
+    interrupted: bool,
 }
 
 /// A batch's losses (and nucleotide accuracy counts) as one `[k]` tensor
@@ -935,25 +960,31 @@ where
 {
     /// One epoch over the training batches: a forward and backward pass per
     /// batch, an optimiser step every `gradient_accumulation_steps` batches
-    /// (and after the last), one host read per batch.
+    /// (and after the last), one host read per batch. A checkpoint taken
+    /// inside this epoch ([`Progress::in_epoch`]) continues from its batch.
+    ///
+    /// Returns no [`EpochTraining`] when [`Observer::interrupted`] stopped
+    /// the epoch before its last batch (its step checkpoint is written).
     fn train_epoch(
         &mut self,
         mut models: Vec<AamModel<AB>>,
         loader: &BatchLoader,
         epoch: usize,
         observer: &mut dyn Observer,
-    ) -> Result<(Vec<AamModel<AB>>, EpochTraining)> {
+    ) -> Result<(Vec<AamModel<AB>>, Option<EpochTraining>)> {
         let (run, device) = (self.run, &self.devices[0]);
         let accum = run.gradient_accumulation_steps;
         let started = Instant::now();
-        let mut means = Means::default();
         let mut buffers: Vec<GradientBuffer<AB::InnerBackend>> =
             self.devices.iter().map(|_| Default::default()).collect();
         let mut pending = 0usize;
-        let mut seen = 0usize;
-        let mut last_lr = self.scheduler.lr();
+        let (first, mut seen, mut last_lr, mut means) = match self.progress.in_epoch.take() {
+            Some(p) if p.epoch == epoch => (p.batches_done, p.samples, p.lr, p.means),
+            _ => (0, 0, self.scheduler.lr(), Means::default()),
+        };
         let mut timer = StepProfiler::new(run.memory_profile, run.time_phases);
-        for (k, batch) in loader.epoch(epoch as u64).enumerate() {
+        let mut interrupted = false;
+        for (k, batch) in (first..).zip(loader.epoch_from(epoch as u64, first)) {
             let batch = batch?;
             let stream = mix(run.seed, self.progress.micro_step);
             for (rank, d) in self.devices.iter().enumerate().rev() {
@@ -974,7 +1005,8 @@ where
             seen += batch.batch_size();
             // The gradient norm before clipping, still on the device.
             let mut grad_norm = None;
-            if pending == accum || k + 1 == self.batches {
+            let stepped = pending == accum || k + 1 == self.batches;
+            if stepped {
                 last_lr = self.scheduler.lr();
                 let (stepped, norm) = self.optimizer_step(models, &mut buffers, &mut means);
                 models = stepped;
@@ -1010,19 +1042,68 @@ where
                 lr: last_lr,
                 samples_per_sec: seen as f64 / started.elapsed().as_secs_f64().max(1e-9),
             });
+            if stepped {
+                interrupted = observer.interrupted();
+                let due = run
+                    .checkpoint_every_steps
+                    .is_some_and(|n| self.progress.global_step % n.max(1) == 0);
+                // The epoch's last step is checkpointed by its end.
+                if (interrupted || due) && k + 1 < self.batches {
+                    self.progress.in_epoch = Some(EpochPosition {
+                        epoch,
+                        batches_done: k + 1,
+                        samples: seen,
+                        lr: last_lr,
+                        means: means.clone(),
+                    });
+                    let path = self.out_dir.join(files::LAST);
+                    self.write_checkpoint(&models[0], &[&path])?;
+                    tracing::debug!(
+                        "checkpoint at epoch {epoch} batch {} (step {}): {}",
+                        k + 1,
+                        self.progress.global_step,
+                        path.display()
+                    );
+                    self.progress.in_epoch = None;
+                    if interrupted {
+                        return Ok((models, None));
+                    }
+                }
+            }
         }
         let seconds = started.elapsed().as_secs_f64();
         timer.epoch_end(epoch, &self.out_dir.join(files::MEMORY_PROFILE))?;
         Ok((
             models,
-            EpochTraining {
+            Some(EpochTraining {
                 means: means.finish(),
                 seen,
                 seconds,
                 last_lr,
                 started,
-            },
+                interrupted,
+            }),
         ))
+    }
+
+    /// Writes the run's state as it stands (weights of `model`, the first
+    /// replica's optimiser, schedule, progress) to each of `paths`.
+    fn write_checkpoint(&self, model: &AamModel<AB>, paths: &[&Path]) -> Result<()> {
+        let (optim_tensors, optimizer_steps) = self.optimizers[0].state_tensors();
+        let meta = CheckpointMeta {
+            format: FORMAT_VERSION,
+            producer: format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
+            model: self.model_config.clone(),
+            run: self.run.clone(),
+            data: self.data.info.clone(),
+            progress: self.progress.clone(),
+            scheduler: self.scheduler.clone(),
+            optimizer_steps,
+        };
+        for path in paths {
+            write_checkpoint(path, &meta, model, optim_tensors.clone())?;
+        }
+        Ok(())
     }
 
     /// The forward and backward passes of one batch: on one device the whole
@@ -1254,25 +1335,16 @@ where
         progress.epochs_done = epoch + 1;
 
         let out = |rel: &str| self.out_dir.join(rel);
-        let (optim_tensors, optimizer_steps) = self.optimizers[0].state_tensors();
-        let meta = CheckpointMeta {
-            format: FORMAT_VERSION,
-            producer: format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
-            model: self.model_config.clone(),
-            run: run.clone(),
-            data: self.data.info.clone(),
-            progress: progress.clone(),
-            scheduler: self.scheduler.clone(),
-            optimizer_steps,
-        };
-        write_checkpoint(&out(files::LAST), &meta, model, optim_tensors.clone())?;
+        let (last, best) = (out(files::LAST), out(files::BEST));
         if improved {
-            write_checkpoint(&out(files::BEST), &meta, model, optim_tensors)?;
+            self.write_checkpoint(model, &[&last, &best])?;
             if !val_rows.is_empty() {
                 write_predictions(&out(files::VAL_PREDICTIONS), val_rows)?;
             }
+        } else {
+            self.write_checkpoint(model, &[&last])?;
         }
-        write_metrics_csv(&out(files::METRICS), &progress.history)?;
+        write_metrics_csv(&out(files::METRICS), &self.progress.history)?;
         Ok((record, improved))
     }
 }

@@ -15,7 +15,7 @@ use aam_train::checkpoint::{read_checkpoint, DataInfo};
 use aam_train::config::{BestMetric, RunConfig, Task};
 use aam_train::loss::LossConfig;
 use aam_train::optim::OptimizerConfig;
-use aam_train::run::{files, fit, Observer, Silent, TrainData};
+use aam_train::run::{files, fit, FitSummary, Observer, Silent, TrainData};
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
 use burn::backend::{Autodiff, NdArray};
 
@@ -106,6 +106,7 @@ pub(crate) fn run_config() -> RunConfig {
         time_phases: Default::default(),
         mixed_precision: Default::default(),
         unifrac_pairs: Default::default(),
+        checkpoint_every_steps: None,
     }
 }
 
@@ -120,7 +121,16 @@ impl Observer for StopAfter {
     }
 }
 
-fn train(out: &Path, resume: Option<&Path>, observer: &mut dyn Observer) {
+fn train(out: &Path, resume: Option<&Path>, observer: &mut dyn Observer) -> FitSummary {
+    train_with(out, resume, observer, None)
+}
+
+fn train_with(
+    out: &Path,
+    resume: Option<&Path>,
+    observer: &mut dyn Observer,
+    checkpoint_every_steps: Option<u64>,
+) -> FitSummary {
     let _guard = crate::one_run_at_a_time();
     let device = Default::default();
     let ckpt = resume.map(|p| read_checkpoint(p).unwrap());
@@ -136,29 +146,38 @@ fn train(out: &Path, resume: Option<&Path>, observer: &mut dyn Observer) {
         &[device],
         config,
         model,
-        run_config(),
+        RunConfig {
+            checkpoint_every_steps,
+            ..run_config()
+        },
         data(),
         out,
         ckpt.as_ref(),
         observer,
     )
-    .unwrap();
+    .unwrap()
 }
 
-#[test]
-fn resumed_run_matches_the_uninterrupted_one_bitwise() {
-    let dir = tempfile::tempdir().unwrap();
-    let (full, part) = (dir.path().join("full"), dir.path().join("part"));
-    train(&full, None, &mut Silent);
-    train(&part, None, &mut StopAfter(1, 0));
-    let interrupted = read_checkpoint(&part.join(files::LAST)).unwrap();
-    assert_eq!(interrupted.meta.progress.epochs_done, 1);
-    train(&part, Some(&part.join(files::LAST)), &mut Silent);
+/// Asks to stop once batch `.1` (1-based) of epoch `.0` is done, as SIGTERM
+/// does through the CLI.
+struct InterruptAt(usize, usize, (usize, usize));
+impl Observer for InterruptAt {
+    fn batch(&mut self, s: &aam_train::run::BatchStatus) {
+        self.2 = (s.epoch, s.batch);
+    }
+    fn interrupted(&mut self) -> bool {
+        self.2 == (self.0, self.1)
+    }
+}
 
+/// The weights, optimiser state, counters and training losses of two
+/// finished runs are the same, bit for bit.
+fn assert_same_run(full: &Path, resumed: &Path) {
     let a = read_checkpoint(&full.join(files::LAST)).unwrap();
-    let b = read_checkpoint(&part.join(files::LAST)).unwrap();
+    let b = read_checkpoint(&resumed.join(files::LAST)).unwrap();
     assert_eq!(a.meta.progress.epochs_done, 3);
     assert_eq!(a.meta.progress.global_step, b.meta.progress.global_step);
+    assert_eq!(a.meta.progress.micro_step, b.meta.progress.micro_step);
     assert_eq!(a.meta.progress.history.len(), b.meta.progress.history.len());
     let mut keys: Vec<&String> = a.model.keys().collect();
     keys.sort();
@@ -173,13 +192,59 @@ fn resumed_run_matches_the_uninterrupted_one_bitwise() {
         a.optimizer, b.optimizer,
         "optimiser state differs after resuming"
     );
-    // The first epoch really trained: the weights moved from the initial ones.
-    let first = &interrupted.model;
-    assert!(first.iter().any(|(k, t)| t.values != a.model[k].values));
     // Same losses in the history (the resumed epochs repeat the same batches).
     for (x, y) in a.meta.progress.history.iter().zip(&b.meta.progress.history) {
         assert_eq!(x.train, y.train, "epoch {} training losses differ", x.epoch);
+        assert_eq!(x.validation, y.validation, "epoch {} validation differs", x.epoch);
+        assert_eq!(x.lr, y.lr, "epoch {} learning rate differs", x.epoch);
     }
+}
+
+#[test]
+fn resumed_run_matches_the_uninterrupted_one_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let (full, part) = (dir.path().join("full"), dir.path().join("part"));
+    train(&full, None, &mut Silent);
+    train(&part, None, &mut StopAfter(1, 0));
+    let interrupted = read_checkpoint(&part.join(files::LAST)).unwrap();
+    assert_eq!(interrupted.meta.progress.epochs_done, 1);
+    train(&part, Some(&part.join(files::LAST)), &mut Silent);
+    assert_same_run(&full, &part);
+    // The first epoch really trained: the weights moved from the initial ones.
+    let last = read_checkpoint(&full.join(files::LAST)).unwrap();
+    let first = &interrupted.model;
+    assert!(first.iter().any(|(k, t)| t.values != last.model[k].values));
+}
+
+/// Stopped at optimiser steps inside epochs (6 batches an epoch, a step
+/// every 2) and resumed from each step checkpoint, a run ends as the
+/// uninterrupted one; so does a run writing a checkpoint every step.
+#[test]
+fn stopped_inside_epochs_and_resumed_matches_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let (full, part) = (dir.path().join("full"), dir.path().join("part"));
+    train(&full, None, &mut Silent);
+
+    // Step 2 of 3 in the first epoch: 4 of its 6 batches done.
+    let summary = train(&part, None, &mut InterruptAt(0, 4, (0, 0)));
+    assert!(summary.interrupted && summary.history.is_empty());
+    let c = read_checkpoint(&part.join(files::LAST)).unwrap();
+    let at = c.meta.progress.in_epoch.clone().expect("a step checkpoint");
+    assert_eq!((at.epoch, at.batches_done, c.meta.progress.global_step), (0, 4, 2));
+    // Then step 4 (the second epoch's first); then to the end.
+    let resume = part.join(files::LAST);
+    let summary = train(&part, Some(&resume), &mut InterruptAt(1, 2, (0, 0)));
+    assert!(summary.interrupted);
+    let c = read_checkpoint(&part.join(files::LAST)).unwrap();
+    let at = c.meta.progress.in_epoch.clone().expect("a step checkpoint");
+    assert_eq!((at.epoch, at.batches_done, c.meta.progress.global_step), (1, 2, 4));
+    let summary = train(&part, Some(&resume), &mut Silent);
+    assert!(!summary.interrupted);
+    assert_same_run(&full, &part);
+
+    let every = dir.path().join("every");
+    train_with(&every, None, &mut Silent, Some(1));
+    assert_same_run(&full, &every);
 }
 
 #[test]
