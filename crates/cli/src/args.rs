@@ -205,9 +205,15 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR")]
     pub output_dir: PathBuf,
     /// Continue the run of this checkpoint (its configuration is used; data
-    /// must be the same).
-    #[arg(long, value_name = "CHECKPOINT")]
-    pub resume_from: Option<PathBuf>,
+    /// must be the same). `auto`: the newest readable checkpoint in
+    /// --output-dir, or a fresh start when there is none (one command for a
+    /// job's first run and its requeues).
+    #[arg(long, value_name = "CHECKPOINT|auto")]
+    pub resume_from: Option<ResumeFrom>,
+    /// Also write checkpoints/last.safetensors every N optimiser steps, not
+    /// only at each epoch's end: a killed job loses at most N steps.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub checkpoint_every_steps: Option<u64>,
     /// Compute backend (`aam-rs backends` lists those compiled in).
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     pub backend: BackendKind,
@@ -234,6 +240,25 @@ pub struct RunArgs {
     pub matmul_kernels: MatmulKernels,
     #[command(flatten)]
     pub parallel: ParallelArgs,
+}
+
+/// `--resume-from`: a checkpoint file, or `auto`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResumeFrom {
+    /// The newest readable checkpoint of --output-dir, if any.
+    Auto,
+    /// This checkpoint.
+    Path(PathBuf),
+}
+
+impl std::str::FromStr for ResumeFrom {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        Ok(match s {
+            "auto" => Self::Auto,
+            _ => Self::Path(PathBuf::from(s)),
+        })
+    }
 }
 
 /// `--devices`: the backend's devices by index, or all it sees.

@@ -42,6 +42,10 @@ pub fn init() {
 pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(err) if err.is::<Interrupted>() => {
+            eprintln!("{err}");
+            ExitCode::from(Interrupted::EXIT_STATUS)
+        }
         Err(err) => {
             // The causes, once each: some error types print their source in
             // their own message as well, which `{:#}` would repeat.
@@ -59,3 +63,36 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
 
 #[doc(hidden)]
 pub use burn as __burn;
+
+/// A training run stopped by a signal at an optimiser step, its checkpoint
+/// written: `aam-rs` exits with [`Interrupted::EXIT_STATUS`] so that a job
+/// script can tell it from a failure and requeue it.
+#[derive(Debug)]
+pub struct Interrupted {
+    /// The signal's name (`SIGTERM`, `SIGUSR1`).
+    pub signal: &'static str,
+    /// The checkpoint of the step it stopped at.
+    pub checkpoint: std::path::PathBuf,
+    /// Optimiser steps taken.
+    pub step: u64,
+}
+
+impl Interrupted {
+    /// 75, `EX_TEMPFAIL` of sysexits.h: a temporary failure, to be retried
+    /// (with `--resume-from auto`).
+    pub const EXIT_STATUS: u8 = 75;
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "stopped by {} at step {}; checkpoint {} (continue with the same command and --resume-from auto)",
+            self.signal,
+            self.step,
+            self.checkpoint.display()
+        )
+    }
+}
+
+impl std::error::Error for Interrupted {}

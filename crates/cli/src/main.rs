@@ -26,6 +26,7 @@ mod plot;
 mod predict;
 mod progress;
 mod serve;
+mod stop;
 mod train;
 mod unifrac;
 

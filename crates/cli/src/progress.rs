@@ -4,17 +4,25 @@ use aam_train::checkpoint::EpochRecord;
 use aam_train::run::{BatchStatus, Observer};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::stop::StopSignal;
+
 /// Draws one bar per epoch on stderr (hidden when stderr is not a terminal)
 /// and logs a summary line per epoch.
 pub struct Progress {
     bar: Option<ProgressBar>,
     epochs: usize,
+    stop: StopSignal,
 }
 
 impl Progress {
-    /// For a run of at most `epochs` epochs.
-    pub fn new(epochs: usize) -> Self {
-        Self { bar: None, epochs }
+    /// For a run of at most `epochs` epochs, stopped at a step when `stop`
+    /// receives a signal.
+    pub fn new(epochs: usize, stop: StopSignal) -> Self {
+        Self {
+            bar: None,
+            epochs,
+            stop,
+        }
     }
 
     fn bar(&mut self, len: usize, prefix: String) -> &ProgressBar {
@@ -80,5 +88,9 @@ impl Observer for Progress {
             r.seconds,
             if improved { " (best)" } else { "" }
         );
+    }
+
+    fn interrupted(&mut self) -> bool {
+        self.stop.received().is_some()
     }
 }

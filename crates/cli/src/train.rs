@@ -24,9 +24,12 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
 use clap::Args;
 
-use aam_cli::args::{flagged, prepare, serde_value, DataArgs, ModelArgs, OptimArgs, RunArgs};
+use aam_cli::args::{
+    flagged, prepare, serde_value, DataArgs, ModelArgs, OptimArgs, ResumeFrom, RunArgs,
+};
 
 use crate::progress::Progress;
+use crate::stop::StopSignal;
 
 /// `aam-rs pretrain`: self-supervised pre-training of the base model on
 /// UniFrac distances and masked nucleotides.
@@ -206,11 +209,23 @@ fn write_ids(path: &Path, ids: &[String]) -> Result<()> {
 
 /// Reads the checkpoint given with `--resume-from`, if any.
 fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
-    let Some(path) = &r.resume_from else {
-        return Ok(None);
+    let ckpt = match &r.resume_from {
+        None => return Ok(None),
+        Some(ResumeFrom::Path(path)) => {
+            read_checkpoint(path).with_context(|| format!("--resume-from {}", path.display()))?
+        }
+        Some(ResumeFrom::Auto) => match newest_checkpoint(&r.output_dir) {
+            Some(c) => c,
+            None => {
+                tracing::info!(
+                    "--resume-from auto: no checkpoint in {} yet; starting the run",
+                    r.output_dir.display()
+                );
+                return Ok(None);
+            }
+        },
     };
-    let ckpt =
-        read_checkpoint(path).with_context(|| format!("--resume-from {}", path.display()))?;
+    let path = &ckpt.path;
     ensure!(
         ckpt.meta.run.task == task,
         "--resume-from {}: a {:?} checkpoint cannot resume a {:?} run",
@@ -218,13 +233,50 @@ fn resume_checkpoint(r: &RunArgs, task: Task) -> Result<Option<Checkpoint>> {
         ckpt.meta.run.task,
         task
     );
+    let p = &ckpt.meta.progress;
+    let at = match &p.in_epoch {
+        Some(e) => format!("at batch {} of epoch {}", e.batches_done, e.epoch + 1),
+        None => format!("after epoch {}", p.epochs_done),
+    };
     tracing::info!(
-        "resuming from {} after epoch {} (step {}); the checkpoint's configuration is used",
+        "resuming from {} {at} (step {}); the checkpoint's configuration is used",
         path.display(),
-        ckpt.meta.progress.epochs_done,
-        ckpt.meta.progress.global_step
+        p.global_step
     );
     Ok(Some(ckpt))
+}
+
+/// `--resume-from auto`: the checkpoint of `out_dir` furthest into the run
+/// (`last`, or `best` when `last` cannot be read), skipping unreadable ones
+/// with a warning; the temporary files of writes cut short by a kill are
+/// removed.
+fn newest_checkpoint(out_dir: &Path) -> Option<Checkpoint> {
+    let last = out_dir.join(aam_train::run::files::LAST);
+    if let Some(dir) = last.parent() {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name();
+            if name.to_string_lossy().contains(".safetensors.tmp") {
+                tracing::info!("removing {} (a write cut short)", entry.path().display());
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    let mut newest: Option<Checkpoint> = None;
+    for path in [last, out_dir.join(aam_train::run::files::BEST)] {
+        if !path.exists() {
+            continue;
+        }
+        match read_checkpoint(&path) {
+            Ok(c) => {
+                let key = |c: &Checkpoint| (c.meta.progress.global_step, c.meta.progress.micro_step);
+                if newest.as_ref().is_none_or(|n| key(&c) > key(n)) {
+                    newest = Some(c);
+                }
+            }
+            Err(e) => tracing::warn!("--resume-from auto: skipping {}: {e}", path.display()),
+        }
+    }
+    newest
 }
 
 /// Checks a run configuration; an error names the flag at fault (`invalid --batch-size: ...`).
@@ -538,6 +590,7 @@ fn start(
     // An observation of this invocation, resumed or not.
     run.memory_profile = r.memory_profile;
     run.time_phases = r.time_phases;
+    run.checkpoint_every_steps = r.checkpoint_every_steps;
     r.matmul_kernels.apply();
     // Before the first kernel runs (the model's initialisation compiles some).
     if let Some(note) = r.backend.kernel_cache_note() {
@@ -583,7 +636,8 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
     if target.exists() {
         return Ok(());
     }
-    let source = if best.epoch + 1 == resume.meta.progress.epochs_done {
+    let at_epoch_end = resume.meta.progress.in_epoch.is_none();
+    let source = if at_epoch_end && best.epoch + 1 == resume.meta.progress.epochs_done {
         Some(resume.path.clone())
     } else {
         let beside = resume.path.with_file_name("best.safetensors");
@@ -671,6 +725,8 @@ where
     AB: burn::tensor::backend::AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
 {
+    // From here on SIGTERM/SIGUSR1 stop the run at a step with a checkpoint.
+    let stop = StopSignal::install()?;
     let device = &devices[0];
     let model: AamModel<AB> = match &resume {
         Some(c) => c.model::<AB>(device)?,
@@ -692,7 +748,7 @@ where
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
-    let mut progress = Progress::new(run.epochs);
+    let mut progress = Progress::new(run.epochs, stop.clone());
     let summary = fit::<AB>(
         devices,
         model_config,
@@ -704,6 +760,15 @@ where
         &mut progress,
     )?;
     progress.finish();
+    if summary.interrupted {
+        let last = read_checkpoint(&summary.last_checkpoint)?;
+        return Err(aam_cli::Interrupted {
+            signal: stop.received().unwrap_or("a signal"),
+            checkpoint: summary.last_checkpoint,
+            step: last.meta.progress.global_step,
+        }
+        .into());
+    }
     crate::plot::loss_curves(&r.output_dir, &summary.history)?;
     if task == Task::Train && !classifier {
         let tsv = r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS);

@@ -801,14 +801,22 @@ fn resume_continues_the_run() {
     let log = run_ok(&a);
     assert!(log.contains(&format!("after epoch {done}")), "{log}");
 
-    let (h_full, r_full) = metrics(&full);
-    let (h_res, r_res) = metrics(&resumed);
-    assert_eq!(h_full, h_res);
-    assert_eq!(
-        r_res.len(),
-        3,
-        "the resumed run's metrics.csv holds the whole history"
+    assert_same_run(&full, &resumed, 3);
+    // The new directory has the run's best model even though no later epoch improved.
+    assert!(
+        std::fs::read(resumed.join("checkpoints/best.safetensors")).unwrap()
+            == std::fs::read(&best).unwrap()
     );
+}
+
+/// Two finished runs of `epochs` epochs agree bit for bit: every metric of
+/// every epoch in `metrics.csv` (the resumed one holds the whole history),
+/// and the final weights and optimiser state.
+fn assert_same_run(full: &Path, resumed: &Path, epochs: usize) {
+    let (h_full, r_full) = metrics(full);
+    let (h_res, r_res) = metrics(resumed);
+    assert_eq!(h_full, h_res);
+    assert_eq!(r_res.len(), epochs, "metrics.csv of {}", resumed.display());
     for (e, (x, y)) in r_full.iter().zip(&r_res).enumerate() {
         for k in &h_full {
             if k != "seconds" && k != "samples_per_sec" {
@@ -827,11 +835,138 @@ fn resume_continues_the_run() {
             == checkpoint_tensors(&resumed.join("checkpoints/last.safetensors")),
         "the resumed run's final weights and optimiser state differ from the uninterrupted run's"
     );
-    // The new directory has the run's best model even though no later epoch improved.
-    assert!(
-        std::fs::read(resumed.join("checkpoints/best.safetensors")).unwrap()
-            == std::fs::read(&best).unwrap()
-    );
+}
+
+/// A running `aam-rs` whose stderr lines arrive on a channel.
+struct Running {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Running {
+    fn start(args: &[String]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+            .args(args)
+            .env("AAM_LOG", "info")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("runs aam-rs");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// Waits for a stderr line containing `text`; false if the process ended first.
+    fn wait_for(&self, text: &str) -> bool {
+        self.lines.iter().any(|l| l.contains(text))
+    }
+
+    /// Sends `signal` (a name `kill` takes).
+    fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("runs kill")
+            .success();
+        assert!(ok, "kill -{signal} failed");
+    }
+
+    /// Exit status and the rest of stderr.
+    fn finish(mut self) -> (std::process::ExitStatus, String) {
+        let status = self.child.wait().unwrap();
+        (status, self.lines.iter().collect::<Vec<_>>().join("\n"))
+    }
+}
+
+/// Killed with SIGKILL at moments drawn from a fixed seed, some of them
+/// while a checkpoint is being written, and restarted each time with the
+/// same command and `--resume-from auto`, a pre-training ends with the
+/// weights, optimiser state and metrics of the run never killed, bit for
+/// bit. SIGUSR1 and SIGTERM stop it at a step with exit status 75 and a
+/// checkpoint there, and it resumes from that step the same way.
+#[test]
+fn killed_and_resumed_runs_end_as_the_uninterrupted_one() {
+    // On disk, not a tmpfs: a checkpoint write (ending in fsync) takes long
+    // enough to be caught in the act.
+    let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let run = |dir: &Path| {
+        let mut a = tiny("pretrain", dir, 3);
+        a.extend(args(&["--checkpoint-every-steps", "1", "--resume-from", "auto"]));
+        a
+    };
+    let full = tmp.path().join("full");
+    run_ok(&run(&full));
+
+    let killed = tmp.path().join("killed");
+    let checkpoints = killed.join("checkpoints");
+    let writing = || {
+        std::fs::read_dir(&checkpoints)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().contains(".tmp"))
+            })
+            .unwrap_or(false)
+    };
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let (mut kills, mut during_writes) = (0, 0);
+    loop {
+        let mut p = Running::start(&run(&killed));
+        assert!(p.wait_for("parameters"), "aam-rs ended before training");
+        // Every other start is killed as soon as a checkpoint write is seen,
+        // the others after a random 0-2 s.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let at = std::time::Instant::now() + std::time::Duration::from_millis(rng % 2000);
+        let mut caught = false;
+        while p.child.try_wait().unwrap().is_none() {
+            let now = std::time::Instant::now();
+            if kills % 2 == 1 && writing() {
+                caught = true;
+                break;
+            }
+            if (kills % 2 == 0 && now >= at) || now >= deadline {
+                break;
+            }
+        }
+        if kills >= 8 || p.child.try_wait().unwrap().is_some() {
+            let (status, log) = p.finish();
+            assert!(status.success(), "the last start failed ({status}):\n{log}");
+            break;
+        }
+        p.child.kill().unwrap();
+        p.child.wait().unwrap();
+        kills += 1;
+        if caught && writing() {
+            during_writes += 1;
+        }
+    }
+    eprintln!("{kills} kills, {during_writes} during a checkpoint write");
+    assert!(kills >= 4, "only {kills} kills landed before the run ended");
+    assert!(during_writes >= 1, "no kill landed during a checkpoint write");
+    assert_same_run(&full, &killed, 3);
+    assert!(!writing(), "a temporary file of a cut write was left");
+
+    // Signals: a checkpoint at the next step and exit status 75.
+    let signalled = tmp.path().join("signalled");
+    for signal in ["USR1", "TERM"] {
+        let p = Running::start(&run(&signalled));
+        assert!(p.wait_for("parameters"));
+        p.signal(signal);
+        let (status, log) = p.finish();
+        assert_eq!(status.code(), Some(75), "after SIG{signal}:\n{log}");
+        assert!(log.contains(&format!("stopped by SIG{signal} at step")), "{log}");
+    }
+    let log = run_ok(&run(&signalled));
+    assert!(log.contains("resuming from"), "{log}");
+    assert_same_run(&full, &signalled, 3);
 }
 
 /// Gradient checkpointing recomputes instead of storing; the run it trains is
