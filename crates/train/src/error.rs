@@ -24,17 +24,22 @@ pub enum TrainError {
         /// Second shape.
         right: Vec<usize>,
     },
-    /// A loss became NaN or infinite.
-    #[error("the {what} is not finite ({value}) at epoch {epoch}, step {step}: lower --lr, set --max-grad-norm, or check the inputs")]
+    /// A loss or the gradient norm became NaN or infinite; the run stops
+    /// before any checkpoint holds the weights of that step.
+    #[error("not finite at epoch {} batch {} (optimiser step {step}): {terms}; batch samples: {samples}. Nothing of this step was saved; the last good checkpoint is {checkpoint}. Lower --lr, set --max-grad-norm, or check these samples", .epoch + 1, .batch + 1)]
     NonFinite {
-        /// Which quantity.
-        what: String,
-        /// Its value.
-        value: f64,
+        /// The quantities and their values (`nuc_loss NaN, total_loss NaN`).
+        terms: String,
         /// Epoch (0-based).
         epoch: usize,
-        /// Optimiser step.
+        /// Batch within the epoch (0-based).
+        batch: usize,
+        /// Optimiser steps taken before it.
         step: u64,
+        /// The batch's sample IDs.
+        samples: String,
+        /// `checkpoints/last.safetensors` of the run.
+        checkpoint: PathBuf,
     },
     /// A checkpoint cannot be read or does not fit.
     #[error("checkpoint {path}: {reason}")]

@@ -283,12 +283,13 @@ pub fn is_categorical_param(key: &str) -> bool {
 }
 
 /// Reads a batch's losses (and nucleotide accuracy counts, and the gradient
-/// norm) in one device read, adds them to `means`, and returns the total.
+/// norm) in one device read and adds them to `means`. Returns the total
+/// and the values that are not finite (`name value`; none when all are).
 fn record_batch<B: Backend>(
     values: StepValues<B>,
     grad_norm: Option<Tensor<B, 1>>,
     means: &mut Means,
-) -> f64 {
+) -> (f64, Vec<String>) {
     let StepValues {
         mut names,
         values,
@@ -326,7 +327,13 @@ fn record_batch<B: Backend>(
             means.add("nuc_accuracy", hits / n);
         }
     }
-    host[0]
+    let non_finite = names
+        .iter()
+        .zip(&host)
+        .filter(|(_, v)| !v.is_finite())
+        .map(|(name, v)| format!("{name} {v}"))
+        .collect();
+    (host[0], non_finite)
 }
 
 /// Where a training step spends its time and device memory.
@@ -1017,19 +1024,23 @@ where
             // The step's one host read (losses, accuracy counts, gradient norm),
             // after everything is queued. A non-finite loss stops the run before
             // any checkpoint is written from the weights it produced.
-            let total = record_batch(values, grad_norm, &mut means);
+            let (total, non_finite) = record_batch(values, grad_norm, &mut means);
             timer.mark::<AB>(device, "read");
             tracing::debug!(
                 "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples, {} filled slots",
                 batch.batch_size(),
                 batch.filled_slots()
             );
-            if !total.is_finite() {
+            if !non_finite.is_empty() {
+                let ids = self.data.dataset.sample_ids();
+                let samples: Vec<&str> = batch.positions.iter().map(|&p| ids[p].as_str()).collect();
                 return Err(TrainError::NonFinite {
-                    what: "training loss".into(),
-                    value: total,
+                    terms: non_finite.join(", "),
                     epoch,
-                    step: self.progress.global_step,
+                    batch: k,
+                    step: self.progress.global_step - u64::from(stepped),
+                    samples: samples.join(", "),
+                    checkpoint: self.out_dir.join(files::LAST),
                 });
             }
             timer.step();

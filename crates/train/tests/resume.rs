@@ -262,3 +262,57 @@ fn a_checkpoint_cut_short_is_reported() {
         assert!(err.contains("cut short"), "{err}");
     }
 }
+
+/// A step whose loss is not finite (here: a NaN put into one weight of the
+/// checkpoint resumed from) stops the run with an error naming the epoch,
+/// batch, loss terms and samples, and leaves the last checkpoint as it was.
+#[test]
+fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    train(&out, None, &mut StopAfter(1, 0));
+    let path = out.join(files::LAST);
+    let before = std::fs::read(&path).unwrap();
+    let mut ckpt = read_checkpoint(&path).unwrap();
+    let mut keys: Vec<String> = ckpt.model.keys().cloned().collect();
+    keys.sort();
+    let key = keys
+        .iter()
+        .find(|k| k.contains("norm") && k.ends_with(".weight"))
+        .expect("a LayerNorm weight");
+    let values = &mut ckpt.model.get_mut(key).unwrap().values;
+    values.iter_mut().for_each(|v| *v = f32::NAN);
+
+    let _guard = crate::one_run_at_a_time();
+    let device = Default::default();
+    let model = ckpt.model::<AB>(&device).unwrap();
+    let data = data();
+    let first_batch: Vec<String> = {
+        let ids = data.dataset.sample_ids();
+        let loader = aam_data::BatchLoader::new(
+            data.dataset.clone(),
+            data.train.clone(),
+            Arc::new(data.info.transforms.clone()),
+            aam_data::BatchConfig::train(8, 16, 11),
+        )
+        .unwrap();
+        loader.plan(1)[0].iter().map(|&p| ids[p].clone()).collect()
+    };
+    let err = fit::<AB>(
+        &[device],
+        model_config(),
+        model,
+        run_config(),
+        data,
+        &out,
+        Some(&ckpt),
+        &mut Silent,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("not finite at epoch 2 batch 1 (optimiser step 3)"), "{err}");
+    assert!(err.contains("total_loss NaN"), "{err}");
+    assert!(err.contains(&first_batch.join(", ")), "{err}\n{first_batch:?}");
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), before, "the last checkpoint changed");
+}
