@@ -419,6 +419,10 @@ enum Verdict {
     Error,
     /// The float type is not supported by the backend (not a failure).
     Skipped,
+    /// The backend lacks an operation the path needs (it panics with "not
+    /// implemented"): a limitation of the backend, which fails loudly where
+    /// it is used, not a wrong result (not a failure of the check).
+    Unsupported,
 }
 
 impl Verdict {
@@ -458,16 +462,31 @@ fn run_attention(args: AttentionArgs) -> Result<()> {
             print_row(row);
         }
     };
+    // A path that panics is reported in its row (with the panic's first
+    // line); the default hook would print each panic's whole text as well.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
     let rows = aam_cli::with_backend!(args.backend, |B, device| Ok(check_backend::<B>(
         &args,
         &device,
         &mut on_row
-    )))?;
+    )));
+    std::panic::set_hook(hook);
+    let rows = rows?;
     // A diagnostic that checked nothing must not pass.
     if rows.is_empty() {
         bail!(
             "nothing was checked: --paths {:?} selects no attention path that backend {} has",
             args.paths,
+            args.backend.name()
+        );
+    }
+    if rows
+        .iter()
+        .all(|r| matches!(r.verdict, Verdict::Skipped | Verdict::Unsupported))
+    {
+        bail!(
+            "nothing could be checked: backend {} lacks the float types or operations of every selected path",
             args.backend.name()
         );
     }
@@ -580,10 +599,7 @@ fn check_backend<B: AttentionBackend>(
                         row.verdict = verdict(&e, precision.tolerance());
                         (row.errors, row.ms, row.pool_growth_mib) = (Some(e), Some(ms), growth);
                     }
-                    Err(panic) => {
-                        row.verdict = Verdict::Error;
-                        row.note = Some(panic_message(panic));
-                    }
+                    Err(panic) => (row.verdict, row.note) = failure(panic),
                 }
                 on_row(&row);
                 rows.push(row);
@@ -625,8 +641,7 @@ fn check_backend<B: AttentionBackend>(
                 }
                 Err(panic) => {
                     let mut row = base("grad");
-                    row.verdict = Verdict::Error;
-                    row.note = Some(panic_message(panic));
+                    (row.verdict, row.note) = failure(panic);
                     on_row(&row);
                     rows.push(row);
                 }
@@ -642,6 +657,25 @@ fn verdict(e: &Errors, tolerance: f64) -> Verdict {
     } else {
         Verdict::Wrong
     }
+}
+
+/// The verdict and note of a path that panicked: a missing operation of the
+/// backend ("not implemented", "not supported") is reported as such, any
+/// other panic as an error.
+fn failure(panic: Box<dyn std::any::Any + Send>) -> (Verdict, Option<String>) {
+    let message = panic_message(panic);
+    let lower = message.to_lowercase();
+    let missing = ["not implemented", "unimplemented", "not supported", "unsupported"]
+        .iter()
+        .any(|m| lower.contains(m));
+    let verdict = if missing {
+        Verdict::Unsupported
+    } else {
+        Verdict::Error
+    };
+    // Candle's errors carry a backtrace after the first line.
+    let first = message.lines().next().unwrap_or_default().to_string();
+    (verdict, Some(first))
 }
 
 fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
@@ -674,7 +708,10 @@ fn tensors<B: AttentionBackend>(
             Some(Fault::InvertedMask) => m.iter().map(|&p| !p).collect(),
             None => m.clone(),
         };
-        Tensor::<B, 2, Bool>::from_data(TensorData::new(m, [case.n, case.t]), device)
+        // Made by a comparison, not from bool data: every backend has that
+        // (burn-candle 0.21 cannot build a bool tensor from data).
+        let m: Vec<f32> = m.iter().map(|&p| f32::from(u8::from(p))).collect();
+        Tensor::<B, 2>::from_data(TensorData::new(m, [case.n, case.t]), device).greater_elem(0.5)
     });
     (make(&x.q), make(&x.k), make(&x.v), mask)
 }
@@ -847,6 +884,7 @@ fn print_row(r: &Row) {
         Verdict::Wrong => "WRONG".to_string(),
         Verdict::Error => "ERROR".to_string(),
         Verdict::Skipped => "skipped".to_string(),
+        Verdict::Unsupported => "unsupported by the backend".to_string(),
     };
     if let Some(e) = r.errors {
         if e.non_finite > 0 {
