@@ -12,7 +12,9 @@
 //! inputs), `diagnose attention` (does this platform compute attention
 //! correctly?), `diagnose gradients` (does this backend's training step
 //! give the CPU's gradients on my data?) and `unifrac` (a UniFrac matrix
-//! from a table and a tree, `aam-unifrac`). The flag groups several commands
+//! from a table and a tree, `aam-unifrac`). Training's progress bars are
+//! `progress.rs`; `stop.rs` turns SIGTERM/SIGUSR1 into a checkpoint at the
+//! next step and exit status 75. The flag groups several commands
 //! share and the backend choice are the crate's library (`aam_cli::args`,
 //! `aam_cli::backend`); every option is listed in `docs/cli.md`.
 
