@@ -969,6 +969,59 @@ fn killed_and_resumed_runs_end_as_the_uninterrupted_one() {
     assert_same_run(&full, &signalled, 3);
 }
 
+/// The disk filling up while a checkpoint is written: the run stops with an
+/// error naming the file and the cause, the previous checkpoint is intact
+/// and no temporary file is left; resumed on a disk with room, the run ends
+/// as the one never stopped. The disk is a 300 KiB tmpfs (room for one
+/// 172 KB checkpoint, not for its successor beside it) mounted in a private
+/// mount namespace, which needs root (CI runs as root).
+#[test]
+fn a_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint() {
+    let root = Command::new("id").arg("-u").output().unwrap().stdout == b"0\n";
+    if !root {
+        eprintln!("skipped: mounting a tmpfs needs root");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (mnt, saved) = (tmp.path().join("mnt"), tmp.path().join("saved"));
+    std::fs::create_dir(&mnt).unwrap();
+    let mut a = tiny("pretrain", &mnt.join("run"), 3);
+    a.extend(args(&["--checkpoint-every-steps", "1"]));
+    let script = r#"mnt=$1; saved=$2; shift 2
+mount -t tmpfs -o size=300k tmpfs "$mnt" || exit 99
+"$@"; status=$?
+cp -r "$mnt/run" "$saved"
+exit $status"#;
+    let out = Command::new("unshare")
+        .args(["-m", "sh", "-c", script, "sh"])
+        .arg(&mnt)
+        .arg(&saved)
+        .arg(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(&a)
+        .output()
+        .expect("runs unshare");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(99), "no tmpfs: {log}");
+    assert!(!out.status.success(), "the run ended on a full disk:\n{log}");
+    assert!(log.contains("No space left on device"), "{log}");
+    assert!(log.contains("checkpoints/last.safetensors"), "{log}");
+    let names: Vec<String> = std::fs::read_dir(saved.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["last.safetensors"], "a temporary file was left");
+    let (_, meta) = checkpoint_header(&saved.join("checkpoints/last.safetensors"));
+    assert_eq!(meta["progress"]["global_step"], 1, "the first step's checkpoint");
+
+    let full = tmp.path().join("full");
+    run_ok(&tiny("pretrain", &full, 3));
+    let mut a = tiny("pretrain", &saved, 3);
+    a.extend(args(&["--resume-from", "auto"]));
+    let log = run_ok(&a);
+    assert!(log.contains("at batch 1 of epoch 1 (step 1)"), "{log}");
+    assert_same_run(&full, &saved, 3);
+}
+
 /// Gradient checkpointing recomputes instead of storing; the run it trains is
 /// the same run (losses and weights), and `--no-gradient-checkpointing` after
 /// it turns it off again.
