@@ -665,9 +665,14 @@ fn verdict(e: &Errors, tolerance: f64) -> Verdict {
 fn failure(panic: Box<dyn std::any::Any + Send>) -> (Verdict, Option<String>) {
     let message = panic_message(panic);
     let lower = message.to_lowercase();
-    let missing = ["not implemented", "unimplemented", "not supported", "unsupported"]
-        .iter()
-        .any(|m| lower.contains(m));
+    let missing = [
+        "not implemented",
+        "unimplemented",
+        "not supported",
+        "unsupported",
+    ]
+    .iter()
+    .any(|m| lower.contains(m));
     let verdict = if missing {
         Verdict::Unsupported
     } else {

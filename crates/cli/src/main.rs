@@ -47,8 +47,12 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Pre-train the base model on UniFrac distances and masked nucleotides.
+    // Negative numbers are values (`--lr -1` is refused by the range check
+    // naming the flag, not taken for an unknown flag `-1`).
+    #[command(allow_negative_numbers = true)]
     Pretrain(train::PretrainArgs),
     /// Train a predictor of a metadata column (optionally from a pre-trained encoder).
+    #[command(allow_negative_numbers = true)]
     Train(train::TrainArgs),
     /// Predict a table's samples with a trained checkpoint; writes a TSV.
     Predict(predict::PredictArgs),

@@ -268,7 +268,8 @@ fn newest_checkpoint(out_dir: &Path) -> Option<Checkpoint> {
         }
         match read_checkpoint(&path) {
             Ok(c) => {
-                let key = |c: &Checkpoint| (c.meta.progress.global_step, c.meta.progress.micro_step);
+                let key =
+                    |c: &Checkpoint| (c.meta.progress.global_step, c.meta.progress.micro_step);
                 if newest.as_ref().is_none_or(|n| key(&c) > key(n)) {
                     newest = Some(c);
                 }
@@ -758,7 +759,8 @@ where
         &r.output_dir,
         resume.as_ref(),
         &mut progress,
-    )?;
+    )
+    .map_err(flagged)?;
     progress.finish();
     if summary.interrupted {
         let last = read_checkpoint(&summary.last_checkpoint)?;

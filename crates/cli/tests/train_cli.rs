@@ -855,7 +855,10 @@ impl Running {
         let (tx, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             use std::io::BufRead;
-            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
                 let _ = tx.send(line);
             }
         });
@@ -897,7 +900,12 @@ fn killed_and_resumed_runs_end_as_the_uninterrupted_one() {
     let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let run = |dir: &Path| {
         let mut a = tiny("pretrain", dir, 3);
-        a.extend(args(&["--checkpoint-every-steps", "1", "--resume-from", "auto"]));
+        a.extend(args(&[
+            "--checkpoint-every-steps",
+            "1",
+            "--resume-from",
+            "auto",
+        ]));
         a
     };
     let full = tmp.path().join("full");
@@ -950,7 +958,10 @@ fn killed_and_resumed_runs_end_as_the_uninterrupted_one() {
     }
     eprintln!("{kills} kills, {during_writes} during a checkpoint write");
     assert!(kills >= 4, "only {kills} kills landed before the run ended");
-    assert!(during_writes >= 1, "no kill landed during a checkpoint write");
+    assert!(
+        during_writes >= 1,
+        "no kill landed during a checkpoint write"
+    );
     assert_same_run(&full, &killed, 3);
     assert!(!writing(), "a temporary file of a cut write was left");
 
@@ -962,7 +973,10 @@ fn killed_and_resumed_runs_end_as_the_uninterrupted_one() {
         p.signal(signal);
         let (status, log) = p.finish();
         assert_eq!(status.code(), Some(75), "after SIG{signal}:\n{log}");
-        assert!(log.contains(&format!("stopped by SIG{signal} at step")), "{log}");
+        assert!(
+            log.contains(&format!("stopped by SIG{signal} at step")),
+            "{log}"
+        );
     }
     let log = run_ok(&run(&signalled));
     assert!(log.contains("resuming from"), "{log}");
@@ -1002,7 +1016,10 @@ exit $status"#;
         .expect("runs unshare");
     let log = String::from_utf8_lossy(&out.stderr);
     assert_ne!(out.status.code(), Some(99), "no tmpfs: {log}");
-    assert!(!out.status.success(), "the run ended on a full disk:\n{log}");
+    assert!(
+        !out.status.success(),
+        "the run ended on a full disk:\n{log}"
+    );
     assert!(log.contains("No space left on device"), "{log}");
     assert!(log.contains("checkpoints/last.safetensors"), "{log}");
     let names: Vec<String> = std::fs::read_dir(saved.join("checkpoints"))
@@ -1011,7 +1028,10 @@ exit $status"#;
         .collect();
     assert_eq!(names, ["last.safetensors"], "a temporary file was left");
     let (_, meta) = checkpoint_header(&saved.join("checkpoints/last.safetensors"));
-    assert_eq!(meta["progress"]["global_step"], 1, "the first step's checkpoint");
+    assert_eq!(
+        meta["progress"]["global_step"], 1,
+        "the first step's checkpoint"
+    );
 
     let full = tmp.path().join("full");
     run_ok(&tiny("pretrain", &full, 3));
@@ -1020,6 +1040,339 @@ exit $status"#;
     let log = run_ok(&a);
     assert!(log.contains("at batch 1 of epoch 1 (step 1)"), "{log}");
     assert_same_run(&full, &saved, 3);
+}
+
+/// `args` with the value of `flag` replaced (or the flag added).
+fn with(mut a: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    match a.iter().position(|x| x == flag) {
+        Some(i) => a[i + 1] = value.to_string(),
+        None => a.extend([flag.to_string(), value.to_string()]),
+    }
+    a
+}
+
+/// The demo table with its observation IDs (the ASV sequences) renamed by
+/// `rename(index, id)`, written as BIOM 2.1 to `path`.
+fn demo_renamed(path: &Path, rename: impl Fn(usize, &str) -> String) {
+    let t = aam_data::BiomTable::read(demo("demo.biom")).unwrap();
+    let (mut obs, mut samples, mut counts) = (Vec::new(), Vec::new(), Vec::new());
+    for j in 0..t.n_samples() {
+        let c = t.sample(j);
+        obs.extend_from_slice(c.observations);
+        samples.extend(std::iter::repeat_n(j as u32, c.len()));
+        counts.extend_from_slice(c.counts);
+    }
+    let ids = t
+        .observation_ids()
+        .iter()
+        .enumerate()
+        .map(|(i, id)| rename(i, id))
+        .collect();
+    aam_data::BiomTable::from_triplets(path, t.sample_ids().to_vec(), ids, &obs, &samples, &counts)
+        .unwrap()
+        .write_hdf5(path)
+        .unwrap();
+}
+
+/// A lsmat distance matrix over `ids` with `d(i, j)` (the diagonal as given).
+fn lsmat(path: &Path, ids: &[String], d: impl Fn(usize, usize) -> String) {
+    let mut text = format!("\t{}\n", ids.join("\t"));
+    for (i, id) in ids.iter().enumerate() {
+        let row: Vec<String> = (0..ids.len()).map(|j| d(i, j)).collect();
+        text += &format!("{id}\t{}\n", row.join("\t"));
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+/// Every kind of bad input a user meets (docs/reliability.md lists them with
+/// their messages): the command exits 1 (2 for a flag clap refuses), never
+/// panics, and names the file, line, sample or flag at fault.
+#[test]
+fn bad_inputs_fail_with_a_message_naming_the_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = |name: &str| tmp.path().join(name);
+    let out = t("out");
+    let pre = || tiny("pretrain", &out, 1);
+    let train = || tiny_train(&out, 1, &demo("demo_map.txt"), "age");
+    let demo_ids: Vec<String> = std::fs::read_to_string(demo("unifrac.sample_ids.txt"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let n = demo_ids.len();
+
+    // Tables.
+    let bytes = std::fs::read(demo("demo.biom")).unwrap();
+    std::fs::write(t("cut.biom"), &bytes[..bytes.len() / 3]).unwrap();
+    std::fs::write(t("garbage.biom"), b"hello, world\n").unwrap();
+    std::fs::write(t("empty.biom"), b"").unwrap();
+    demo_renamed(&t("hashes.biom"), |i, _| {
+        format!("{:032x}", (i as u128 + 1) * 0x9e37_79b9_7f4a_7c15)
+    });
+    // Matrices.
+    let others: Vec<String> = (0..5).map(|i| format!("other.{i}")).collect();
+    lsmat(&t("other.tsv"), &others, |i, j| {
+        if i == j {
+            "0".into()
+        } else {
+            "0.5".into()
+        }
+    });
+    let plain = |i: usize, j: usize| {
+        if i == j {
+            "0".to_string()
+        } else {
+            "0.5".to_string()
+        }
+    };
+    lsmat(&t("nan.tsv"), &demo_ids, |i, j| {
+        if (i, j) == (3, 5) || (i, j) == (5, 3) {
+            "nan".into()
+        } else {
+            plain(i, j)
+        }
+    });
+    lsmat(&t("asym.tsv"), &demo_ids, |i, j| {
+        if i < j {
+            "0.6".into()
+        } else {
+            plain(i, j)
+        }
+    });
+    let mut dup = demo_ids.clone();
+    dup[1] = dup[0].clone();
+    lsmat(&t("dup.tsv"), &dup, plain);
+    let square = std::fs::read_to_string(t("asym.tsv")).unwrap();
+    let rows: Vec<&str> = square.lines().collect();
+    std::fs::write(t("nonsquare.tsv"), rows[..n].join("\n") + "\n").unwrap();
+    // Metadata.
+    let map = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
+    let lines: Vec<&str> = map.lines().collect();
+    std::fs::write(t("dup_map.txt"), format!("{map}{}\n", lines[1])).unwrap();
+    let age = lines[0].split('\t').position(|c| c == "age").unwrap();
+    let mut cells: Vec<String> = lines[5].split('\t').map(str::to_string).collect();
+    cells[age] = "forty".into();
+    let mut text_age: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    text_age[5] = cells.join("\t");
+    std::fs::write(t("text_age.txt"), text_age.join("\n") + "\n").unwrap();
+    // Checkpoints: a pretrain one, cut, another format, another program's safetensors.
+    let pre_dir = t("pre");
+    run_ok(&tiny("pretrain", &pre_dir, 1));
+    let ckpt = pre_dir.join("checkpoints/last.safetensors");
+    let bytes = std::fs::read(&ckpt).unwrap();
+    std::fs::write(t("cut.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::write(t("text.safetensors"), b"not a checkpoint\n").unwrap();
+    let header = br#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+    let mut foreign = (header.len() as u64).to_le_bytes().to_vec();
+    foreign.extend_from_slice(header);
+    foreign.extend_from_slice(&[0; 8]);
+    std::fs::write(t("foreign.safetensors"), foreign).unwrap();
+    std::fs::write(t("a_file"), b"").unwrap();
+    let predict = |model: &Path| {
+        let mut a = args(&["predict", "--model"]);
+        a.extend([s(model), "--table".into(), s(&demo("demo.biom"))]);
+        a.extend(["--output".into(), s(&t("p.tsv"))]);
+        a
+    };
+    let st = |name: &str| s(&t(name));
+
+    let cases: Vec<(&str, Vec<String>, Vec<String>)> = vec![
+        (
+            "missing table",
+            with(pre(), "--table", &st("nope.biom")),
+            vec!["--table".into(), st("nope.biom")],
+        ),
+        (
+            "truncated table",
+            with(pre(), "--table", &st("cut.biom")),
+            vec!["--table".into(), st("cut.biom"), "EOF".into()],
+        ),
+        (
+            "garbage table",
+            with(pre(), "--table", &st("garbage.biom")),
+            vec![st("garbage.biom"), "neither BIOM 2.x".into()],
+        ),
+        (
+            "empty table",
+            with(pre(), "--table", &st("empty.biom")),
+            vec![st("empty.biom"), "empty".into()],
+        ),
+        (
+            "observation IDs that are not sequences",
+            with(pre(), "--table", &st("hashes.biom")),
+            vec![
+                "table".into(),
+                st("hashes.biom"),
+                "not nucleotide sequences".into(),
+            ],
+        ),
+        (
+            "a UniFrac matrix of another study",
+            with(pre(), "--unifrac-matrix", &st("other.tsv")),
+            vec![
+                "--unifrac-matrix".into(),
+                st("other.tsv"),
+                "none is in it".into(),
+            ],
+        ),
+        (
+            "NaN in the matrix",
+            with(pre(), "--unifrac-matrix", &st("nan.tsv")),
+            vec![
+                "--unifrac-matrix".into(),
+                st("nan.tsv"),
+                "NaN".into(),
+                demo_ids[3].clone(),
+            ],
+        ),
+        (
+            "a matrix that is not square",
+            with(pre(), "--unifrac-matrix", &st("nonsquare.tsv")),
+            vec![st("nonsquare.tsv"), "not square".into()],
+        ),
+        (
+            "an asymmetric matrix",
+            with(pre(), "--unifrac-matrix", &st("asym.tsv")),
+            vec![st("asym.tsv"), "not symmetric".into()],
+        ),
+        (
+            "duplicate sample IDs in the matrix",
+            with(pre(), "--unifrac-matrix", &st("dup.tsv")),
+            vec![st("dup.tsv"), "duplicate".into(), demo_ids[0].clone()],
+        ),
+        (
+            "duplicate sample IDs in the metadata",
+            with(train(), "--metadata", &st("dup_map.txt")),
+            vec![
+                "--metadata".into(),
+                format!("{}:{}", st("dup_map.txt"), lines.len() + 1),
+                "already appeared on line 2".into(),
+            ],
+        ),
+        (
+            "a non-numeric target",
+            with(train(), "--metadata", &st("text_age.txt")),
+            vec![
+                format!("{}:6", st("text_age.txt")),
+                "\"forty\"".into(),
+                "age".into(),
+            ],
+        ),
+        (
+            "a missing metadata column",
+            with(train(), "--metadata-column", "agee"),
+            vec!["agee".into()],
+        ),
+        (
+            "an odd batch",
+            with(pre(), "--batch-size", "7"),
+            vec!["--batch-size".into(), "7".into()],
+        ),
+        (
+            "a batch larger than the training samples",
+            with(pre(), "--batch-size", "1000"),
+            vec![
+                "--batch-size".into(),
+                "1000".into(),
+                "training samples".into(),
+            ],
+        ),
+        (
+            "a rarefaction depth above every sample",
+            with(pre(), "--rarefy-depth", "100000000"),
+            vec!["--rarefy-depth".into(), "leaves no sample".into()],
+        ),
+        (
+            "a truncated checkpoint",
+            with(pre(), "--resume-from", &st("cut.safetensors")),
+            vec![
+                "--resume-from".into(),
+                st("cut.safetensors"),
+                "cut short".into(),
+            ],
+        ),
+        (
+            "a file that is not a checkpoint",
+            predict(&t("text.safetensors")),
+            vec!["--model".into(), st("text.safetensors")],
+        ),
+        (
+            "another program's safetensors",
+            with(pre(), "--resume-from", &st("foreign.safetensors")),
+            vec![
+                st("foreign.safetensors"),
+                "not an aam-rs training checkpoint".into(),
+            ],
+        ),
+        (
+            "a pretrain checkpoint given to predict",
+            predict(&ckpt),
+            vec![s(&ckpt), "prediction head".into()],
+        ),
+        (
+            "a learning rate of 0",
+            with(pre(), "--lr", "0"),
+            vec!["--lr".into(), "> 0".into()],
+        ),
+        (
+            "a negative learning rate",
+            with(pre(), "--lr", "-1"),
+            vec!["--lr".into(), "-1".into()],
+        ),
+        (
+            "zero epochs",
+            with(pre(), "--epochs", "0"),
+            vec!["--epochs".into()],
+        ),
+        (
+            "negative epochs",
+            with(pre(), "--epochs", "-2"),
+            vec!["--epochs".into(), "-2".into()],
+        ),
+        (
+            "an output folder that cannot be made",
+            with(pre(), "--output-dir", &format!("{}/sub", st("a_file"))),
+            vec![
+                "--output-dir".into(),
+                st("a_file"),
+                "Not a directory".into(),
+            ],
+        ),
+    ];
+    for (what, a, wanted) in &cases {
+        let o = aam_rs(a);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            matches!(o.status.code(), Some(1 | 2)),
+            "{what}: exit {:?}\n{stderr}",
+            o.status
+        );
+        assert!(!stderr.contains("panicked"), "{what}: a panic\n{stderr}");
+        for w in wanted {
+            assert!(
+                stderr.contains(w.as_str()),
+                "{what}: {w:?} not in\n{stderr}"
+            );
+        }
+        let message = stderr
+            .lines()
+            .find(|l| l.starts_with("error"))
+            .unwrap_or_default();
+        eprintln!("{what}\t{}", message.replace(&s(tmp.path()), "<dir>"));
+    }
+
+    // Rules rather than errors (as the reference): characters other than
+    // A/C/G/T read as padding, sequences longer than --max-bp cut; both said.
+    demo_renamed(&t("n.biom"), |i, id| {
+        if i % 10 == 0 {
+            format!("N{}", &id[1..])
+        } else {
+            id.to_string()
+        }
+    });
+    let log = run_ok(&with(pre(), "--table", &st("n.biom")));
+    assert!(log.contains("characters other than A/C/G/T"), "{log}");
+    assert!(log.contains("longer than --max-bp 60"), "{log}");
 }
 
 /// Gradient checkpointing recomputes instead of storing; the run it trains is

@@ -286,12 +286,14 @@ pub enum Error {
     },
 
     /// Table samples absent from the distance matrix.
-    #[error("{}: {count} table sample(s) are missing from the distance matrix: {ids}", path.display())]
+    #[error("{}: {count} of the table's {of} sample(s) are missing from the distance matrix{}: {ids}", path.display(), if count == of { " (none is in it: a matrix of another study?)" } else { "" })]
     SamplesMissingFromMatrix {
         /// The matrix file.
         path: PathBuf,
         /// How many.
         count: usize,
+        /// The table's samples.
+        of: usize,
         /// Their IDs.
         ids: IdList,
     },

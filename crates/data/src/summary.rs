@@ -294,7 +294,8 @@ fn first_ids<S: AsRef<str>>(ids: &[S]) -> Vec<String> {
         .collect()
 }
 
-fn sequences(table: &BiomTable, max_bp: usize) -> SequenceSummary {
+/// The table's observation IDs read as sequences, against `max_bp`.
+pub fn sequences(table: &BiomTable, max_bp: usize) -> SequenceSummary {
     let mut lengths = Vec::with_capacity(table.n_observations());
     let (mut longer, mut with_non_acgt, mut non_acgt, mut not_sequences) = (0, 0, 0, 0);
     for id in table.observation_ids() {

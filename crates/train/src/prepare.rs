@@ -129,6 +129,7 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
     } else {
         MissingPolicy::Error
     };
+    check_sequences(&rarefied.table, spec)?;
     let mut builder = Dataset::builder(&rarefied.table)
         .max_bp(spec.max_bp)
         .unifrac(Arc::new(matrix), policy);
@@ -152,7 +153,10 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
         builder = builder.metadata(Arc::new(meta)).target(t.column, policy);
         sources.insert("metadata".into(), t.path.display().to_string());
     }
-    let dataset = builder.build()?;
+    let dataset = builder.build().map_err(|e| match e {
+        e @ aam_data::Error::SamplesMissingFromMatrix { .. } => input("unifrac-matrix")(e),
+        e => e.into(),
+    })?;
     let split = dataset.split(spec.test_size, spec.seed)?;
     tracing::info!(
         "{} samples ({} train, {} validation), {} ASVs",
@@ -357,4 +361,48 @@ fn class_indexed(
     }
     let indexed = Metadata::from_bytes(text.as_bytes(), meta.source())?;
     Ok((indexed, labels))
+}
+
+/// The ASVs are read from the table's observation IDs. IDs of which most
+/// are not nucleotide sequences (QIIME 2 feature hashes, OTU numbers) are an
+/// error; other characters than A/C/G/T become the padding token and
+/// sequences longer than `--max-bp` are cut to it, as in the reference, and
+/// both are logged.
+fn check_sequences(table: &aam_data::BiomTable, spec: &DataSpec) -> Result<()> {
+    let seqs = aam_data::summary::sequences(table, spec.max_bp);
+    let n = table.n_observations();
+    if 2 * seqs.not_sequences > n {
+        let example = table
+            .observation_ids()
+            .iter()
+            .find(|id| {
+                let bad = id.chars().filter(|c| !"ACGTacgt".contains(*c)).count();
+                2 * bad > id.chars().count()
+            })
+            .cloned()
+            .unwrap_or_default();
+        return Err(TrainError::arg(
+            "table",
+            format!(
+                "{}: {} of its {n} observation IDs are not nucleotide sequences (e.g. {example:?}); AAM reads each ASV's sequence from its ID, so the table must have sequences as observation IDs",
+                spec.table.display(),
+                seqs.not_sequences
+            ),
+        ));
+    }
+    if seqs.asvs_with_non_acgt > 0 {
+        tracing::warn!(
+            "{} of {n} ASVs contain characters other than A/C/G/T ({} in all); they are read as padding, as in the reference",
+            seqs.asvs_with_non_acgt,
+            seqs.non_acgt_bases
+        );
+    }
+    if seqs.longer_than_max_bp > 0 {
+        tracing::info!(
+            "{} of {n} ASVs are longer than --max-bp {} and are cut to it",
+            seqs.longer_than_max_bp,
+            spec.max_bp
+        );
+    }
+    Ok(())
 }

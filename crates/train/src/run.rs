@@ -502,6 +502,16 @@ where
     if devices.len() > 1 {
         check_shards(run.batch_size, devices.len())?;
     }
+    if data.train.len() < run.batch_size {
+        return Err(TrainError::arg(
+            "batch-size",
+            format!(
+                "{} is more than the {} training samples (training batches are full; lower it)",
+                run.batch_size,
+                data.train.len()
+            ),
+        ));
+    }
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
     let slots = Slots::for_model(&model_config, run.all_slots);
     let (train_loader, val_loader) = loaders(&run, &data)?;

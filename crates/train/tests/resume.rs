@@ -195,7 +195,11 @@ fn assert_same_run(full: &Path, resumed: &Path) {
     // Same losses in the history (the resumed epochs repeat the same batches).
     for (x, y) in a.meta.progress.history.iter().zip(&b.meta.progress.history) {
         assert_eq!(x.train, y.train, "epoch {} training losses differ", x.epoch);
-        assert_eq!(x.validation, y.validation, "epoch {} validation differs", x.epoch);
+        assert_eq!(
+            x.validation, y.validation,
+            "epoch {} validation differs",
+            x.epoch
+        );
         assert_eq!(x.lr, y.lr, "epoch {} learning rate differs", x.epoch);
     }
 }
@@ -230,14 +234,20 @@ fn stopped_inside_epochs_and_resumed_matches_bitwise() {
     assert!(summary.interrupted && summary.history.is_empty());
     let c = read_checkpoint(&part.join(files::LAST)).unwrap();
     let at = c.meta.progress.in_epoch.clone().expect("a step checkpoint");
-    assert_eq!((at.epoch, at.batches_done, c.meta.progress.global_step), (0, 4, 2));
+    assert_eq!(
+        (at.epoch, at.batches_done, c.meta.progress.global_step),
+        (0, 4, 2)
+    );
     // Then step 4 (the second epoch's first); then to the end.
     let resume = part.join(files::LAST);
     let summary = train(&part, Some(&resume), &mut InterruptAt(1, 2, (0, 0)));
     assert!(summary.interrupted);
     let c = read_checkpoint(&part.join(files::LAST)).unwrap();
     let at = c.meta.progress.in_epoch.clone().expect("a step checkpoint");
-    assert_eq!((at.epoch, at.batches_done, c.meta.progress.global_step), (1, 2, 4));
+    assert_eq!(
+        (at.epoch, at.batches_done, c.meta.progress.global_step),
+        (1, 2, 4)
+    );
     let summary = train(&part, Some(&resume), &mut Silent);
     assert!(!summary.interrupted);
     assert_same_run(&full, &part);
@@ -310,9 +320,19 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     )
     .unwrap_err()
     .to_string();
-    assert!(err.contains("not finite at epoch 2 batch 1 (optimiser step 3)"), "{err}");
+    assert!(
+        err.contains("not finite at epoch 2 batch 1 (optimiser step 3)"),
+        "{err}"
+    );
     assert!(err.contains("total_loss NaN"), "{err}");
-    assert!(err.contains(&first_batch.join(", ")), "{err}\n{first_batch:?}");
+    assert!(
+        err.contains(&first_batch.join(", ")),
+        "{err}\n{first_batch:?}"
+    );
     assert!(err.contains(&path.display().to_string()), "{err}");
-    assert_eq!(std::fs::read(&path).unwrap(), before, "the last checkpoint changed");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "the last checkpoint changed"
+    );
 }

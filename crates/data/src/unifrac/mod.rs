@@ -358,6 +358,7 @@ impl DistanceMatrix {
                     return Err(Error::SamplesMissingFromMatrix {
                         path: self.source.clone(),
                         count: missing.len(),
+                        of: sample_ids.len(),
                         ids: IdList::new(&missing),
                     })
                 }
@@ -707,7 +708,7 @@ mod tests {
         let msg = err.to_string();
         assert!(
             msg.contains("m.csv")
-                && msg.contains("2 table sample(s)")
+                && msg.contains("2 of the table's 5 sample(s)")
                 && msg.contains("\"zz\"")
                 && msg.contains("\"yy\""),
             "{msg}"
