@@ -214,6 +214,12 @@ pub struct RunArgs {
     /// only at each epoch's end: a killed job loses at most N steps.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub checkpoint_every_steps: Option<u64>,
+    /// Skip a batch whose losses or gradient norm are not finite (and the
+    /// batches accumulated with it), logged and counted as
+    /// train_skipped_batches, instead of stopping the run. Costs one more
+    /// device read per batch.
+    #[arg(long)]
+    pub skip_nonfinite_batches: bool,
     /// Compute backend (`aam-rs backends` lists those compiled in).
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     pub backend: BackendKind,

@@ -197,6 +197,7 @@ fn run_config(
         mixed_precision: Default::default(),
         unifrac_pairs: Default::default(),
         checkpoint_every_steps: None,
+        skip_nonfinite_batches: false,
     }
 }
 
@@ -592,6 +593,7 @@ fn start(
     run.memory_profile = r.memory_profile;
     run.time_phases = r.time_phases;
     run.checkpoint_every_steps = r.checkpoint_every_steps;
+    run.skip_nonfinite_batches = r.skip_nonfinite_batches;
     r.matmul_kernels.apply();
     // Before the first kernel runs (the model's initialisation compiles some).
     if let Some(note) = r.backend.kernel_cache_note() {

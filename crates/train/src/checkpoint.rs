@@ -75,13 +75,28 @@ pub struct EpochRecord {
     /// Learning rate at its end.
     pub lr: f64,
     /// Training means (`total_loss`, `unifrac_loss`, ...).
+    #[serde(deserialize_with = "nan_from_null")]
     pub train: BTreeMap<String, f64>,
-    /// Validation losses and metrics.
+    /// Validation losses and metrics (NaN where undefined, e.g. a validation
+    /// loss that overflowed).
+    #[serde(deserialize_with = "nan_from_null")]
     pub validation: BTreeMap<String, f64>,
     /// Training samples per second.
     pub samples_per_sec: f64,
     /// Wall-clock seconds.
     pub seconds: f64,
+}
+
+/// JSON has no NaN: serde_json writes a NaN value as `null`; read back as NaN.
+pub(crate) fn nan_from_null<'de, D>(d: D) -> std::result::Result<BTreeMap<String, f64>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let map = BTreeMap::<String, Option<f64>>::deserialize(d)?;
+    Ok(map
+        .into_iter()
+        .map(|(k, v)| (k, v.unwrap_or(f64::NAN)))
+        .collect())
 }
 
 /// Counters and history of a run.
@@ -125,6 +140,9 @@ pub struct EpochPosition {
     pub lr: f64,
     /// Running sums of its training means.
     pub means: Means,
+    /// Its batches skipped for non-finite values (`--skip-nonfinite-batches`).
+    #[serde(default)]
+    pub skipped: usize,
 }
 
 /// Everything in a checkpoint besides tensors.

@@ -138,6 +138,12 @@ pub struct RunConfig {
     /// the work a killed run loses. None: at the end of each epoch only.
     #[serde(default)]
     pub checkpoint_every_steps: Option<u64>,
+    /// Skip a batch whose losses or gradient norm are not finite (with the
+    /// gradients accumulated since the last step), counted as
+    /// `skipped_batches`, instead of stopping the run
+    /// (`--skip-nonfinite-batches`; one more device read per batch).
+    #[serde(default)]
+    pub skip_nonfinite_batches: bool,
 }
 
 impl RunConfig {

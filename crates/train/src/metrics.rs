@@ -122,6 +122,15 @@ impl Means {
         e.1 += 1;
     }
 
+    /// Adds every value of `other`.
+    pub fn merge(&mut self, other: Means) {
+        for (name, (sum, n)) in other.sums {
+            let e = self.sums.entry(name).or_default();
+            e.0 += sum;
+            e.1 += n;
+        }
+    }
+
     /// The means.
     pub fn finish(&self) -> BTreeMap<String, f64> {
         self.sums

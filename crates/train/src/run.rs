@@ -708,6 +708,7 @@ struct EpochTraining {
 
 /// A batch's losses (and nucleotide accuracy counts) as one `[k]` tensor
 /// on the inner backend, named: what the step reads to the host at its end.
+#[derive(Clone)]
 struct StepValues<B: Backend> {
     names: Vec<&'static str>,
     values: Tensor<B, 1>,
@@ -995,10 +996,13 @@ where
         let mut buffers: Vec<GradientBuffer<AB::InnerBackend>> =
             self.devices.iter().map(|_| Default::default()).collect();
         let mut pending = 0usize;
-        let (first, mut seen, mut last_lr, mut means) = match self.progress.in_epoch.take() {
-            Some(p) if p.epoch == epoch => (p.batches_done, p.samples, p.lr, p.means),
-            _ => (0, 0, self.scheduler.lr(), Means::default()),
-        };
+        let (first, mut seen, mut last_lr, mut means, mut skipped) =
+            match self.progress.in_epoch.take() {
+                Some(p) if p.epoch == epoch => {
+                    (p.batches_done, p.samples, p.lr, p.means, p.skipped)
+                }
+                _ => (0, 0, self.scheduler.lr(), Means::default(), 0),
+            };
         let mut timer = StepProfiler::new(run.memory_profile, run.time_phases);
         let mut interrupted = false;
         for (k, batch) in (first..).zip(loader.epoch_from(epoch as u64, first)) {
@@ -1019,10 +1023,46 @@ where
             timer.mark::<AB>(device, "data");
             let values = self.forward_backward(&models, &batch, &mut buffers, &mut timer)?;
             pending += 1;
+            let stepped = pending == accum || k + 1 == self.batches;
+            // --skip-nonfinite-batches: the batch's values, and before a step
+            // the gradient norm, are read before the step; a non-finite one
+            // drops the gradients accumulated since the last step.
+            let mut read_early = None;
+            if run.skip_nonfinite_batches {
+                let mut batch_means = Means::default();
+                let (total, mut bad) = record_batch(values.clone(), None, &mut batch_means);
+                if stepped && bad.is_empty() {
+                    if let Some(norm) = buffers
+                        .iter()
+                        .map(|b| b.global_norm())
+                        .find(|n| !n.is_finite())
+                    {
+                        bad.push(format!("gradient norm {norm}"));
+                    }
+                }
+                if !bad.is_empty() {
+                    tracing::warn!(
+                        "skipping epoch {} batch {} ({}; samples {}){}",
+                        epoch + 1,
+                        k + 1,
+                        bad.join(", "),
+                        self.batch_samples(&batch),
+                        if pending > 1 {
+                            format!(" and the {} batches accumulated before it", pending - 1)
+                        } else {
+                            String::new()
+                        }
+                    );
+                    skipped += pending;
+                    pending = 0;
+                    buffers.iter_mut().for_each(GradientBuffer::clear);
+                    continue;
+                }
+                read_early = Some((total, batch_means));
+            }
             seen += batch.batch_size();
             // The gradient norm before clipping, still on the device.
             let mut grad_norm = None;
-            let stepped = pending == accum || k + 1 == self.batches;
             if stepped {
                 last_lr = self.scheduler.lr();
                 let (stepped, norm) = self.optimizer_step(models, &mut buffers, &mut means);
@@ -1034,7 +1074,16 @@ where
             // The step's one host read (losses, accuracy counts, gradient norm),
             // after everything is queued. A non-finite loss stops the run before
             // any checkpoint is written from the weights it produced.
-            let (total, non_finite) = record_batch(values, grad_norm, &mut means);
+            let (total, non_finite) = match read_early {
+                None => record_batch(values, grad_norm, &mut means),
+                Some((total, batch_means)) => {
+                    means.merge(batch_means);
+                    if let Some(norm) = grad_norm {
+                        means.add("grad_norm", norm.into_scalar().elem::<f64>());
+                    }
+                    (total, Vec::new())
+                }
+            };
             timer.mark::<AB>(device, "read");
             tracing::debug!(
                 "epoch {epoch} batch {k}: lr {last_lr:e}, {} samples, {} filled slots",
@@ -1042,14 +1091,12 @@ where
                 batch.filled_slots()
             );
             if !non_finite.is_empty() {
-                let ids = self.data.dataset.sample_ids();
-                let samples: Vec<&str> = batch.positions.iter().map(|&p| ids[p].as_str()).collect();
                 return Err(TrainError::NonFinite {
                     terms: non_finite.join(", "),
                     epoch,
                     batch: k,
                     step: self.progress.global_step - u64::from(stepped),
-                    samples: samples.join(", "),
+                    samples: self.batch_samples(&batch),
                     checkpoint: self.out_dir.join(files::LAST),
                 });
             }
@@ -1076,6 +1123,7 @@ where
                         samples: seen,
                         lr: last_lr,
                         means: means.clone(),
+                        skipped,
                     });
                     let path = self.out_dir.join(files::LAST);
                     self.write_checkpoint(&models[0], &[&path])?;
@@ -1094,10 +1142,14 @@ where
         }
         let seconds = started.elapsed().as_secs_f64();
         timer.epoch_end(epoch, &self.out_dir.join(files::MEMORY_PROFILE))?;
+        let mut means = means.finish();
+        if run.skip_nonfinite_batches {
+            means.insert("skipped_batches".into(), skipped as f64);
+        }
         Ok((
             models,
             Some(EpochTraining {
-                means: means.finish(),
+                means,
                 seen,
                 seconds,
                 last_lr,
@@ -1105,6 +1157,13 @@ where
                 interrupted,
             }),
         ))
+    }
+
+    /// A batch's sample IDs, for messages.
+    fn batch_samples(&self, batch: &Batch) -> String {
+        let ids = self.data.dataset.sample_ids();
+        let samples: Vec<&str> = batch.positions.iter().map(|&p| ids[p].as_str()).collect();
+        samples.join(", ")
     }
 
     /// Writes the run's state as it stands (weights of `model`, the first

@@ -107,6 +107,7 @@ pub(crate) fn run_config() -> RunConfig {
         mixed_precision: Default::default(),
         unifrac_pairs: Default::default(),
         checkpoint_every_steps: None,
+        skip_nonfinite_batches: false,
     }
 }
 
@@ -295,7 +296,6 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
 
     let _guard = crate::one_run_at_a_time();
     let device = Default::default();
-    let model = ckpt.model::<AB>(&device).unwrap();
     let data = data();
     let first_batch: Vec<String> = {
         let ids = data.dataset.sample_ids();
@@ -311,9 +311,9 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     let err = fit::<AB>(
         &[device],
         model_config(),
-        model,
+        ckpt.model::<AB>(&device).unwrap(),
         run_config(),
-        data,
+        data.clone(),
         &out,
         Some(&ckpt),
         &mut Silent,
@@ -335,4 +335,33 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
         before,
         "the last checkpoint changed"
     );
+
+    // --skip-nonfinite-batches: every batch (each has the NaN) is skipped and
+    // counted, no step is taken, and the run ends.
+    let skipping = dir.path().join("skipping");
+    let summary = fit::<AB>(
+        &[device],
+        model_config(),
+        ckpt.model::<AB>(&device).unwrap(),
+        RunConfig {
+            skip_nonfinite_batches: true,
+            ..run_config()
+        },
+        data,
+        &skipping,
+        Some(&ckpt),
+        &mut Silent,
+    )
+    .unwrap();
+    assert_eq!(summary.history.len(), 3);
+    for epoch in &summary.history[1..] {
+        assert_eq!(epoch.train["skipped_batches"], 6.0, "{epoch:?}");
+        assert_eq!(epoch.step, 3, "a step was taken");
+    }
+    let end = read_checkpoint(&skipping.join(files::LAST)).unwrap();
+    assert_eq!(end.optimizer, ckpt.optimizer, "the optimiser moved");
+    for (k, t) in &ckpt.model {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&end.model[k].values), bits(&t.values), "{k} moved");
+    }
 }
