@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Seed and run the aam-data fuzz targets (cargo-fuzz, nightly toolchain).
+# Seed and run the fuzz targets of aam-data's readers, the Newick reader
+# (aam-unifrac) and serve's request body (cargo-fuzz, nightly toolchain).
 #
 #   crates/data/fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]
 #
@@ -12,7 +13,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 data="${AAM_SHARED_DATA:-$here/../../../../shared/data}"
 seconds="${1:-600}"; shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(biom_json biom_hdf5 matrix_npy matrix_csv metadata_tsv)
+[ ${#targets[@]} -gt 0 ] || targets=(biom_json biom_hdf5 matrix_npy matrix_csv metadata_tsv newick samples_json)
 cd "$here"
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 rustup toolchain list | grep -q nightly || rustup toolchain install nightly --profile minimal
@@ -52,6 +53,11 @@ PY
     <(head -n 40 "$data/oral2550/oral_2550_map.txt")
 fi
 seed metadata_tsv "" "$here/../demo/demo_map.txt"
+seed newick "" "$here/../demo/tree.nwk"
+[ -d "$data" ] && seed newick "" "$data"/fixtures/unifrac-tests/*.newick "$data"/fixtures/crawford/crawford.tre
+mkdir -p corpus/samples_json
+printf '%s' '{"samples": [{"id": "s1", "counts": {"TACGTAGGGGGCAAGCGTTATCCGG": 12, "TACGGAGGATCCGAGCGTTATCCGG": 3}}, {"id": "s2", "counts": [["TACGTAGGGGGCAAGCGTTATCCGG", 5]]}]}' \
+  >corpus/samples_json/seed-request.json
 
 status=0
 mkdir -p logs

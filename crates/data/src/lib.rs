@@ -70,6 +70,7 @@ mod hdf5_util;
 mod metadata;
 mod normalize;
 mod rarefy;
+mod samples_json;
 mod split;
 pub mod summary;
 pub mod tokenize;
@@ -87,6 +88,7 @@ pub use normalize::{
     MIN_STD,
 };
 pub use rarefy::{rarefy_sample, Rarefied};
+pub use samples_json::{parse_samples_json, SamplesJsonError};
 pub use split::{train_val_split, Split};
 pub use summary::{summarize, Summary, SummaryOptions};
 pub use tokenize::TokenCache;

@@ -1,19 +1,16 @@
 //! The HTTP routes: request parsing and checks, answers, status codes.
 
-use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use aam_infer::{ModelKind, Prediction, SampleReads};
+use aam_infer::{ModelKind, Prediction};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::de::{MapAccess, SeqAccess, Visitor};
-use serde::{Deserialize, Deserializer};
 use serde_json::{json, Value};
 
 use crate::worker::{Answer, Job, JobKind};
@@ -30,56 +27,6 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(shared)
-}
-
-/// `{"samples": [{"id": ..., "counts": {sequence: reads, ...}}]}`.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Request {
-    samples: Vec<RequestSample>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RequestSample {
-    id: String,
-    counts: Counts,
-}
-
-/// Reads per sequence, in the document's order (the order the model sees
-/// the ASVs in): a JSON object `{"TACG...": 12, ...}` or, for clients whose
-/// JSON objects sort or shuffle their keys, a list of pairs
-/// `[["TACG...", 12], ...]`. A sequence given twice stays twice (and the
-/// sample check refuses it, naming it).
-struct Counts(Vec<(String, f64)>);
-
-impl<'de> Deserialize<'de> for Counts {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Ordered;
-        impl<'de> Visitor<'de> for Ordered {
-            type Value = Counts;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str(
-                    "reads per ASV sequence: {\"TACG...\": 12, ...} or [[\"TACG...\", 12], ...]",
-                )
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Counts, A::Error> {
-                let mut reads = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-                while let Some(pair) = seq.next_element::<(String, f64)>()? {
-                    reads.push(pair);
-                }
-                Ok(Counts(reads))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Counts, A::Error> {
-                let mut reads = Vec::with_capacity(map.size_hint().unwrap_or(0));
-                while let Some(entry) = map.next_entry::<String, f64>()? {
-                    reads.push(entry);
-                }
-                Ok(Counts(reads))
-            }
-        }
-        deserializer.deserialize_any(Ordered)
-    }
 }
 
 /// An answer other than 200: its status and message.
@@ -158,45 +105,29 @@ async fn run(
             ),
         )
     })?;
-    let request: Request =
-        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
-            .map_err(|e| {
-                let path = e.path().to_string();
-                let at = if path == "." {
-                    String::new()
-                } else {
-                    format!("{path}: ")
-                };
-                Refusal::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    format!("invalid request body: {at}{}", e.inner()),
-                )
-            })?;
+    let samples = aam_data::parse_samples_json(&body).map_err(|e| {
+        Refusal::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("invalid request body: {e}"),
+        )
+    })?;
     let config = &shared.config;
-    if request.samples.is_empty() {
+    if samples.is_empty() {
         return Err(Refusal::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "samples: the list is empty",
         ));
     }
-    if request.samples.len() > config.max_request_samples {
+    if samples.len() > config.max_request_samples {
         return Err(Refusal::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!(
                 "samples: {} samples, more than the limit of {} per request (--max-request-samples)",
-                request.samples.len(),
+                samples.len(),
                 config.max_request_samples
             ),
         ));
     }
-    let samples: Vec<SampleReads> = request
-        .samples
-        .into_iter()
-        .map(|s| SampleReads {
-            id: s.id,
-            reads: s.counts.0,
-        })
-        .collect();
     let asvs: usize = samples
         .iter()
         .map(|s| s.reads.len().min(info.token_limit))
