@@ -15,10 +15,11 @@ targets=(biom_json biom_hdf5 matrix_npy matrix_csv metadata_tsv newick samples_j
 if [ "${1:-}" = pack ]; then
   tmp=$(mktemp -d); mkdir -p "$tmp/bin" "$CARRY"
   for t in "${targets[@]}"; do
-    cp "$here/target/x86_64-unknown-linux-gnu/release/$t" "$tmp/bin/"
+    # Debug info off (symbols kept: a crash's stack still names functions).
+    strip --strip-debug -o "$tmp/bin/$t" "$here/target/x86_64-unknown-linux-gnu/release/$t"
   done
   cp -r "$here/corpus" "$tmp/corpus"
-  tar -C "$tmp" -cJf "$CARRY/fuzz.tar.xz" bin corpus; rm -rf "$tmp"
+  XZ_OPT="-T2 -9" tar -C "$tmp" -cJf "$CARRY/fuzz.tar.xz" bin corpus; rm -rf "$tmp"
   du -sh "$CARRY"
   exit 0
 fi

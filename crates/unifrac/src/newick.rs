@@ -375,7 +375,15 @@ impl Parser<'_> {
             }
             let token = std::str::from_utf8(&self.text[start..self.pos]).unwrap_or_default();
             length = match token.parse::<f64>() {
-                Ok(v) if v.is_finite() => v as f32 as f64,
+                // Rounded to f32 as ssu stores them; beyond f32's range a
+                // length would be infinite.
+                Ok(v) if (v as f32).is_finite() => v as f32 as f64,
+                Ok(v) if v.is_finite() => {
+                    return Err(self.error(
+                        start,
+                        format!("branch length {token} is beyond the range of a 32-bit float"),
+                    ));
+                }
                 _ => {
                     let shown: String = String::from_utf8_lossy(
                         &self.text[start..(start + 20).min(self.text.len())],
@@ -469,6 +477,8 @@ mod tests {
             ("(a,b));", 5, "without a matching"),
             ("a,b;", 1, "outside any parentheses"),
             ("(a:x,b);", 3, "not a number"),
+            // Found by fuzzing: finite as f64, infinite once rounded to f32.
+            ("(((a:1,b:1):1,c:5):2e46,d:4);", 19, "beyond the range"),
             ("(a,b);(c,d);", 6, "one tree per file"),
             ("('a,b);", 1, "never closed"),
             ("(a[x,b);", 2, "never closed"),
