@@ -6,7 +6,8 @@
 # and, on the device, through the device tool:
 #   SECONDS_PER_TARGET=560 FORK=2 bash crates/data/fuzz/device.sh
 # runs every target at once (FORK worker processes each) and leaves each
-# target's log, final corpus and any crash under $OUT.
+# target's log, final corpus and any crash under $OUT. A second run goes on
+# from the first's corpus: copy its $OUT/corpus.tar.xz to .carry/fuzz/.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$here/../../.."
@@ -28,6 +29,8 @@ fork="${FORK:-2}"
 out="${OUT:-$(mktemp -d)}"
 W=$(mktemp -d)
 tar -C "$W" -xJf "$CARRY/fuzz.tar.xz"
+# A corpus a previous run left (its $OUT/corpus.tar.xz, put here) continues.
+if [ -f "$CARRY/corpus.tar.xz" ]; then rm -rf "$W/corpus"; tar -C "$W" -xJf "$CARRY/corpus.tar.xz"; fi
 nproc; uname -r
 for t in "${targets[@]}"; do
   mkdir -p "$W/corpus/$t" "$out/artifacts/$t"
