@@ -1031,7 +1031,10 @@ where
             if run.skip_nonfinite_batches {
                 let mut batch_means = Means::default();
                 let (total, mut bad) = record_batch(values.clone(), None, &mut batch_means);
-                if stepped && bad.is_empty() {
+                // (fp16's scaled gradients overflow by design: the loss scaler
+                // skips those steps and lowers the scale.)
+                let scaled = self.progress.loss_scaler.is_some();
+                if stepped && bad.is_empty() && !scaled {
                     if let Some(norm) = buffers
                         .iter()
                         .map(|b| b.global_norm())
