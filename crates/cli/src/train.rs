@@ -765,11 +765,10 @@ where
     .map_err(flagged)?;
     progress.finish();
     if summary.interrupted {
-        let last = read_checkpoint(&summary.last_checkpoint)?;
         return Err(aam_cli::Interrupted {
             signal: stop.received().unwrap_or("a signal"),
             checkpoint: summary.last_checkpoint,
-            step: last.meta.progress.global_step,
+            step: summary.steps,
         }
         .into());
     }

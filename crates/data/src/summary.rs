@@ -146,6 +146,8 @@ pub struct SequenceSummary {
     /// IDs of which more than half the characters are not A/C/G/T: not
     /// sequences at all (e.g. QIIME 2 feature hashes).
     pub not_sequences: usize,
+    /// The first such ID, if any.
+    pub not_sequence_example: Option<String>,
 }
 
 /// The table after rarefaction.
@@ -298,6 +300,7 @@ fn first_ids<S: AsRef<str>>(ids: &[S]) -> Vec<String> {
 pub fn sequences(table: &BiomTable, max_bp: usize) -> SequenceSummary {
     let mut lengths = Vec::with_capacity(table.n_observations());
     let (mut longer, mut with_non_acgt, mut non_acgt, mut not_sequences) = (0, 0, 0, 0);
+    let mut not_sequence_example = None;
     for id in table.observation_ids() {
         let (mut n, mut bad) = (0usize, 0usize);
         for c in id.chars() {
@@ -310,7 +313,10 @@ pub fn sequences(table: &BiomTable, max_bp: usize) -> SequenceSummary {
         longer += usize::from(n > max_bp);
         with_non_acgt += usize::from(bad > 0);
         non_acgt += bad;
-        not_sequences += usize::from(2 * bad > n);
+        if 2 * bad > n {
+            not_sequences += 1;
+            not_sequence_example.get_or_insert_with(|| id.clone());
+        }
     }
     SequenceSummary {
         length: Stats::of(lengths),
@@ -319,6 +325,7 @@ pub fn sequences(table: &BiomTable, max_bp: usize) -> SequenceSummary {
         asvs_with_non_acgt: with_non_acgt,
         non_acgt_bases: non_acgt,
         not_sequences,
+        not_sequence_example,
     }
 }
 

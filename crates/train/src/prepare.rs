@@ -372,15 +372,7 @@ fn check_sequences(table: &aam_data::BiomTable, spec: &DataSpec) -> Result<()> {
     let seqs = aam_data::summary::sequences(table, spec.max_bp);
     let n = table.n_observations();
     if 2 * seqs.not_sequences > n {
-        let example = table
-            .observation_ids()
-            .iter()
-            .find(|id| {
-                let bad = id.chars().filter(|c| !"ACGTacgt".contains(*c)).count();
-                2 * bad > id.chars().count()
-            })
-            .cloned()
-            .unwrap_or_default();
+        let example = seqs.not_sequence_example.unwrap_or_default();
         return Err(TrainError::arg(
             "table",
             format!(

@@ -121,6 +121,8 @@ pub struct FitSummary {
     /// Whether [`Observer::interrupted`] ended it (`last_checkpoint` holds
     /// the step it stopped at; `--resume-from` continues from there).
     pub interrupted: bool,
+    /// Optimiser steps taken in all (a resumed run counts its earlier ones).
+    pub steps: u64,
 }
 
 /// File names inside the output directory.
@@ -631,6 +633,7 @@ where
         last_checkpoint: out_dir.join(files::LAST),
         stopped_early,
         interrupted,
+        steps: trainer.progress.global_step,
     })
 }
 
