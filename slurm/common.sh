@@ -1,0 +1,78 @@
+# Sourced by the slurm/ job templates (sbatch runs a copy of the template, so they find this
+# file through AAM_SLURM_DIR, default $SLURM_SUBMIT_DIR/slurm: submit from the repository root,
+# or set AAM_SLURM_DIR). Settings are environment variables exported at submission
+# (`AAM_TABLE=... sbatch slurm/pretrain_single.sh`); slurm/README.md lists them.
+
+# Checks the binary, makes the job's node-local scratch folder (removed at the end) with a
+# cubecl.toml pointing at a shared kernel cache when AAM_KERNEL_CACHE is set, and works there.
+aam_init() {
+  AAM_RS=${AAM_RS:-aam-rs}
+  AAM_BACKEND=${AAM_BACKEND:-cuda}
+  if ! command -v "$AAM_RS" >/dev/null 2>&1; then
+    echo "aam-rs not found: put it on PATH or set AAM_RS=/path/to/aam-rs" >&2
+    exit 1
+  fi
+  AAM_RS=$(command -v "$AAM_RS")
+  JOB_SCRATCH="${AAM_SCRATCH:-${TMPDIR:-/tmp}}/aam-${SLURM_JOB_ID:-$$}"
+  mkdir -p "$JOB_SCRATCH"
+  trap 'rm -rf "$JOB_SCRATCH"' EXIT
+  if [ -n "${AAM_KERNEL_CACHE:-}" ]; then
+    # One compiled-kernel cache for every job on the same GPU model (docs/backends.md).
+    mkdir -p "$AAM_KERNEL_CACHE"
+    printf '[autotune]\ncache = { file = "%s" }\n' "$AAM_KERNEL_CACHE" > "$JOB_SCRATCH/cubecl.toml"
+  fi
+  cd "$JOB_SCRATCH"
+  echo "job ${SLURM_JOB_ID:-none} (start $((${SLURM_RESTART_COUNT:-0} + 1))) on $(hostname): $AAM_RS, backend $AAM_BACKEND, $(date -Is)"
+}
+
+# Fails the job when a required setting is empty: aam_require AAM_TABLE AAM_OUT ...
+aam_require() {
+  local name
+  for name in "$@"; do
+    if [ -z "${!name:-}" ]; then
+      echo "set $name (see slurm/README.md)" >&2
+      exit 1
+    fi
+  done
+}
+
+# Copies an input from the shared filesystem to node-local scratch; prints the copy's path.
+aam_stage() {
+  if [ ! -f "$1" ]; then
+    echo "input not found: $1" >&2
+    exit 1
+  fi
+  cp "$1" "$JOB_SCRATCH/" && echo "$JOB_SCRATCH/$(basename "$1")"
+}
+
+# Stops the job before training when this node's GPU computes attention wrong (AAM_DIAGNOSE=0
+# skips the check).
+aam_gate() {
+  [ "${AAM_DIAGNOSE:-1}" = 0 ] && return 0
+  if ! "$AAM_RS" diagnose attention --backend "$AAM_BACKEND" --quick; then
+    echo "attention is computed wrong on $(hostname) (${AAM_BACKEND}): not training here" >&2
+    exit 1
+  fi
+}
+
+# Runs `aam-rs "$@"`. SLURM's warning before the time limit (#SBATCH --signal=B:USR1@...) and
+# a SIGTERM reach aam-rs, which writes a checkpoint and exits with status 75. After the warning
+# the job requeues itself, and its next start resumes (--resume-from auto); after a SIGTERM
+# (scancel, preemption) it ends, and SLURM requeues it if the preemption says so.
+aam_run() {
+  local pid rc requeue=0
+  "$AAM_RS" "$@" &
+  pid=$!
+  trap 'requeue=1; kill -USR1 "$pid" 2>/dev/null' USR1
+  trap 'kill -TERM "$pid" 2>/dev/null' TERM
+  while :; do
+    wait "$pid" && rc=0 || rc=$?
+    kill -0 "$pid" 2>/dev/null || break # wait returned for a signal: aam-rs still runs
+  done
+  trap - USR1 TERM
+  if [ "$rc" = 75 ] && [ "$requeue" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    echo "checkpoint written before the time limit: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  return "$rc"
+}
