@@ -12,6 +12,12 @@
 //!    requests/s, samples/s, p50/p99 latency, and the mean device batch of
 //!    that phase from `/metrics` (`aam_inference_duration_seconds`; at
 //!    concurrency 1, one request's forward pass and preparation).
+//! 3. Soak (`--soak-minutes M`, instead of 2's phases): requests at a
+//!    steady `--soak-rate` per second for M minutes, from `--soak-clients`
+//!    threads; each `--soak-interval` seconds a line (and a `--soak-csv`
+//!    row) with the server's resident memory (`/proc/<pid>/status`), the
+//!    requests answered, the errors and the p50/p99 latency of the interval.
+//!    A leak shows as resident memory that grows after the first interval.
 //!
 //! ```sh
 //! cargo build --release -p aam-benches --bin serve-bench
@@ -59,6 +65,21 @@ struct Args {
     /// Also write the results here (JSON).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Soak: minutes of steady load instead of the concurrency phases.
+    #[arg(long, default_value_t = 0.0)]
+    soak_minutes: f64,
+    /// Soak: requests a second.
+    #[arg(long, default_value_t = 5.0)]
+    soak_rate: f64,
+    /// Soak: client threads sending them.
+    #[arg(long, default_value_t = 4)]
+    soak_clients: usize,
+    /// Soak: seconds between two report lines.
+    #[arg(long, default_value_t = 60)]
+    soak_interval: u64,
+    /// Soak: also write the report lines here (CSV).
+    #[arg(long)]
+    soak_csv: Option<PathBuf>,
 }
 
 fn main() {
@@ -157,6 +178,15 @@ fn main() {
             .map(request_json)
             .collect(),
     );
+    if args.soak_minutes > 0.0 {
+        soak(&args, &addr, server.id(), bodies);
+        let _ = Command::new("kill")
+            .args(["-TERM", &server.id().to_string()])
+            .status();
+        let _ = server.wait();
+        let _ = std::fs::remove_dir_all(&tmp);
+        return;
+    }
     let mut phases = Vec::new();
     for &c in &args.concurrency {
         let total = args.requests.max(4 * c);
@@ -223,6 +253,88 @@ fn main() {
             "phases": phases,
         });
         std::fs::write(path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
+    }
+}
+
+/// Steady load for `--soak-minutes`: request `k` leaves at `k / rate`
+/// seconds (whichever client is free), and every interval reports the
+/// server's resident memory and the interval's answers.
+fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
+    let total = (args.soak_minutes * 60.0 * args.soak_rate) as usize;
+    let start = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    // (seconds since start when answered, latency in seconds, status)
+    let answers = Arc::new(std::sync::Mutex::new(Vec::<(f64, f64, u16)>::new()));
+    let clients: Vec<_> = (0..args.soak_clients.max(1))
+        .map(|_| {
+            let (addr, bodies, next, answers) =
+                (addr.to_string(), bodies.clone(), next.clone(), answers.clone());
+            let rate = args.soak_rate;
+            std::thread::spawn(move || loop {
+                let k = next.fetch_add(1, Ordering::Relaxed);
+                if k >= total {
+                    break;
+                }
+                let due = Duration::from_secs_f64(k as f64 / rate);
+                if let Some(wait) = due.checked_sub(start.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+                let t = Instant::now();
+                let (status, _) = http(&addr, "POST", "/embed", &bodies[k % bodies.len()]);
+                let latency = t.elapsed().as_secs_f64();
+                answers
+                    .lock()
+                    .unwrap()
+                    .push((start.elapsed().as_secs_f64(), latency, status));
+            })
+        })
+        .collect();
+    let rss_mib = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            })
+            .map_or(f64::NAN, |kib| kib / 1024.0)
+    };
+    let mut csv = String::from("seconds,rss_mib,answered,errors,p50_ms,p99_ms\n");
+    println!(
+        "soak: {total} requests at {} a second for {} min, {} clients",
+        args.soak_rate, args.soak_minutes, args.soak_clients
+    );
+    let mut done = false;
+    while !done {
+        std::thread::sleep(Duration::from_secs(args.soak_interval.max(1)));
+        done = clients.iter().all(|c| c.is_finished());
+        let mut interval: Vec<(f64, f64, u16)> = std::mem::take(&mut *answers.lock().unwrap());
+        let errors = interval.iter().filter(|a| a.2 != 200).count();
+        interval.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let pct = |p: f64| {
+            interval
+                .get(((interval.len() as f64 * p) as usize).min(interval.len().saturating_sub(1)))
+                .map_or(f64::NAN, |a| 1e3 * a.1)
+        };
+        let (seconds, rss) = (start.elapsed().as_secs_f64(), rss_mib());
+        println!(
+            "{seconds:7.0} s: RSS {rss:8.1} MiB, {:5} answered, {errors} errors, p50 {:8.2} ms, p99 {:8.2} ms",
+            interval.len(),
+            pct(0.5),
+            pct(0.99)
+        );
+        csv.push_str(&format!(
+            "{seconds:.0},{rss:.1},{},{errors},{:.2},{:.2}\n",
+            interval.len(),
+            pct(0.5),
+            pct(0.99)
+        ));
+        if let Some(path) = &args.soak_csv {
+            std::fs::write(path, &csv).expect("writes the soak CSV");
+        }
+    }
+    for c in clients {
+        c.join().unwrap();
     }
 }
 
