@@ -14,7 +14,8 @@
 //!    concurrency 1, one request's forward pass and preparation).
 //! 3. Soak (`--soak-minutes M`, instead of 2's phases): requests at a
 //!    steady `--soak-rate` per second for M minutes, from `--soak-clients`
-//!    threads; each `--soak-interval` seconds a line (and a `--soak-csv`
+//!    threads (at most that many in flight: a slower server sees them all
+//!    busy until the time is up); each `--soak-interval` seconds a line (and a `--soak-csv`
 //!    row) with the server's resident memory (`/proc/<pid>/status`), the
 //!    requests answered, the errors and the p50/p99 latency of the interval.
 //!    A leak shows as resident memory that grows after the first interval.
@@ -261,6 +262,7 @@ fn main() {
 /// server's resident memory and the interval's answers.
 fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
     let total = (args.soak_minutes * 60.0 * args.soak_rate) as usize;
+    let duration = Duration::from_secs_f64(args.soak_minutes * 60.0);
     let start = Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
     // (seconds since start when answered, latency in seconds, status)
@@ -272,7 +274,9 @@ fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
             let rate = args.soak_rate;
             std::thread::spawn(move || loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
-                if k >= total {
+                // A server slower than the rate gets the clients' concurrency
+                // until the time is up, not a backlog past it.
+                if k >= total || start.elapsed() >= duration {
                     break;
                 }
                 let due = Duration::from_secs_f64(k as f64 / rate);
