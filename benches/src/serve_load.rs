@@ -15,10 +15,11 @@
 //! 3. Soak (`--soak-minutes M`, instead of 2's phases): requests at a
 //!    steady `--soak-rate` per second for M minutes, from `--soak-clients`
 //!    threads (at most that many in flight: a slower server sees them all
-//!    busy until the time is up); each `--soak-interval` seconds a line (and a `--soak-csv`
-//!    row) with the server's resident memory (`/proc/<pid>/status`), the
-//!    requests answered, the errors and the p50/p99 latency of the interval.
-//!    A leak shows as resident memory that grows after the first interval.
+//!    busy until the time is up); each `--soak-interval` seconds a line
+//!    (and a `--soak-csv` row) with the server's resident memory
+//!    (`/proc/<pid>/status`), the requests answered, the errors and the
+//!    p50/p99 latency of the interval. A leak shows as resident memory that
+//!    grows after the first interval.
 //!
 //! ```sh
 //! cargo build --release -p aam-benches --bin serve-bench
@@ -265,12 +266,16 @@ fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
     let duration = Duration::from_secs_f64(args.soak_minutes * 60.0);
     let start = Instant::now();
     let next = Arc::new(AtomicUsize::new(0));
-    // (seconds since start when answered, latency in seconds, status)
-    let answers = Arc::new(std::sync::Mutex::new(Vec::<(f64, f64, u16)>::new()));
+    // (latency in seconds, status) of the requests answered since the last report
+    let answers = Arc::new(std::sync::Mutex::new(Vec::<(f64, u16)>::new()));
     let clients: Vec<_> = (0..args.soak_clients.max(1))
         .map(|_| {
-            let (addr, bodies, next, answers) =
-                (addr.to_string(), bodies.clone(), next.clone(), answers.clone());
+            let (addr, bodies, next, answers) = (
+                addr.to_string(),
+                bodies.clone(),
+                next.clone(),
+                answers.clone(),
+            );
             let rate = args.soak_rate;
             std::thread::spawn(move || loop {
                 let k = next.fetch_add(1, Ordering::Relaxed);
@@ -286,10 +291,7 @@ fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
                 let t = Instant::now();
                 let (status, _) = http(&addr, "POST", "/embed", &bodies[k % bodies.len()]);
                 let latency = t.elapsed().as_secs_f64();
-                answers
-                    .lock()
-                    .unwrap()
-                    .push((start.elapsed().as_secs_f64(), latency, status));
+                answers.lock().unwrap().push((latency, status));
             })
         })
         .collect();
@@ -312,13 +314,13 @@ fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
     while !done {
         std::thread::sleep(Duration::from_secs(args.soak_interval.max(1)));
         done = clients.iter().all(|c| c.is_finished());
-        let mut interval: Vec<(f64, f64, u16)> = std::mem::take(&mut *answers.lock().unwrap());
-        let errors = interval.iter().filter(|a| a.2 != 200).count();
-        interval.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let mut interval: Vec<(f64, u16)> = std::mem::take(&mut *answers.lock().unwrap());
+        let errors = interval.iter().filter(|a| a.1 != 200).count();
+        interval.sort_by(|a, b| a.0.total_cmp(&b.0));
         let pct = |p: f64| {
             interval
                 .get(((interval.len() as f64 * p) as usize).min(interval.len().saturating_sub(1)))
-                .map_or(f64::NAN, |a| 1e3 * a.1)
+                .map_or(f64::NAN, |a| 1e3 * a.0)
         };
         let (seconds, rss) = (start.elapsed().as_secs_f64(), rss_mib());
         println!(
