@@ -45,6 +45,32 @@ aam_stage() {
   cp "$1" "$JOB_SCRATCH/" && echo "$JOB_SCRATCH/$(basename "$1")"
 }
 
+# The UniFrac input of pretrain and train, staged: `--unifrac-matrix` from AAM_MATRIX, else
+# `--tree` from AAM_TREE (the matrix is then computed in the job). Sets the array UNIFRAC_ARGS.
+aam_unifrac_args() {
+  if [ -n "${AAM_MATRIX:-}" ]; then
+    UNIFRAC_ARGS=(--unifrac-matrix "$(aam_stage "$AAM_MATRIX")")
+  else
+    aam_require AAM_TREE
+    UNIFRAC_ARGS=(--tree "$(aam_stage "$AAM_TREE")")
+  fi
+}
+
+# The body of pretrain_single.sh and pretrain_node.sh: `aam-rs pretrain` on AAM_DEVICES
+# (default: $1), step checkpoints, and --resume-from auto for the job's later starts.
+aam_pretrain() {
+  aam_require AAM_TABLE AAM_OUT
+  aam_init
+  local table
+  table=$(aam_stage "$AAM_TABLE")
+  aam_unifrac_args
+  aam_gate
+  # shellcheck disable=SC2086 # AAM_ARGS holds several flags
+  aam_run pretrain --backend "$AAM_BACKEND" --devices "${AAM_DEVICES:-$1}" --table "$table" \
+    "${UNIFRAC_ARGS[@]}" --output-dir "$AAM_OUT" --checkpoint-every-steps "${AAM_CHECKPOINT_EVERY:-500}" \
+    --resume-from auto ${AAM_ARGS:-}
+}
+
 # Stops the job before training when this node's GPU computes attention wrong (AAM_DIAGNOSE=0
 # skips the check).
 aam_gate() {

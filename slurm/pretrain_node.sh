@@ -17,17 +17,4 @@
 #SBATCH --output=aam-pretrain-node-%j.out
 set -euo pipefail
 source "${AAM_SLURM_DIR:-${SLURM_SUBMIT_DIR:-.}/slurm}/common.sh"
-aam_require AAM_TABLE AAM_OUT
-aam_init
-table=$(aam_stage "$AAM_TABLE")
-if [ -n "${AAM_MATRIX:-}" ]; then
-  unifrac=(--unifrac-matrix "$(aam_stage "$AAM_MATRIX")")
-else
-  aam_require AAM_TREE
-  unifrac=(--tree "$(aam_stage "$AAM_TREE")")
-fi
-aam_gate
-# shellcheck disable=SC2086
-aam_run pretrain --backend "$AAM_BACKEND" --devices "${AAM_DEVICES:-all}" --table "$table" "${unifrac[@]}" \
-  --output-dir "$AAM_OUT" --checkpoint-every-steps "${AAM_CHECKPOINT_EVERY:-500}" --resume-from auto \
-  ${AAM_ARGS:-}
+aam_pretrain all

@@ -18,17 +18,4 @@
 # ROCm (an MI300A node): AAM_BACKEND=rocm; load the site's module first, e.g. `module load rocm`.
 set -euo pipefail
 source "${AAM_SLURM_DIR:-${SLURM_SUBMIT_DIR:-.}/slurm}/common.sh"
-aam_require AAM_TABLE AAM_OUT
-aam_init
-table=$(aam_stage "$AAM_TABLE")
-if [ -n "${AAM_MATRIX:-}" ]; then
-  unifrac=(--unifrac-matrix "$(aam_stage "$AAM_MATRIX")")
-else
-  aam_require AAM_TREE
-  unifrac=(--tree "$(aam_stage "$AAM_TREE")")
-fi
-aam_gate
-# shellcheck disable=SC2086 # AAM_ARGS holds several flags
-aam_run pretrain --backend "$AAM_BACKEND" --devices "${AAM_DEVICES:-0}" --table "$table" "${unifrac[@]}" \
-  --output-dir "$AAM_OUT" --checkpoint-every-steps "${AAM_CHECKPOINT_EVERY:-500}" --resume-from auto \
-  ${AAM_ARGS:-}
+aam_pretrain 0

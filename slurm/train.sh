@@ -22,17 +22,14 @@ aam_require AAM_TABLE AAM_METADATA AAM_COLUMN AAM_OUT
 aam_init
 table=$(aam_stage "$AAM_TABLE")
 metadata=$(aam_stage "$AAM_METADATA")
-if [ -n "${AAM_MATRIX:-}" ]; then
-  extra=(--unifrac-matrix "$(aam_stage "$AAM_MATRIX")")
-else
-  aam_require AAM_TREE
-  extra=(--tree "$(aam_stage "$AAM_TREE")")
-fi
+aam_unifrac_args
+encoder=()
 if [ -n "${AAM_PRETRAINED:-}" ]; then
-  extra+=(--pretrained-encoder "$(aam_stage "$AAM_PRETRAINED")")
+  encoder=(--pretrained-encoder "$(aam_stage "$AAM_PRETRAINED")")
 fi
 aam_gate
 # shellcheck disable=SC2086
 aam_run train --backend "$AAM_BACKEND" --devices "${AAM_DEVICES:-0}" --table "$table" \
-  --metadata "$metadata" --metadata-column "$AAM_COLUMN" "${extra[@]}" --output-dir "$AAM_OUT" \
+  --metadata "$metadata" --metadata-column "$AAM_COLUMN" "${UNIFRAC_ARGS[@]}" "${encoder[@]}" \
+  --output-dir "$AAM_OUT" \
   --checkpoint-every-steps "${AAM_CHECKPOINT_EVERY:-500}" --resume-from auto ${AAM_ARGS:-}
