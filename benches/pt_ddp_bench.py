@@ -35,7 +35,7 @@ def batch(rank):
     return t.cuda(), c.cuda(), u.cuda()
 
 
-def run(rank, world, ckpt, amp, steps=10, warm=3):
+def run(rank, local, world, ckpt, amp, steps=10, warm=3):
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
     model = SequenceEncoder(
@@ -48,7 +48,7 @@ def run(rank, world, ckpt, amp, steps=10, warm=3):
     model.train()
     # The reference's wrap_model_ddp defaults (find_unused_parameters off, bucket views on).
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[rank], find_unused_parameters=False, gradient_as_bucket_view=True
+        model, device_ids=[local], find_unused_parameters=False, gradient_as_bucket_view=True
     )
     loss_fn = MultiTaskLoss(penalty=1.0, nuc_penalty=1.0, count_penalty=1.0, class_weights=None,
                             target_loss_type="huber")
@@ -82,7 +82,8 @@ def run(rank, world, ckpt, amp, steps=10, warm=3):
 
 
 def main():
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
@@ -90,7 +91,7 @@ def main():
     # The reference's default (fp32, gradient checkpointing) and its fastest single-GPU mode
     # (bf16 autocast, no checkpointing).
     for ckpt, amp in [(True, None), (False, torch.bfloat16)]:
-        run(rank, world, ckpt, amp)
+        run(rank, local, world, ckpt, amp)
     dist.destroy_process_group()
 
 

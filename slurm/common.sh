@@ -8,6 +8,14 @@
 aam_init() {
   AAM_RS=${AAM_RS:-aam-rs}
   AAM_BACKEND=${AAM_BACKEND:-cuda}
+  # Relative paths are the submission folder's (where a job starts): made absolute before the
+  # job moves to its scratch folder. (A bare AAM_RS name is looked up on PATH.)
+  local name
+  for name in AAM_TABLE AAM_MATRIX AAM_TREE AAM_METADATA AAM_PRETRAINED AAM_MODEL AAM_OUT \
+    AAM_OUTPUT AAM_KERNEL_CACHE; do
+    case "${!name:-}" in "" | /*) ;; *) printf -v "$name" '%s/%s' "$PWD" "${!name}" ;; esac
+  done
+  case "$AAM_RS" in /*) ;; */*) AAM_RS="$PWD/$AAM_RS" ;; esac
   if ! command -v "$AAM_RS" >/dev/null 2>&1; then
     echo "aam-rs not found: put it on PATH or set AAM_RS=/path/to/aam-rs" >&2
     exit 1
@@ -42,7 +50,10 @@ aam_stage() {
     echo "input not found: $1" >&2
     exit 1
   fi
-  cp "$1" "$JOB_SCRATCH/" && echo "$JOB_SCRATCH/$(basename "$1")"
+  # A folder each, so that two inputs of the same name do not overwrite each other.
+  local dir
+  dir=$(mktemp -d "$JOB_SCRATCH/input.XXXXXX")
+  cp "$1" "$dir/" && echo "$dir/$(basename "$1")"
 }
 
 # The UniFrac input of pretrain and train, staged: `--unifrac-matrix` from AAM_MATRIX, else

@@ -43,7 +43,8 @@ submit() {
   echo "ok   $name: $template, job $(cat "$WORK/$name.id"), $((SECONDS - started)) s"
 }
 
-submit single pretrain_single.sh AAM_TABLE="$DEMO/demo.biom" \
+# Relative paths, as a user submitting from the repository root writes them.
+submit single pretrain_single.sh AAM_TABLE=crates/data/demo/demo.biom \
   AAM_MATRIX="$DEMO/unifrac.unweighted.h5" AAM_OUT="$WORK/single" AAM_CHECKPOINT_EVERY=2 AAM_ARGS="$ARGS"
 [ -s "$WORK/single/checkpoints/best.safetensors" ] || fail "single: no best checkpoint"
 grep -q "attention" "$WORK/single.out" || fail "single: the attention check did not run"
