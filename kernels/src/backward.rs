@@ -667,6 +667,10 @@ impl<B: AttentionBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B
         B::has_seeded_dropout()
     }
 
+    fn has_collectives() -> bool {
+        B::has_collectives()
+    }
+
     fn unpack_rows(
         packed: FloatTensor<Self>,
         fill: FloatTensor<Self>,

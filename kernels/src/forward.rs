@@ -37,6 +37,19 @@ where
         true
     }
 
+    #[cfg(feature = "cuda")]
+    fn has_collectives() -> bool {
+        crate::collective::runtime_has_collectives::<R>()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn collective_sum(
+        tensors: Vec<FloatTensor<Self>>,
+        devices: &[Self::Device],
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        crate::collective::cube_sum::<R, F, I, BT>(tensors, devices)
+    }
+
     fn dense_matmul(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::matmul::dense_matmul(a, b)
     }

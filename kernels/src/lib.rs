@@ -97,6 +97,8 @@ pub use attention::{
 };
 pub use dense::{row_product, sum_rows, ROWS_PER_PART};
 pub use slots::{unpack_rows, RowSlots};
+#[cfg(feature = "cuda")]
+mod collective;
 #[cfg(feature = "cubecl")]
 mod cube;
 #[cfg(feature = "cubecl")]
@@ -188,6 +190,25 @@ pub trait AttentionBackend: Backend {
     /// reports them (the CubeCL backends); `None` elsewhere.
     fn memory_in_use(device: &Self::Device) -> Option<u64> {
         let _ = device;
+        None
+    }
+
+    /// Whether [`AttentionBackend::collective_sum`] sums on the devices here
+    /// (CUDA's CubeCL runtime).
+    fn has_collectives() -> bool {
+        false
+    }
+
+    /// Sums each of `tensors` over `devices` with the runtime's collective
+    /// library (NCCL on CUDA): every device's thread calls it with tensors of
+    /// the same shapes, in the same order, and gets the sums on its own
+    /// device, ready to use. `None` where the runtime has no collectives or
+    /// the devices repeat; the caller then sums through the host.
+    fn collective_sum(
+        tensors: Vec<FloatTensor<Self>>,
+        devices: &[Self::Device],
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        let _ = (tensors, devices);
         None
     }
 

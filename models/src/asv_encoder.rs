@@ -17,6 +17,8 @@ use aam_kernels::{unpack_rows, AttentionBackend, RowSlots};
 use burn::nn::Embedding;
 use burn::prelude::*;
 use burn::tensor::Distribution;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::attention::AttnImplementation;
@@ -355,19 +357,31 @@ impl<B: AttentionBackend> AsvEncoder<B> {
             .greater_elem(0)
             .bool_and(rows.lower_elem(START_TOKEN));
         match self.mask_strategy {
+            // Where the backend has the seeded dropout kernel, the draw is its
+            // mask over ones (dropped: masked), seeded from this thread's
+            // counter: the backend's generator is one per process, and
+            // data-parallel replicas draw on their own threads at once.
+            MaskStrategy::Random if self.mask_ratio >= 1.0 => eligible,
+            MaskStrategy::Random if aam_kernels::seeded_dropout_runs::<B>() => {
+                let dropped = aam_kernels::dropout(
+                    Tensor::<B, 2>::ones([n, length], &device),
+                    aam_kernels::AttentionDropout {
+                        prob: self.mask_ratio,
+                        seed: crate::nn::next_dropout_seed(),
+                    },
+                )
+                .equal_elem(0.0);
+                eligible.bool_and(dropped)
+            }
             MaskStrategy::Random => {
                 let draw = Tensor::<B, 2>::random([n, length], Distribution::Default, &device);
                 eligible.bool_and(draw.lower_elem(self.mask_ratio))
             }
             MaskStrategy::Span => {
-                // Uniform draws come from the backend's seeded generator, so runs
-                // stay reproducible under `B::seed`.
-                let draws =
-                    Tensor::<B, 3>::random([n, SPAN_ATTEMPTS, 2], Distribution::Default, &device)
-                        .into_data()
-                        .convert::<f32>()
-                        .to_vec::<f32>()
-                        .expect("f32 data");
+                // Uniform draws on the host, seeded from this thread's mask
+                // counter (as the seeded masks above).
+                let mut rng = ChaCha8Rng::seed_from_u64(u64::from(crate::nn::next_dropout_seed()));
+                let draws: Vec<f32> = (0..n * SPAN_ATTEMPTS * 2).map(|_| rng.random()).collect();
                 let eligible_host = crate::nn::bool_vec(eligible);
                 let chosen = span_mask(&eligible_host, length, self.mask_ratio, &draws);
                 Tensor::from_data(TensorData::new(chosen, [n, length]), &device)

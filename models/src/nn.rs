@@ -7,7 +7,7 @@
 //! aam-rs model *is* the reference state-dict key and checkpoint import is a
 //! table of renames, never a transpose (see `import.rs`).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::cell::Cell;
 
 use burn::module::{Initializer, Param};
 use burn::prelude::*;
@@ -436,21 +436,29 @@ mod tests {
     }
 }
 
-/// Seeds of attention dropout on the fused path: one per call, from a
-/// process-wide counter (set it with [`set_attention_dropout_seed`] for
-/// reproducible training), so no device→host read is needed per call.
-static DROPOUT_SEED: AtomicU32 = AtomicU32::new(0x5eed_0001);
-
-/// Sets the counter behind the seeded dropout masks: fused attention's, and
-/// the transformer layers' on backends with the seeded dropout kernel
-/// ([`dropout`]).
-pub fn set_attention_dropout_seed(seed: u64) {
-    DROPOUT_SEED.store((seed ^ (seed >> 32)) as u32, Ordering::Relaxed);
+thread_local! {
+    /// Seeds of the seeded masks (dropout, nucleotide masking): one per call,
+    /// from a counter of the calling thread (set it with
+    /// [`set_attention_dropout_seed`] for reproducible training), so no
+    /// device→host read is needed per call, and data-parallel replicas, each
+    /// on its own thread, draw their own reproducible masks.
+    static DROPOUT_SEED: Cell<u32> = const { Cell::new(0x5eed_0001) };
 }
 
-/// The next seed of a seeded dropout mask (one per call).
+/// Sets this thread's counter behind the seeded masks: fused attention's
+/// dropout, the transformer layers' dropout and the nucleotide masking on
+/// backends with the seeded dropout kernel ([`dropout`]).
+pub fn set_attention_dropout_seed(seed: u64) {
+    DROPOUT_SEED.with(|s| s.set((seed ^ (seed >> 32)) as u32));
+}
+
+/// The next seed of a seeded mask (one per call).
 pub(crate) fn next_dropout_seed() -> u32 {
-    DROPOUT_SEED.fetch_add(0x9e37_79b9, Ordering::Relaxed)
+    DROPOUT_SEED.with(|s| {
+        let seed = s.get();
+        s.set(seed.wrapping_add(0x9e37_79b9));
+        seed
+    })
 }
 
 /// A bool tensor's values on the host.

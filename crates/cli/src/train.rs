@@ -686,13 +686,19 @@ fn fit_on<B: AttentionBackend>(
     r.precision.check::<B>(&devices[0], &r.backend.name())?;
     if devices.len() > 1 {
         tracing::info!(
-            "data parallel: {} replicas on {:?}, {} samples each per batch; UniFrac pairs {}",
+            "data parallel: {} replicas on {:?}, one thread each, {} samples each per batch; \
+             UniFrac pairs {}; sums {}",
             devices.len(),
             devices,
             run.batch_size / devices.len(),
             serde_json::to_value(run.unifrac_pairs)?
                 .as_str()
-                .unwrap_or_default()
+                .unwrap_or_default(),
+            if aam_train::parallel::sums_on_devices::<B>(&devices) {
+                "on the GPUs (NCCL all-reduce)"
+            } else {
+                "through the host"
+            }
         );
     }
     if r.checkpointing.gradient_checkpointing {

@@ -49,6 +49,7 @@ pub mod metrics;
 pub mod optim;
 pub mod parallel;
 pub mod prepare;
+mod replica;
 pub mod run;
 pub mod schedule;
 

@@ -1,22 +1,17 @@
 //! Data-parallel training in one process: one replica of the model per entry
-//! of `--devices`, each running its shard of the global batch.
+//! of `--devices`, each running its shard of the global batch on its own
+//! thread (see `replica.rs` for the threads).
 //!
 //! **The step.** The global batch of `--batch-size` samples is cut into `N`
 //! consecutive shards ([`Batch::shards`]). Replica `r` runs the forward pass
-//! of shard `r` on its device. Each replica then offers the others ([`Offer`])
-//! its sample embeddings `[B/N, D]` and the count of its scored nucleotide
-//! positions. Each replica's backward pass starts from *its share of the
-//! global batch's loss* ([`Shares`]), so that the replicas' gradients summed
-//! ([`all_reduce`]) are the gradient of the loss of the whole batch on one
-//! device. Every replica then takes the same optimiser step on the same
-//! summed gradients, which keeps the replicas identical.
-//!
-//! The replicas run one after another on the training thread (every forward
-//! pass, then every backward pass, then every optimiser step). Kernel
-//! launches are asynchronous, so replicas on different GPUs compute at the
-//! same time, but their host work adds up. No tensor crosses a thread:
-//! Burn 0.21's fusion streams are per thread and lose track of tensors used
-//! on another (measured: a panic in `burn-fusion`'s stream ordering).
+//! of shard `r` on its device. The replicas then sum ([`Exchanged`]) their
+//! sample embeddings, each in its rows of a zero `[B, D]` (which gathers the
+//! batch), and their counts of scored nucleotide positions. Each replica's
+//! backward pass starts from *its share of the global batch's loss*
+//! ([`Shares`]), so that the replicas' gradients summed
+//! ([`Group::sum_gradients`]) are the gradient of the loss of the whole
+//! batch on one device. Every replica then takes the same optimiser step on
+//! the same summed gradients, which keeps the replicas identical.
 //!
 //! **Shares.** Each loss term is a mean with its own denominator: samples
 //! (target loss), class weights (class-weighted NLL), filled ASV slots
@@ -24,7 +19,7 @@
 //! (UniFrac). A replica's term is its own mean times its share of the
 //! denominator: `mean_r · n_r / Σ n`. The denominators known on the host
 //! come from the shard's batch; the nucleotide positions (drawn by masking on
-//! the device) come with the offers.
+//! the device) are summed with the embeddings.
 //!
 //! **UniFrac pairs** ([`UnifracPairs`]). `global`: every replica computes the
 //! UniFrac loss over all `B(B−1)/2` pairs of the global batch, from the
@@ -35,23 +30,43 @@
 //! within a shard only, the reference's DDP (and masked FSDP) loss: the mean
 //! of squared errors over the pairs inside the shards.
 //!
-//! **Collectives.** Gradients are summed on the first replica's device and
-//! the sum copied back to each device, gradient by gradient (a move between
-//! devices that Burn's `to_device` performs: on CUDA, CubeCL 0.10 moves it
-//! with an NCCL send and receive; on the other runtimes through the host;
-//! nothing at all for replicas sharing one device). The sum runs in rank
-//! order, so a run repeats bit for bit.
+//! **Collectives** ([`Group`]). On CUDA with one replica per GPU, every sum
+//! is an NCCL all-reduce, one per tensor, queued on each GPU's
+//! communication stream behind its compute (`AttentionBackend::collective_sum`);
+//! no thread waits for another. Elsewhere (HIP, wgpu, the CPU backends, and
+//! replicas that share a device) each replica reads its tensors to the host
+//! in one read, and [`HostExchange`] adds them in rank order, so a run
+//! repeats bit for bit. Which gradients exist is agreed through the host
+//! first (a parameter may have none on a shard), so every replica sums the
+//! same tensors in the same order.
+//!
+//! Point-to-point moves between GPUs (`to_device`, an NCCL send and receive
+//! in CubeCL 0.10) are not used: without `CUDA_LAUNCH_BLOCKING` they failed
+//! with `CUDA_ERROR_ILLEGAL_ADDRESS` in f32 runs on two H200s (2026-11-29).
 
-use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex};
 
 use aam_data::Batch;
+use aam_models::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, FloatDType, TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
 use crate::loss::{BaseLoss, LossConfig, LossParts};
 use crate::optim::GradientBuffer;
+
+/// Whether replicas on `devices` sum on the devices (NCCL on CUDA, one
+/// replica per GPU) rather than through the host.
+pub fn sums_on_devices<B: AttentionBackend>(devices: &[B::Device]) -> bool {
+    use burn::tensor::backend::DeviceOps;
+    let mut ids: Vec<_> = devices.iter().map(DeviceOps::id).collect();
+    ids.sort();
+    ids.dedup();
+    B::has_collectives() && ids.len() == devices.len()
+}
 
 /// Which sample pairs enter the UniFrac loss of a data-parallel step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,97 +225,276 @@ impl<B: Backend> TermScales<B> {
     }
 }
 
-/// What a replica hands the others mid-step (on the inner backend, without
-/// autodiff: the values only).
-#[derive(Clone, Debug)]
-pub(crate) struct Offer<B: Backend> {
-    /// Its sample embeddings `[B/N, D]` (`global` UniFrac pairs).
+/// What a replica learns from the others mid-step, between its forward and
+/// backward passes (on the inner backend, without autodiff: values only).
+pub(crate) struct Exchanged<B: Backend> {
+    /// The global batch's sample embeddings `[B, D]` (`global` UniFrac pairs).
     pub embeddings: Option<Tensor<B, 2>>,
-    /// Its scored nucleotide positions `[1]`.
-    pub nuc_positions: Option<Tensor<B, 1>>,
+    /// The replica's share of the scored nucleotide positions `[1]`,
+    /// `n_rank / max(Σ n, 1)`.
+    pub nuc_share: Option<Tensor<B, 1>>,
 }
 
-impl<B: Backend> Offer<B> {
-    /// The offer on `device` (nothing moves when it is there already).
-    pub(crate) fn to_device(&self, device: &B::Device) -> Self {
-        Offer {
-            embeddings: self.embeddings.clone().map(|e| e.to_device(device)),
-            nuc_positions: self.nuc_positions.clone().map(|n| n.to_device(device)),
-        }
+impl<B: AttentionBackend> Exchanged<B> {
+    /// Sums over the replicas what each offers: its embeddings `own [B/N, D]`
+    /// in its rows of a zero `[B, D]` (the sum gathers the batch), and its
+    /// count of scored nucleotide positions `[1]`.
+    pub(crate) fn exchange(
+        group: &Group<B>,
+        own: Option<Tensor<B, 2>>,
+        nuc_positions: Option<Tensor<B, 1>>,
+    ) -> Result<Self> {
+        let (rank, replicas) = (group.rank, group.replicas());
+        let padded = own.map(|own| {
+            let [b, d] = own.dims();
+            let device = own.device();
+            let zeros = |rows: usize| Tensor::<B, 2>::zeros([rows, d], &device).cast(own.dtype());
+            let mut rows = Vec::with_capacity(3);
+            if rank > 0 {
+                rows.push(zeros(rank * b));
+            }
+            rows.push(own.clone());
+            if rank + 1 < replicas {
+                rows.push(zeros((replicas - rank - 1) * b));
+            }
+            Tensor::cat(rows, 0)
+        });
+        let mut parts = Vec::new();
+        parts.extend(padded.clone().map(|e| e.into_primitive().tensor()));
+        parts.extend(nuc_positions.clone().map(|n| n.into_primitive().tensor()));
+        let mut sums = group.sum(parts)?.into_iter();
+        let embeddings = padded
+            .map(|_| Tensor::from_primitive(TensorPrimitive::Float(sums.next().expect("summed"))));
+        let nuc_share = nuc_positions.map(|own| {
+            let total: Tensor<B, 1> =
+                Tensor::from_primitive(TensorPrimitive::Float(sums.next().expect("summed")));
+            own / total.clamp_min(1.0)
+        });
+        Ok(Self {
+            embeddings,
+            nuc_share,
+        })
     }
 }
 
-/// The global batch's embeddings `[B, D]` for replica `rank`: the others'
-/// as constants, its own `own` (with its autodiff graph) in its place.
+/// The global batch's embeddings `[B, D]` for replica `rank` from all
+/// replicas' (`all`, constants): its own rows replaced by `own` (with its
+/// autodiff graph).
 pub(crate) fn gathered_embeddings<AB: AutodiffBackend>(
-    offers: &[Offer<AB::InnerBackend>],
+    all: Tensor<AB::InnerBackend, 2>,
     rank: usize,
     own: Tensor<AB, 2>,
 ) -> Tensor<AB, 2> {
-    let mut own = Some(own);
-    let rows = offers
-        .iter()
-        .enumerate()
-        .map(|(r, offer)| {
-            if r == rank {
-                own.take().expect("one own shard")
-            } else {
-                Tensor::from_inner(
-                    offer
-                        .embeddings
-                        .clone()
-                        .expect("every replica offers embeddings"),
-                )
-            }
-        })
-        .collect();
+    let total = all.dims()[0];
+    let b = own.dims()[0];
+    let start = rank * b;
+    let mut rows = Vec::with_capacity(3);
+    if start > 0 {
+        rows.push(Tensor::from_inner(all.clone().narrow(0, 0, start)));
+    }
+    rows.push(own);
+    if start + b < total {
+        rows.push(Tensor::from_inner(all.narrow(
+            0,
+            start + b,
+            total - start - b,
+        )));
+    }
     Tensor::cat(rows, 0)
 }
 
-/// Replica `rank`'s share of the scored nucleotide positions,
-/// `n_rank / max(Σ n, 1)`, as a constant `[1]`.
-pub(crate) fn nucleotide_share<AB: AutodiffBackend>(
-    offers: &[Offer<AB::InnerBackend>],
-    rank: usize,
-) -> Option<Tensor<AB, 1>> {
-    let counts: Vec<Tensor<AB::InnerBackend, 1>> = offers
-        .iter()
-        .map(|o| o.nuc_positions.clone())
-        .collect::<Option<_>>()?;
-    let total = counts.iter().cloned().reduce(|a, b| a + b)?.clamp_min(1.0);
-    Some(Tensor::from_inner(counts[rank].clone() / total))
+/// A rendezvous of the replicas' threads that sums host vectors: each
+/// replica hands in its part and gets the sum of all parts, added in rank
+/// order (so a run repeats bit for bit). [`HostExchange::abort`] releases
+/// every waiting replica with an error (a replica that failed will not come).
+pub(crate) struct HostExchange {
+    replicas: usize,
+    state: Mutex<ExchangeState>,
+    ready: Condvar,
 }
 
-/// Sums the replicas' gradients and gives every replica the sum on its own
-/// device. The sum runs on `devices[0]` in rank order.
-///
-/// Gradient by gradient: concatenating them into one flat tensor per replica
-/// (one move each way instead of one per parameter) cost more than it saved
-/// where it was measured, two replicas on one H200 (83 against 53 ms a
-/// step: a copy into the flat tensor and a slice out of it for each of the
-/// ~270 gradients, each a kernel the host queues).
-pub fn all_reduce<B: Backend>(buffers: &mut [GradientBuffer<B>], devices: &[B::Device]) {
-    if buffers.len() < 2 {
-        return;
+struct ExchangeState {
+    /// Completed exchanges.
+    round: u64,
+    parts: Vec<Option<Vec<f32>>>,
+    arrived: usize,
+    sum: Arc<Vec<f32>>,
+    aborted: bool,
+}
+
+impl HostExchange {
+    pub(crate) fn new(replicas: usize) -> Self {
+        Self {
+            replicas,
+            state: Mutex::new(ExchangeState {
+                round: 0,
+                parts: vec![None; replicas],
+                arrived: 0,
+                sum: Arc::new(Vec::new()),
+                aborted: false,
+            }),
+            ready: Condvar::new(),
+        }
     }
-    let sums: BTreeMap<String, _> = buffers[0]
-        .keys()
-        .map(|key| {
-            let sum = buffers
-                .iter()
-                .filter_map(|b| b.get(key))
-                .map(|g| B::float_to_device(g.clone(), &devices[0]))
-                .reduce(B::float_add)
-                .expect("the first buffer has it");
-            (key.clone(), sum)
-        })
-        .collect();
-    for (buffer, device) in buffers.iter_mut().zip(devices) {
+
+    /// The sum over the replicas of their `part`s (of one length), once
+    /// every replica has handed in its own.
+    pub(crate) fn sum(&self, rank: usize, part: Vec<f32>) -> Result<Arc<Vec<f32>>> {
+        let aborted = || TrainError::Replica {
+            rank,
+            reason: "another replica stopped with an error".into(),
+        };
+        let mut state = self.state.lock().map_err(|_| aborted())?;
+        if state.aborted {
+            return Err(aborted());
+        }
+        let round = state.round;
+        state.parts[rank] = Some(part);
+        state.arrived += 1;
+        if state.arrived == self.replicas {
+            let mut parts = state.parts.iter_mut().map(|p| p.take().unwrap_or_default());
+            let mut sum = parts.next().unwrap_or_default();
+            for part in parts {
+                if part.len() != sum.len() {
+                    state.aborted = true;
+                    self.ready.notify_all();
+                    return Err(TrainError::Replica {
+                        rank,
+                        reason: format!(
+                            "the replicas exchanged {} and {} values in one sum",
+                            sum.len(),
+                            part.len()
+                        ),
+                    });
+                }
+                sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+            }
+            state.sum = Arc::new(sum);
+            state.arrived = 0;
+            state.round += 1;
+            self.ready.notify_all();
+            return Ok(state.sum.clone());
+        }
+        while state.round == round && !state.aborted {
+            state = self.ready.wait(state).map_err(|_| aborted())?;
+        }
+        if state.round == round {
+            return Err(aborted());
+        }
+        Ok(state.sum.clone())
+    }
+
+    /// Releases every replica waiting in [`HostExchange::sum`], and refuses
+    /// later sums.
+    pub(crate) fn abort(&self) {
+        if let Ok(mut state) = self.state.lock() {
+            state.aborted = true;
+        }
+        self.ready.notify_all();
+    }
+}
+
+/// One replica's handle on the others: sums of tensors over the replicas,
+/// on the devices where the runtime has collectives (NCCL on CUDA), else
+/// through the host ([`HostExchange`]).
+pub(crate) struct Group<B: Backend> {
+    pub(crate) rank: usize,
+    /// Every replica's device, by rank.
+    pub(crate) devices: Arc<Vec<B::Device>>,
+    pub(crate) host: Arc<HostExchange>,
+}
+
+impl<B: AttentionBackend> Group<B> {
+    pub(crate) fn replicas(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Each tensor (on this replica's device) summed over the replicas, in
+    /// its shape and dtype. Every replica calls with the same shapes in the
+    /// same order.
+    pub(crate) fn sum(&self, tensors: Vec<FloatTensor<B>>) -> Result<Vec<FloatTensor<B>>> {
+        if self.replicas() < 2 || tensors.is_empty() {
+            return Ok(tensors);
+        }
+        if B::has_collectives() {
+            if let Some(sums) = B::collective_sum(tensors.clone(), &self.devices) {
+                return Ok(sums);
+            }
+        }
+        let device = &self.devices[self.rank];
+        let like: Vec<(Shape, DType)> = tensors.iter().map(|t| (t.shape(), t.dtype())).collect();
+        let flat: Vec<Tensor<B, 1>> = tensors
+            .into_iter()
+            .map(|t| {
+                let n = t.shape().num_elements();
+                Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+                    t,
+                    Shape::new([n]),
+                )))
+                .cast(DType::F32)
+            })
+            .collect();
+        let host = Tensor::cat(flat, 0)
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| TrainError::Replica {
+                rank: self.rank,
+                reason: format!("reading its values for a sum: {e:?}"),
+            })?;
+        let sum = self.host.sum(self.rank, host)?;
+        let sum = Tensor::<B, 1>::from_data(TensorData::new(sum.to_vec(), [sum.len()]), device);
+        let mut offset = 0;
+        Ok(like
+            .into_iter()
+            .map(|(shape, dtype)| {
+                let n = shape.num_elements();
+                let part = sum.clone().narrow(0, offset, n).cast(dtype);
+                offset += n;
+                B::float_reshape(part.into_primitive().tensor(), shape)
+            })
+            .collect())
+    }
+
+    /// Sums the replicas' gradients: every replica ends with the sum of the
+    /// gradients of the parameters that any replica has one for (in rank
+    /// order where summed on the host). Which parameters have gradients is
+    /// agreed through the host first: the device sums must match.
+    pub(crate) fn sum_gradients(
+        &self,
+        buffer: &mut GradientBuffer<B>,
+        parameters: &[(String, Vec<usize>)],
+    ) -> Result<()> {
+        if self.replicas() < 2 {
+            return Ok(());
+        }
+        let have: Vec<f32> = parameters
+            .iter()
+            .map(|(key, _)| f32::from(u8::from(buffer.get(key).is_some())))
+            .collect();
+        let anyone = self.host.sum(self.rank, have)?;
+        let device = &self.devices[self.rank];
+        let keys: Vec<&(String, Vec<usize>)> = parameters
+            .iter()
+            .zip(anyone.iter())
+            .filter(|(_, &n)| n > 0.0)
+            .map(|(p, _)| p)
+            .collect();
+        let tensors = keys
+            .iter()
+            .map(|(key, shape)| match buffer.get(key) {
+                Some(g) => g.clone(),
+                None => B::float_zeros(Shape::from(shape.clone()), device, FloatDType::F32),
+            })
+            .collect();
+        let sums = self.sum(tensors)?;
         *buffer = GradientBuffer::from_map(
-            sums.iter()
-                .map(|(k, g)| (k.clone(), B::float_to_device(g.clone(), device)))
+            keys.into_iter()
+                .map(|(key, _)| key.clone())
+                .zip(sums)
                 .collect(),
         );
+        Ok(())
     }
 }
 
@@ -401,17 +595,24 @@ mod tests {
         );
     }
 
-    /// Every replica ends with the sum in each gradient's shape, also when
-    /// a replica lacks one of the gradients.
+    /// Replicas on their own threads, summing through the host: every one
+    /// ends with the sum of the gradients that any replica has, in each
+    /// gradient's shape, also when a replica lacks one; a parameter that no
+    /// replica has a gradient for stays without one.
     #[test]
-    fn all_reduce_gives_every_replica_the_sum() {
+    fn replicas_sum_their_gradients() {
         let device = Default::default();
-        let grad = |values: &[f32], shape: Vec<usize>| {
-            let flat = Tensor::<B, 1>::from_floats(values, &device);
-            B::float_reshape(flat.into_primitive().tensor(), Shape::from(shape))
-        };
+        let parameters = vec![
+            ("b".to_string(), vec![2]),
+            ("unused".to_string(), vec![4]),
+            ("w".to_string(), vec![2, 3]),
+        ];
         let buffer = |scale: f32, with_bias: bool| {
-            let mut map = BTreeMap::new();
+            let grad = |values: &[f32], shape: Vec<usize>| {
+                let flat = Tensor::<B, 1>::from_floats(values, &device);
+                B::float_reshape(flat.into_primitive().tensor(), Shape::from(shape))
+            };
+            let mut map = std::collections::BTreeMap::new();
             let w: Vec<f32> = (0..6).map(|k| scale * k as f32).collect();
             map.insert("w".to_string(), grad(&w, vec![2, 3]));
             if with_bias {
@@ -419,23 +620,52 @@ mod tests {
             }
             GradientBuffer::<B>::from_map(map)
         };
-        let devices = [device, device, device];
         for with_bias in [true, false] {
-            let mut buffers = [
-                buffer(1.0, true),
-                buffer(10.0, with_bias),
-                buffer(100.0, true),
-            ];
-            all_reduce(&mut buffers, &devices);
-            for b in &buffers {
-                let host = b.to_host();
+            let devices = Arc::new(vec![device; 3]);
+            let host = Arc::new(HostExchange::new(3));
+            let summed: Vec<_> = std::thread::scope(|s| {
+                let replicas: Vec<_> = [(1.0, true), (10.0, with_bias), (100.0, true)]
+                    .into_iter()
+                    .enumerate()
+                    .map(|(rank, (scale, bias))| {
+                        let group = Group::<B> {
+                            rank,
+                            devices: devices.clone(),
+                            host: host.clone(),
+                        };
+                        let (parameters, buffer) = (&parameters, &buffer);
+                        s.spawn(move || {
+                            let mut grads = buffer(scale, bias);
+                            group.sum_gradients(&mut grads, parameters).unwrap();
+                            let shape = grads.get("w").unwrap().shape();
+                            (grads.to_host(), shape)
+                        })
+                    })
+                    .collect();
+                replicas.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            for (host, shape) in summed {
                 let w: Vec<f32> = (0..6).map(|k| 111.0 * k as f32).collect();
                 assert_eq!(host["w"], w);
                 let bias = if with_bias { 111.0 } else { 101.0 };
                 assert_eq!(host["b"], vec![bias, -bias]);
-                assert_eq!(b.get("w").unwrap().shape(), Shape::new([2, 3]));
+                assert!(!host.contains_key("unused"));
+                assert_eq!(shape, Shape::new([2, 3]));
             }
         }
+    }
+
+    /// A replica that stops releases the others from a sum with an error.
+    #[test]
+    fn an_aborted_exchange_releases_the_waiting_replicas() {
+        let host = HostExchange::new(2);
+        std::thread::scope(|s| {
+            let waiting = s.spawn(|| host.sum(0, vec![1.0]));
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            host.abort();
+            assert!(waiting.join().unwrap().is_err());
+        });
+        assert!(host.sum(1, vec![1.0]).is_err());
     }
 
     #[test]

@@ -6,15 +6,18 @@
 //! masking, attention dropout) comes from a stream seeded by
 //! `(seed, micro_step)`, and batch order from `(seed, epoch)`; a checkpoint
 //! stores the counters, so a resumed run repeats the uninterrupted one.
-//! (Burn's backend RNG is process-global: two fits running at once in one
-//! process draw from each other's stream and lose this property.)
+//! On the CubeCL backends the masks come from counter-based kernels seeded
+//! per thread, so data-parallel replicas (one thread each) repeat too. On
+//! the backends without them (ndarray, candle, libtorch) dropout and random
+//! masking draw from Burn's process-global generator: replicas on threads,
+//! or two fits at once in one process, draw from each other's stream there.
 //!
 //! **Outputs** under the output directory: `checkpoints/last.safetensors`
 //! (every epoch), `checkpoints/best.safetensors` (on improvement),
 //! `metrics.csv` (one row per epoch), `val_predictions.tsv` (train, best
 //! epoch, original units). All are written atomically.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +26,7 @@ use aam_data::{write_atomic, Batch, BatchConfig, BatchLoader, Dataset};
 use aam_models::model::{AamModel, ModelConfig};
 use aam_models::output::{AsvTokens, ModelInput};
 use aam_models::sequence_predictor::TargetPrediction;
-use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend, MixedPrecision};
+use aam_models::{autocast, AttentionBackend, MixedPrecision};
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -34,16 +37,11 @@ use crate::checkpoint::{
 };
 use crate::config::{PhaseTiming, RunConfig, Task};
 use crate::error::{Result, TrainError};
-use crate::loss::{
-    nucleotide_accuracy, nucleotide_positions, pairwise_tanh_distances, LossParts, LossTargets,
-    Predictions, Target,
-};
+use crate::loss::{nucleotide_accuracy, pairwise_tanh_distances, LossTargets, Predictions, Target};
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
-use crate::optim::{GradientBuffer, LossScaler, Optimizer};
-use crate::parallel::{
-    all_reduce, check_shards, gathered_embeddings, nucleotide_share, Offer, Shares, TermScales,
-    UnifracPairs,
-};
+use crate::optim::{LossScaler, Optimizer};
+use crate::parallel::{check_shards, Group, HostExchange, Shares, UnifracPairs};
+use crate::replica::{Clip, Done, Job, Replica, Setup, Shard, StepPlan, StepValues, Workers};
 use crate::schedule::Scheduler;
 
 /// The samples of a run.
@@ -264,7 +262,7 @@ pub fn batch_tensors<B: Backend>(
 }
 
 /// A 64-bit mix (splitmix64) so neighbouring counters give unrelated seeds.
-fn mix(seed: u64, counter: u64) -> u64 {
+pub(crate) fn mix(seed: u64, counter: u64) -> u64 {
     let mut z = seed ^ counter.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -285,12 +283,15 @@ pub fn is_categorical_param(key: &str) -> bool {
 }
 
 /// Reads a batch's losses (and nucleotide accuracy counts, and the gradient
-/// norm) in one device read and adds them to `means`. Returns the total
-/// and the values that are not finite (`name value`; none when all are).
+/// norm) in one device read, adds the other replicas' shares (`others`,
+/// [`crate::replica::host_values`]), and adds them to `means`. Returns the
+/// total and the values that are not finite (`name value`; none when all
+/// are).
 fn record_batch<B: Backend>(
     values: StepValues<B>,
     grad_norm: Option<Tensor<B, 1>>,
     means: &mut Means,
+    others: &[Vec<f64>],
 ) -> (f64, Vec<String>) {
     let StepValues {
         mut names,
@@ -306,11 +307,24 @@ fn record_batch<B: Backend>(
     // The accuracy counts (hits, scored) go last.
     all.extend(accuracy);
     let values = Tensor::cat(all, 0);
-    let host: Vec<f64> = values
+    let mut host: Vec<f64> = values
         .into_data()
         .convert::<f64>()
         .to_vec::<f64>()
         .expect("f64");
+    // Another replica's share: its losses, then its accuracy counts (no
+    // gradient norm: that is the summed gradients', the same everywhere).
+    for other in others {
+        let accuracy = if with_accuracy { 2 } else { 0 };
+        let own_losses = other.len() - accuracy;
+        for (h, o) in host.iter_mut().zip(&other[..own_losses]) {
+            *h += o;
+        }
+        let end = host.len();
+        for (h, o) in host[end - accuracy..].iter_mut().zip(&other[own_losses..]) {
+            *h += o;
+        }
+    }
     for (name, v) in names.iter().zip(&host) {
         means.add(name, *v);
     }
@@ -351,7 +365,7 @@ fn record_batch<B: Backend>(
 ///
 /// Both synchronise the device after each phase (`--time-phases synced` and
 /// `--memory-profile`), which slows the run.
-struct StepProfiler {
+pub(crate) struct StepProfiler {
     time: bool,
     /// `--time-phases host`: time without synchronising.
     host_only: bool,
@@ -379,7 +393,7 @@ impl StepProfiler {
         }
     }
 
-    fn mark<B: AttentionBackend>(&mut self, device: &B::Device, phase: &'static str) {
+    pub(crate) fn mark<B: AttentionBackend>(&mut self, device: &B::Device, phase: &'static str) {
         if !(self.time || self.memory) {
             return;
         }
@@ -521,13 +535,10 @@ where
     run.scheduler.total_steps =
         (batches.div_ceil(run.gradient_accumulation_steps) * run.epochs) as u64;
 
-    let mut optimizers: Vec<_> = devices
-        .iter()
-        .map(|_| {
-            Optimizer::<AB::InnerBackend>::new(run.optimizer.clone())
-                .with_per_parameter_updates(AB::fuses_elementwise())
-        })
-        .collect();
+    let mut optimizer = Optimizer::<AB::InnerBackend>::new(run.optimizer.clone())
+        .with_per_parameter_updates(AB::fuses_elementwise());
+    // The optimiser state a resumed run's worker replicas load too.
+    let mut resumed_optimizer = None;
     let (scheduler, mut progress) = match resume {
         Some(ckpt) => {
             if ckpt.meta.data.train_ids != data.info.train_ids
@@ -538,9 +549,13 @@ where
                     reason: "its train/validation samples differ from this run's (same table, matrix, seed and --test-size are needed to resume)".into(),
                 });
             }
-            for (optimizer, device) in optimizers.iter_mut().zip(devices) {
-                let mut tensors = ckpt.optimizer.clone();
-                optimizer.load_state(&mut tensors, &ckpt.meta.optimizer_steps, device)?;
+            let mut tensors = ckpt.optimizer.clone();
+            optimizer.load_state(&mut tensors, &ckpt.meta.optimizer_steps, device)?;
+            if devices.len() > 1 {
+                resumed_optimizer = Some(Arc::new((
+                    ckpt.optimizer.clone(),
+                    ckpt.meta.optimizer_steps.clone(),
+                )));
             }
             (ckpt.meta.scheduler.clone(), ckpt.meta.progress.clone())
         }
@@ -565,100 +580,108 @@ where
         }
         _ => progress.loss_scaler = None,
     }
-    let mut trainer = Trainer {
-        devices,
-        model_config: &model_config,
+    let setup = Setup {
         run: &run,
-        data: &data,
-        out_dir,
-        optimizers,
-        scheduler,
-        progress,
+        model_config: &model_config,
         classifier,
         slots,
         return_nucleotides: run.loss.nuc_penalty > 0.0,
-        batches,
+        parameters: model.state_dict_shapes(&model_config),
     };
-    // Replica 0 is `model`; the others are its copies on their devices.
-    let mut models = vec![model];
-    for d in &devices[1..] {
-        let replica = models[0].replica(d);
-        models.push(replica);
-    }
-    let (mut stopped_early, mut interrupted) = (false, false);
-    for epoch in trainer.progress.epochs_done..run.epochs {
-        let (trained, training) = trainer.train_epoch(models, &train_loader, epoch, observer)?;
-        models = trained;
-        let Some(training) = training else {
-            interrupted = true;
-            break;
+    let shared_devices = Arc::new(devices.to_vec());
+    let host = Arc::new(HostExchange::new(devices.len()));
+    // The worker replicas start from replica 0's weights, read once.
+    let weights = (devices.len() > 1).then(|| {
+        Arc::new(
+            model
+                .state_dict(&model_config)
+                .into_iter()
+                .collect::<HashMap<_, _>>(),
+        )
+    });
+    let lead = Replica::new(
+        model,
+        optimizer,
+        Group {
+            rank: 0,
+            devices: shared_devices.clone(),
+            host: host.clone(),
+        },
+    );
+    std::thread::scope(|scope| {
+        let workers = weights
+            .as_ref()
+            .map(|weights| {
+                Workers::spawn::<AB>(
+                    scope,
+                    &setup,
+                    &shared_devices,
+                    &host,
+                    weights,
+                    resumed_optimizer.as_ref(),
+                )
+            })
+            .transpose()?;
+        let mut trainer = Trainer {
+            devices,
+            setup: &setup,
+            data: &data,
+            out_dir,
+            lead,
+            workers,
+            others: Vec::new(),
+            scheduler,
+            progress,
+            batches,
         };
-        let asked_to_stop = training.interrupted;
-        if cfg!(debug_assertions) {
-            check_replicas_agree(&models, &model_config)?;
-        }
-        // Validation on the first replica (eval mode: the inner backend has no autodiff).
-        let (validation, val_rows) = match &val_loader {
-            Some(loader) => {
-                observer.validating(loader.num_batches());
-                let eval_model = valid(&models[0]);
-                validate(&eval_model, loader, &run, &data, classifier, slots, device)?
+        let (mut stopped_early, mut interrupted) = (false, false);
+        for epoch in trainer.progress.epochs_done..run.epochs {
+            let Some(training) = trainer.train_epoch(&train_loader, epoch, observer)? else {
+                interrupted = true;
+                break;
+            };
+            let asked_to_stop = training.interrupted;
+            if cfg!(debug_assertions) {
+                trainer.check_replicas_agree()?;
             }
-            None => (BTreeMap::new(), Vec::new()),
-        };
-        let (record, improved) =
-            trainer.end_epoch(&models[0], epoch, training, validation, &val_rows)?;
-        observer.epoch(&record, improved);
-        if trainer.progress.bad_epochs >= run.patience.max(1) {
-            tracing::info!(
-                "early stopping: no improvement of {} for {} epochs",
-                run.best_metric.key(),
-                trainer.progress.bad_epochs
-            );
-            stopped_early = true;
-            break;
+            // Validation on the first replica (eval mode: the inner backend has no autodiff).
+            let (validation, val_rows) = match &val_loader {
+                Some(loader) => {
+                    observer.validating(loader.num_batches());
+                    let eval_model = valid(trainer.lead.model());
+                    validate(&eval_model, loader, &run, &data, classifier, slots, device)?
+                }
+                None => (BTreeMap::new(), Vec::new()),
+            };
+            let (record, improved) = trainer.end_epoch(epoch, training, validation, &val_rows)?;
+            observer.epoch(&record, improved);
+            if trainer.progress.bad_epochs >= run.patience.max(1) {
+                tracing::info!(
+                    "early stopping: no improvement of {} for {} epochs",
+                    run.best_metric.key(),
+                    trainer.progress.bad_epochs
+                );
+                stopped_early = true;
+                break;
+            }
+            if asked_to_stop || observer.interrupted() {
+                interrupted = true;
+                break;
+            }
+            if observer.should_stop() {
+                break;
+            }
         }
-        if asked_to_stop || observer.interrupted() {
-            interrupted = true;
-            break;
-        }
-        if observer.should_stop() {
-            break;
-        }
-    }
-    Ok(FitSummary {
-        history: trainer.progress.history,
-        best: trainer.progress.best,
-        best_checkpoint: out_dir.join(files::BEST),
-        last_checkpoint: out_dir.join(files::LAST),
-        stopped_early,
-        interrupted,
-        steps: trainer.progress.global_step,
+        Ok(FitSummary {
+            history: trainer.progress.history,
+            best: trainer.progress.best,
+            best_checkpoint: out_dir.join(files::BEST),
+            last_checkpoint: out_dir.join(files::LAST),
+            stopped_early,
+            interrupted,
+            steps: trainer.progress.global_step,
+        })
     })
-}
-
-/// Data-parallel replicas take the same steps from the same weights, so
-/// their weights stay bit-identical; checked after every epoch in debug
-/// builds (the tests).
-fn check_replicas_agree<B: Backend>(models: &[AamModel<B>], config: &ModelConfig) -> Result<()> {
-    let Some((first, rest)) = models.split_first() else {
-        return Ok(());
-    };
-    if rest.is_empty() {
-        return Ok(());
-    }
-    let reference = first.state_dict(config);
-    for (rank, model) in rest.iter().enumerate() {
-        for ((key, a), (_, b)) in reference.iter().zip(model.state_dict(config)) {
-            if a.values != b.values {
-                return Err(TrainError::Replica {
-                    rank: rank + 1,
-                    reason: format!("its {key} differs from replica 0's after the same steps"),
-                });
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The training and (when there are validation samples) validation loaders.
@@ -709,267 +732,23 @@ struct EpochTraining {
     interrupted: bool,
 }
 
-/// A batch's losses (and nucleotide accuracy counts) as one `[k]` tensor
-/// on the inner backend, named: what the step reads to the host at its end.
-#[derive(Clone)]
-struct StepValues<B: Backend> {
-    names: Vec<&'static str>,
-    values: Tensor<B, 1>,
-    /// Nucleotide hits and scored positions `[2]`.
-    accuracy: Option<Tensor<B, 1>>,
-}
-
-impl<B: Backend> StepValues<B> {
-    fn new(parts: &LossParts<B>, accuracy: Option<(Tensor<B, 1>, Tensor<B, 1>)>) -> Self {
-        let mut names = vec!["total_loss"];
-        let mut values = vec![parts.total.clone()];
-        for (name, part) in [
-            ("unifrac_loss", &parts.unifrac),
-            ("nuc_loss", &parts.nuc),
-            ("count_loss", &parts.count),
-            ("target_loss", &parts.target),
-        ] {
-            if let Some(p) = part {
-                names.push(name);
-                values.push(p.clone());
-            }
-        }
-        Self {
-            names,
-            values: Tensor::cat(values, 0),
-            accuracy: accuracy.map(|(hits, n)| Tensor::cat(vec![hits, n], 0)),
-        }
-    }
-
-    /// The replicas' values summed on `device` (each replica reports its
-    /// share of the global batch's losses).
-    fn sum(all: Vec<Self>, device: &B::Device) -> Self {
-        let mut all = all.into_iter();
-        let first = all.next().expect("one replica at least");
-        let start = (
-            first.values.to_device(device),
-            first.accuracy.map(|a| a.to_device(device)),
-        );
-        let (values, accuracy) = all.fold(start, |(values, accuracy), v| {
-            (
-                values + v.values.to_device(device),
-                accuracy
-                    .zip(v.accuracy)
-                    .map(|(a, b)| a + b.to_device(device)),
-            )
-        });
-        Self {
-            names: first.names,
-            values,
-            accuracy,
-        }
-    }
-}
-
-impl<AB: AutodiffBackend> StepValues<AB> {
-    /// The values without their autodiff graph.
-    fn into_inner(self) -> StepValues<AB::InnerBackend> {
-        StepValues {
-            names: self.names,
-            values: self.values.inner(),
-            accuracy: self.accuracy.map(Tensor::inner),
-        }
-    }
-}
-
-/// What every replica's pass of one step reads, besides its own batch.
-struct PassContext<'a> {
-    run: &'a RunConfig,
-    model_config: &'a ModelConfig,
-    classifier: bool,
-    slots: Slots,
-    return_nucleotides: bool,
-    loss_scale: f64,
-    replicas: usize,
-}
-
-/// One replica's part of a step: its shard of the batch and what it shares.
-struct Shard<'a> {
-    rank: usize,
-    batch: &'a Batch,
-    shares: Shares,
-    /// The global batch's UniFrac block `[B, B]` (`global` pairs).
-    global_unifrac: Option<&'a [f32]>,
-}
-
-/// A shard's forward pass, waiting for the other replicas' offers.
-struct ShardForward<AB: AutodiffBackend> {
-    predictions: Predictions<AB>,
-    targets: LossTargets<AB>,
-    /// What this replica hands the others (several replicas only).
-    offer: Option<Offer<AB::InnerBackend>>,
-}
-
-/// The forward pass of one replica's shard; with `replicas > 1`, also what
-/// it offers the others (its embeddings in `global` mode, its count of
-/// scored nucleotide positions).
-fn shard_forward<AB>(
-    ctx: &PassContext,
-    model: &AamModel<AB>,
-    device: &AB::Device,
-    shard: &Shard,
-    mut timer: Option<&mut StepProfiler>,
-) -> Result<ShardForward<AB>>
-where
-    AB: AutodiffBackend + AttentionBackend,
-    AB::InnerBackend: AttentionBackend,
-{
-    let (input, mut targets) = batch_tensors::<AB>(shard.batch, device, ctx.classifier, ctx.slots);
-    if let Some(t) = timer.as_deref_mut() {
-        t.mark::<AB>(device, "upload");
-    }
-    if let Some(u) = shard.global_unifrac {
-        let b = (u.len() as f64).sqrt() as usize;
-        targets.base = Some(Tensor::from_data(
-            TensorData::new(u.to_vec(), [b, b]),
-            device,
-        ));
-    }
-    let predictions = {
-        let _autocast = autocast(ctx.run.mixed_precision);
-        predict_batch(model, input, ctx.return_nucleotides)
-    };
-    if let Some(t) = timer {
-        t.mark::<AB>(device, "forward");
-    }
-    let offer = if ctx.replicas > 1 {
-        let nuc_positions = predictions
-            .nuc_logits
-            .as_ref()
-            .map(|_| {
-                Ok::<_, TrainError>(
-                    nucleotide_positions(
-                        predictions.nuc_targets(&targets)?,
-                        predictions.mask_indices.clone(),
-                    )
-                    .float()
-                    .sum()
-                    .inner(),
-                )
-            })
-            .transpose()?;
-        let embeddings = predictions
-            .embeddings
-            .as_ref()
-            .filter(|_| shard.global_unifrac.is_some())
-            .map(|e| e.clone().detach().inner());
-        Some(Offer {
-            embeddings,
-            nuc_positions,
-        })
-    } else {
-        None
-    };
-    Ok(ShardForward {
-        predictions,
-        targets,
-        offer,
-    })
-}
-
-/// The losses and backward pass of one replica's shard, with every
-/// replica's offer (none on one device); its gradients are added to
-/// `buffer`, scaled for accumulation and fp16.
-#[allow(clippy::too_many_arguments)]
-fn shard_backward<AB>(
-    ctx: &PassContext,
-    model: &AamModel<AB>,
-    device: &AB::Device,
-    shard: &Shard,
-    forward: ShardForward<AB>,
-    offers: Option<&[Offer<AB::InnerBackend>]>,
-    buffer: &mut GradientBuffer<AB::InnerBackend>,
-    mut timer: Option<&mut StepProfiler>,
-) -> Result<StepValues<AB::InnerBackend>>
-where
-    AB: AutodiffBackend + AttentionBackend,
-    AB::InnerBackend: AttentionBackend,
-{
-    let mut mark = |phase| {
-        if let Some(t) = timer.as_deref_mut() {
-            t.mark::<AB>(device, phase)
-        }
-    };
-    let ShardForward {
-        mut predictions,
-        targets,
-        ..
-    } = forward;
-    let scales = offers.map(|offers| {
-        let offers: Vec<Offer<AB::InnerBackend>> =
-            offers.iter().map(|o| o.to_device(device)).collect();
-        if shard.global_unifrac.is_some() {
-            if let Some(own) = predictions.embeddings.take() {
-                predictions.embeddings = Some(gathered_embeddings::<AB>(&offers, shard.rank, own));
-            }
-        }
-        TermScales::of(
-            &ctx.run.loss,
-            ctx.run.unifrac_pairs,
-            ctx.classifier,
-            shard.shares,
-            ctx.replicas,
-            nucleotide_share::<AB>(&offers, shard.rank),
-        )
-    });
-    let parts = ctx.run.loss.forward(&predictions, &targets)?;
-    let (objective, parts) = match scales {
-        None => (parts.total.clone(), parts),
-        Some((objective, report)) => (
-            objective.apply(&ctx.run.loss, &parts).total,
-            report.apply(&ctx.run.loss, &parts),
-        ),
-    };
-    let accuracy = predictions
-        .nuc_logits
-        .as_ref()
-        .map(|logits| {
-            Ok::<_, TrainError>(nucleotide_accuracy(
-                logits.clone().detach(),
-                predictions.nuc_targets(&targets)?,
-                predictions.mask_indices.clone(),
-            ))
-        })
-        .transpose()?;
-    mark("loss");
-    let grads = if ctx.loss_scale == 1.0 {
-        objective.backward()
-    } else {
-        (objective * ctx.loss_scale).backward()
-    };
-    mark("backward");
-    let name = |path: &str| ctx.model_config.torch_key(path);
-    buffer.accumulate(GradientBuffer::collect_model(
-        model,
-        &grads,
-        &name,
-        1.0 / (ctx.run.gradient_accumulation_steps as f64 * ctx.loss_scale),
-    ));
-    mark("collect");
-    Ok(StepValues::new(&parts, accuracy).into_inner())
-}
-
 /// The state a run carries from batch to batch: optimiser, schedule and
 /// progress counters (everything a checkpoint stores besides the weights).
 struct Trainer<'a, AB: AutodiffBackend> {
     /// One per replica; the first holds the run's checkpoints and validation.
     devices: &'a [AB::Device],
-    model_config: &'a ModelConfig,
-    run: &'a RunConfig,
+    setup: &'a Setup<'a>,
     data: &'a TrainData,
     out_dir: &'a Path,
-    /// One per replica (they take the same steps; the first's is saved).
-    optimizers: Vec<Optimizer<AB::InnerBackend>>,
+    /// Replica 0, on this thread: its weights and optimiser are saved.
+    lead: Replica<AB>,
+    /// The other replicas, each on its own thread (none on one device).
+    workers: Option<Workers>,
+    /// The other replicas' shares of the current batch's values, read on
+    /// their threads ([`crate::replica::host_values`]).
+    others: Vec<Vec<f64>>,
     scheduler: Scheduler,
     progress: Progress,
-    classifier: bool,
-    slots: Slots,
-    return_nucleotides: bool,
     /// Training batches per epoch.
     batches: usize,
 }
@@ -988,16 +767,13 @@ where
     /// the epoch before its last batch (its step checkpoint is written).
     fn train_epoch(
         &mut self,
-        mut models: Vec<AamModel<AB>>,
         loader: &BatchLoader,
         epoch: usize,
         observer: &mut dyn Observer,
-    ) -> Result<(Vec<AamModel<AB>>, Option<EpochTraining>)> {
-        let (run, device) = (self.run, &self.devices[0]);
+    ) -> Result<Option<EpochTraining>> {
+        let (run, device) = (self.setup.run, &self.devices[0].clone());
         let accum = run.gradient_accumulation_steps;
         let started = Instant::now();
-        let mut buffers: Vec<GradientBuffer<AB::InnerBackend>> =
-            self.devices.iter().map(|_| Default::default()).collect();
         let mut pending = 0usize;
         let (first, mut seen, mut last_lr, mut means, mut skipped) =
             match self.progress.in_epoch.take() {
@@ -1011,38 +787,34 @@ where
         for (k, batch) in (first..).zip(loader.epoch_from(epoch as u64, first)) {
             let batch = batch?;
             let stream = mix(run.seed, self.progress.micro_step);
-            for (rank, d) in self.devices.iter().enumerate().rev() {
-                AB::seed(
-                    d,
-                    if rank == 0 {
-                        stream
-                    } else {
-                        mix(stream, rank as u64)
-                    },
-                );
-            }
-            set_attention_dropout_seed(stream);
             self.progress.micro_step += 1;
             timer.mark::<AB>(device, "data");
-            let values = self.forward_backward(&models, &batch, &mut buffers, &mut timer)?;
             pending += 1;
             let stepped = pending == accum || k + 1 == self.batches;
+            // The workers read their values now where the batch's are read
+            // before a step, else after theirs.
+            let read_now = !stepped || run.skip_nonfinite_batches;
+            self.others.clear();
+            let values = self.forward_backward(&batch, stream, read_now, &mut timer)?;
+            // The replicas' gradients are summed before anything reads them.
+            if stepped {
+                let setup = self.setup;
+                self.on_every_replica(|_| Job::Reduce, |lead| lead.reduce(setup))?;
+            }
             // --skip-nonfinite-batches: the batch's values, and before a step
             // the gradient norm, are read before the step; a non-finite one
             // drops the gradients accumulated since the last step.
             let mut read_early = None;
             if run.skip_nonfinite_batches {
                 let mut batch_means = Means::default();
-                let (total, mut bad) = record_batch(values.clone(), None, &mut batch_means);
+                let (total, mut bad) =
+                    record_batch(values.clone(), None, &mut batch_means, &self.others);
                 // (fp16's scaled gradients overflow by design: the loss scaler
                 // skips those steps and lowers the scale.)
                 let scaled = self.progress.loss_scaler.is_some();
                 if stepped && bad.is_empty() && !scaled {
-                    if let Some(norm) = buffers
-                        .iter()
-                        .map(|b| b.global_norm())
-                        .find(|n| !n.is_finite())
-                    {
+                    let norm = self.lead.buffer.global_norm();
+                    if !norm.is_finite() {
                         bad.push(format!("gradient norm {norm}"));
                     }
                 }
@@ -1061,7 +833,7 @@ where
                     );
                     skipped += pending;
                     pending = 0;
-                    buffers.iter_mut().for_each(GradientBuffer::clear);
+                    self.clear_gradients()?;
                     continue;
                 }
                 read_early = Some((total, batch_means));
@@ -1071,9 +843,7 @@ where
             let mut grad_norm = None;
             if stepped {
                 last_lr = self.scheduler.lr();
-                let (stepped, norm) = self.optimizer_step(models, &mut buffers, &mut means);
-                models = stepped;
-                grad_norm = norm;
+                grad_norm = self.optimizer_step(&mut means)?;
                 pending = 0;
                 timer.mark::<AB>(device, "optimizer");
             }
@@ -1081,7 +851,7 @@ where
             // after everything is queued. A non-finite loss stops the run before
             // any checkpoint is written from the weights it produced.
             let (total, non_finite) = match read_early {
-                None => record_batch(values, grad_norm, &mut means),
+                None => record_batch(values, grad_norm, &mut means, &self.others),
                 Some((total, batch_means)) => {
                     means.merge(batch_means);
                     if let Some(norm) = grad_norm {
@@ -1132,7 +902,7 @@ where
                         skipped,
                     });
                     let path = self.out_dir.join(files::LAST);
-                    self.write_checkpoint(&models[0], &[&path])?;
+                    self.write_checkpoint(&[&path])?;
                     tracing::debug!(
                         "checkpoint at epoch {epoch} batch {} (step {}): {}",
                         k + 1,
@@ -1141,7 +911,7 @@ where
                     );
                     self.progress.in_epoch = None;
                     if interrupted {
-                        return Ok((models, None));
+                        return Ok(None);
                     }
                 }
             }
@@ -1152,17 +922,14 @@ where
         if run.skip_nonfinite_batches {
             means.insert("skipped_batches".into(), skipped as f64);
         }
-        Ok((
-            models,
-            Some(EpochTraining {
-                means,
-                seen,
-                seconds,
-                last_lr,
-                started,
-                interrupted,
-            }),
-        ))
+        Ok(Some(EpochTraining {
+            means,
+            seen,
+            seconds,
+            last_lr,
+            started,
+            interrupted,
+        }))
     }
 
     /// A batch's sample IDs, for messages.
@@ -1172,53 +939,82 @@ where
         samples.join(", ")
     }
 
-    /// Writes the run's state as it stands (weights of `model`, the first
-    /// replica's optimiser, schedule, progress) to each of `paths`.
-    fn write_checkpoint(&self, model: &AamModel<AB>, paths: &[&Path]) -> Result<()> {
-        let (optim_tensors, optimizer_steps) = self.optimizers[0].state_tensors();
+    /// Writes the run's state as it stands (replica 0's weights and
+    /// optimiser, schedule, progress) to each of `paths`.
+    fn write_checkpoint(&self, paths: &[&Path]) -> Result<()> {
+        let (optim_tensors, optimizer_steps) = self.lead.optimizer.state_tensors();
         let meta = CheckpointMeta {
             format: FORMAT_VERSION,
             producer: format!("aam-rs {}", env!("CARGO_PKG_VERSION")),
-            model: self.model_config.clone(),
-            run: self.run.clone(),
+            model: self.setup.model_config.clone(),
+            run: self.setup.run.clone(),
             data: self.data.info.clone(),
             progress: self.progress.clone(),
             scheduler: self.scheduler.clone(),
             optimizer_steps,
         };
         for path in paths {
-            write_checkpoint(path, &meta, model, optim_tensors.clone())?;
+            write_checkpoint(path, &meta, self.lead.model(), optim_tensors.clone())?;
         }
         Ok(())
     }
 
-    /// The forward and backward passes of one batch: on one device the whole
-    /// batch; on several, each replica its shard (see [`crate::parallel`]).
-    /// Returns the batch's losses, summed over the replicas on the first
+    /// Sends every worker replica `job(rank)`, runs `lead` on replica 0
+    /// meanwhile, and waits for the workers' answers.
+    fn on_every_replica<R>(
+        &mut self,
+        job: impl FnMut(usize) -> Job,
+        lead: impl FnOnce(&mut Replica<AB>) -> Result<R>,
+    ) -> Result<(R, Vec<Done>)> {
+        let Some(workers) = &self.workers else {
+            return Ok((lead(&mut self.lead)?, Vec::new()));
+        };
+        workers.send(job);
+        let mine = lead(&mut self.lead);
+        if mine.is_err() {
+            // Workers waiting for replica 0 in a sum give up.
+            workers.abort();
+        }
+        let theirs = workers.wait();
+        Ok((mine?, theirs?))
+    }
+
+    /// Keeps the workers' shares of the batch's values among their answers.
+    fn keep_values(&mut self, done: Vec<Done>) {
+        self.others.extend(done.into_iter().filter_map(|d| match d {
+            Done::Values(v) => Some(v),
+            _ => None,
+        }));
+    }
+
+    /// Drops every replica's accumulated gradients.
+    fn clear_gradients(&mut self) -> Result<()> {
+        self.on_every_replica(
+            |_| Job::Clear,
+            |lead| {
+                lead.buffer.clear();
+                Ok(())
+            },
+        )?;
+        Ok(())
+    }
+
+    /// The forward and backward passes of one batch (random draws seeded
+    /// from `stream`): on one device the whole batch; on several, each
+    /// replica its shard, at once on their threads (see [`crate::replica`]).
+    /// Returns the batch's losses, summed over the replicas, on the first
     /// device.
-    ///
-    /// The replicas run one after another on this thread: every forward
-    /// pass, then every backward pass. Launches are asynchronous, so the
-    /// devices of several replicas compute at the same time; tensors never
-    /// move between threads (Burn's fusion streams are per thread).
     fn forward_backward(
-        &self,
-        models: &[AamModel<AB>],
+        &mut self,
         batch: &Batch,
-        buffers: &mut [GradientBuffer<AB::InnerBackend>],
+        stream: u64,
+        read_now: bool,
         timer: &mut StepProfiler,
     ) -> Result<StepValues<AB::InnerBackend>> {
         let n = self.devices.len();
-        let ctx = PassContext {
-            run: self.run,
-            model_config: self.model_config,
-            classifier: self.classifier,
-            slots: self.slots,
-            return_nucleotides: self.return_nucleotides,
-            loss_scale: self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale),
-            replicas: n,
-        };
-        let device = &self.devices[0];
+        let setup = self.setup;
+        let loss_scale = self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
+        let ctx = setup.context(loss_scale, n);
         if n == 1 {
             let shard = Shard {
                 rank: 0,
@@ -1226,135 +1022,112 @@ where
                 shares: Shares::WHOLE,
                 global_unifrac: None,
             };
-            let forward = shard_forward(&ctx, &models[0], device, &shard, Some(&mut *timer))?;
-            return shard_backward(
-                &ctx,
-                &models[0],
-                device,
-                &shard,
-                forward,
-                None,
-                &mut buffers[0],
-                Some(timer),
-            );
+            return self.lead.pass(&ctx, &shard, stream, Some(timer));
         }
-        let batches = batch.shards(n);
-        let class_weights = self
+        let mut shards = batch.shards(n);
+        let class_weights = setup
             .classifier
-            .then_some(self.run.loss.class_weights.as_deref())
+            .then_some(setup.run.loss.class_weights.as_deref())
             .flatten();
-        let shares = Shares::of(&batches, class_weights);
-        let global_unifrac = match self.run.unifrac_pairs {
+        let shares = Shares::of(&shards, class_weights);
+        let global_unifrac = match setup.run.unifrac_pairs {
             UnifracPairs::Global => batch.unifrac.as_deref(),
             UnifracPairs::Local => None,
         };
-        let shards: Vec<Shard> = batches
-            .iter()
-            .zip(shares)
-            .enumerate()
-            .map(|(rank, (batch, shares))| Shard {
-                rank,
-                batch,
-                shares,
-                global_unifrac,
-            })
-            .collect();
-        let forwards = shards
-            .iter()
-            .zip(models)
-            .zip(self.devices)
-            .map(|((shard, model), device)| shard_forward(&ctx, model, device, shard, None))
-            .collect::<Result<Vec<_>>>()?;
-        timer.mark::<AB>(device, "forward");
-        let offers: Vec<Offer<AB::InnerBackend>> = forwards
-            .iter()
-            .map(|f| f.offer.clone().expect("several replicas offer"))
-            .collect();
-        let values = shards
-            .iter()
-            .zip(forwards)
-            .zip(models.iter().zip(self.devices))
-            .zip(buffers.iter_mut())
-            .map(|(((shard, forward), (model, device)), buffer)| {
-                shard_backward(
-                    &ctx,
-                    model,
-                    device,
-                    shard,
-                    forward,
-                    Some(&offers),
-                    buffer,
-                    None,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(StepValues::sum(values, device))
+        let shared_unifrac = global_unifrac.map(|u| Arc::new(u.to_vec()));
+        let mut theirs = shards.split_off(1).into_iter();
+        let lead_shard = Shard {
+            rank: 0,
+            batch: &shards[0],
+            shares: shares[0],
+            global_unifrac,
+        };
+        let (values, done) = self.on_every_replica(
+            |rank| Job::Pass {
+                batch: theirs.next().expect("one shard per worker"),
+                shares: shares[rank],
+                global_unifrac: shared_unifrac.clone(),
+                stream,
+                loss_scale,
+                read: read_now,
+            },
+            |lead| lead.pass(&ctx, &lead_shard, stream, None),
+        )?;
+        self.keep_values(done);
+        timer.mark::<AB>(&self.devices[0], "replicas");
+        Ok(values)
     }
 
-    /// Sums the replicas' accumulated gradients, clips them (fp16: skips the
-    /// step when they overflowed) and takes one optimiser step on every
-    /// replica. Returns the stepped models and, when clipping ran on the
-    /// device, the gradient norm before it.
-    fn optimizer_step(
-        &mut self,
-        models: Vec<AamModel<AB>>,
-        buffers: &mut [GradientBuffer<AB::InnerBackend>],
-        means: &mut Means,
-    ) -> (Vec<AamModel<AB>>, Option<Tensor<AB::InnerBackend, 1>>) {
-        let run = self.run;
-        all_reduce(buffers, self.devices);
-        let mut grad_norm = None;
+    /// Clips the (summed) gradients (fp16: skips the step when they
+    /// overflowed) and takes one optimiser step on every replica. Returns,
+    /// when clipping ran on the device, the gradient norm before it.
+    fn optimizer_step(&mut self, means: &mut Means) -> Result<Option<Tensor<AB::InnerBackend, 1>>> {
+        let run = self.setup.run;
+        let mut clip = match run.max_grad_norm {
+            Some(max_norm) => Clip::OnDevice(max_norm),
+            None => Clip::None,
+        };
         if let Some(scaler) = self.progress.loss_scaler.as_mut() {
             // fp16: the norm is read here (one host read serves the overflow
             // check and clipping). A step whose scaled gradients overflowed is
             // skipped (its gradients dropped) and the scale lowered.
-            let norm = buffers[0].global_norm();
-            if !scaler.update(norm.is_finite()) {
+            let norm = self.lead.buffer.global_norm();
+            let finite = scaler.update(norm.is_finite());
+            if !finite {
                 tracing::debug!(
                     "fp16 gradients overflowed: step skipped, loss scale now {}",
                     scaler.scale
                 );
-                buffers.iter_mut().for_each(GradientBuffer::clear);
+                self.clear_gradients()?;
             }
-            if let Some(max_norm) = run.max_grad_norm {
-                if !buffers[0].is_empty() {
-                    for buffer in buffers.iter_mut() {
-                        buffer.clip_to_norm(max_norm, norm);
-                    }
+            clip = match run.max_grad_norm {
+                Some(max_norm) if !self.lead.buffer.is_empty() => {
                     means.add("grad_norm", norm);
+                    Clip::ToNorm { max_norm, norm }
                 }
-            }
-        } else if let Some(max_norm) = run.max_grad_norm {
-            // On the device: the optimiser is queued behind the backward
-            // pass, and the norm is read with the losses. Every replica
-            // clips its copy of the same sum by the same norm.
-            for (rank, buffer) in buffers.iter_mut().enumerate() {
-                let norm = buffer.clip_global_norm(max_norm);
-                if rank == 0 {
-                    grad_norm = norm;
+                _ => Clip::None,
+            };
+        }
+        let lr = self.scheduler.lr();
+        let plan = StepPlan {
+            clip,
+            lr,
+            factor: lr / run.scheduler.lr,
+            beta1: self.scheduler.beta1(),
+        };
+        let setup = self.setup;
+        let (grad_norm, done) =
+            self.on_every_replica(|_| Job::Step(plan), |lead| Ok(lead.step(setup, &plan)))?;
+        self.keep_values(done);
+        self.scheduler.step();
+        self.progress.global_step += 1;
+        Ok(grad_norm)
+    }
+
+    /// Data-parallel replicas take the same steps from the same weights, so
+    /// their weights stay bit-identical; checked after every epoch in debug
+    /// builds (the tests).
+    fn check_replicas_agree(&mut self) -> Result<()> {
+        if self.workers.is_none() {
+            return Ok(());
+        }
+        let config = self.setup.model_config;
+        let (reference, theirs) =
+            self.on_every_replica(|_| Job::Weights, |lead| Ok(lead.model().state_dict(config)))?;
+        for (rank, done) in theirs.into_iter().enumerate() {
+            let Done::Weights(weights) = done else {
+                continue;
+            };
+            for ((key, a), (_, b)) in reference.iter().zip(weights) {
+                if a.values != b.values {
+                    return Err(TrainError::Replica {
+                        rank: rank + 1,
+                        reason: format!("its {key} differs from replica 0's after the same steps"),
+                    });
                 }
             }
         }
-        let lr = self.scheduler.lr();
-        let factor = lr / run.scheduler.lr;
-        let group_lr = |key: &str| match run.categorical_lr {
-            Some(c) if is_categorical_param(key) => c * factor,
-            _ => lr,
-        };
-        let name = |path: &str| self.model_config.torch_key(path);
-        let beta1 = self.scheduler.beta1();
-        let stepped = models
-            .into_iter()
-            .zip(self.optimizers.iter_mut())
-            .zip(buffers.iter_mut())
-            .map(|((model, optimizer), buffer)| {
-                let grads = std::mem::take(buffer);
-                step_model(optimizer, model, grads, &name, &group_lr, beta1)
-            })
-            .collect();
-        self.scheduler.step();
-        self.progress.global_step += 1;
-        (stepped, grad_norm)
+        Ok(())
     }
 
     /// Closes an epoch: steps the plateau schedule, decides whether the
@@ -1362,13 +1135,12 @@ where
     /// `best` with its validation predictions on improvement) and metrics.
     fn end_epoch(
         &mut self,
-        model: &AamModel<AB>,
         epoch: usize,
         training: EpochTraining,
         validation: BTreeMap<String, f64>,
         val_rows: &[PredictionRow],
     ) -> Result<(EpochRecord, bool)> {
-        let run = self.run;
+        let run = self.setup.run;
         let progress = &mut self.progress;
         let monitored = if validation.is_empty() {
             // Without validation the training loss decides (as the reference).
@@ -1423,52 +1195,15 @@ where
         let out = |rel: &str| self.out_dir.join(rel);
         let (last, best) = (out(files::LAST), out(files::BEST));
         if improved {
-            self.write_checkpoint(model, &[&last, &best])?;
+            self.write_checkpoint(&[&last, &best])?;
             if !val_rows.is_empty() {
                 write_predictions(&out(files::VAL_PREDICTIONS), val_rows)?;
             }
         } else {
-            self.write_checkpoint(model, &[&last])?;
+            self.write_checkpoint(&[&last])?;
         }
         write_metrics_csv(&out(files::METRICS), &self.progress.history)?;
         Ok((record, improved))
-    }
-}
-
-fn step_model<AB>(
-    optimizer: &mut Optimizer<AB::InnerBackend>,
-    model: AamModel<AB>,
-    grads: GradientBuffer<AB::InnerBackend>,
-    name: &dyn Fn(&str) -> String,
-    lr: &dyn Fn(&str) -> f64,
-    beta1: Option<f64>,
-) -> AamModel<AB>
-where
-    AB: AutodiffBackend,
-    AB::InnerBackend: AttentionBackend,
-{
-    match model {
-        AamModel::SequenceEncoder(m) => {
-            AamModel::SequenceEncoder(optimizer.step::<AB, _>(m, grads, name, lr, beta1))
-        }
-        AamModel::SequencePredictor(m) => {
-            AamModel::SequencePredictor(optimizer.step::<AB, _>(m, grads, name, lr, beta1))
-        }
-    }
-}
-
-impl<B: Backend> GradientBuffer<B> {
-    /// [`GradientBuffer::collect`] for either model.
-    pub fn collect_model<AB: AutodiffBackend<InnerBackend = B>>(
-        model: &AamModel<AB>,
-        grads: &AB::Gradients,
-        name: &dyn Fn(&str) -> String,
-        scale: f64,
-    ) -> Self {
-        match model {
-            AamModel::SequenceEncoder(m) => Self::collect(m, grads, name, scale),
-            AamModel::SequencePredictor(m) => Self::collect(m, grads, name, scale),
-        }
     }
 }
 
@@ -1508,7 +1243,7 @@ fn validate<B: AttentionBackend>(
             predict_batch(model, input, return_nucleotides)
         };
         let parts = run.loss.forward(&predictions, &targets)?;
-        record_batch(StepValues::new(&parts, None), None, &mut means);
+        record_batch(StepValues::new(&parts, None), None, &mut means, &[]);
         if let Some(logits) = &predictions.nuc_logits {
             let (hits, n) =
                 nucleotide_accuracy(logits.clone(), predictions.nuc_targets(&targets)?, None);
