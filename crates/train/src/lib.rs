@@ -9,8 +9,9 @@
 //! epoch loop with validation, early stopping and logs (§4.3–4.4:
 //! [`run::fit`]), generic over any Burn autodiff backend that implements the
 //! attention extension; data-parallel steps over several devices
-//! ([`parallel`]: one replica per device, gradients summed, UniFrac pairs
-//! across the whole global batch); and [`gradcheck`], which compares a
+//! ([`parallel`]: one replica per device, each on its own thread, gradients
+//! summed by NCCL on CUDA or through the host, UniFrac pairs across the whole
+//! global batch); and [`gradcheck`], which compares a
 //! backend's training step with the CPU's on the same weights and batch.
 //!
 //! **How a run goes.** A front end (the `aam-rs` binary) turns flags into a

@@ -4,12 +4,12 @@
 //!
 //! **The step.** The global batch of `--batch-size` samples is cut into `N`
 //! consecutive shards ([`Batch::shards`]). Replica `r` runs the forward pass
-//! of shard `r` on its device. The replicas then sum ([`Exchanged`]) their
+//! of shard `r` on its device. The replicas then sum (`Exchanged`) their
 //! sample embeddings, each in its rows of a zero `[B, D]` (which gathers the
 //! batch), and their counts of scored nucleotide positions. Each replica's
 //! backward pass starts from *its share of the global batch's loss*
 //! ([`Shares`]), so that the replicas' gradients summed
-//! ([`Group::sum_gradients`]) are the gradient of the loss of the whole
+//! (`Group::sum_gradients`) are the gradient of the loss of the whole
 //! batch on one device. Every replica then takes the same optimiser step on
 //! the same summed gradients, which keeps the replicas identical.
 //!
@@ -30,12 +30,12 @@
 //! within a shard only, the reference's DDP (and masked FSDP) loss: the mean
 //! of squared errors over the pairs inside the shards.
 //!
-//! **Collectives** ([`Group`]). On CUDA with one replica per GPU, every sum
+//! **Collectives** (`Group`). On CUDA with one replica per GPU, every sum
 //! is an NCCL all-reduce, one per tensor, queued on each GPU's
 //! communication stream behind its compute (`AttentionBackend::collective_sum`);
 //! no thread waits for another. Elsewhere (HIP, wgpu, the CPU backends, and
 //! replicas that share a device) each replica reads its tensors to the host
-//! in one read, and [`HostExchange`] adds them in rank order, so a run
+//! in one read, and `HostExchange` adds them in rank order, so a run
 //! repeats bit for bit. Which gradients exist is agreed through the host
 //! first (a parameter may have none on a shard), so every replica sums the
 //! same tensors in the same order.
