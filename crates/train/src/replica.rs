@@ -57,6 +57,13 @@ impl Setup<'_> {
     }
 }
 
+/// An optimiser's state as a checkpoint holds it: tensors by name (shape,
+/// values), and steps by parameter.
+pub(crate) type OptimizerState = (
+    BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    BTreeMap<String, u64>,
+);
+
 /// How the gradients are clipped before a step.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Clip {
@@ -268,12 +275,7 @@ impl Workers {
         devices: &Arc<Vec<AB::Device>>,
         host: &Arc<HostExchange>,
         weights: &Arc<HashMap<String, StateTensor>>,
-        optimizer: Option<
-            &Arc<(
-                BTreeMap<String, (Vec<usize>, Vec<f32>)>,
-                BTreeMap<String, u64>,
-            )>,
-        >,
+        optimizer: Option<&Arc<OptimizerState>>,
     ) -> Result<Self>
     where
         AB: AutodiffBackend + AttentionBackend,
@@ -391,10 +393,7 @@ fn worker_replica<AB>(
     setup: &Setup,
     group: Group<AB::InnerBackend>,
     weights: &HashMap<String, StateTensor>,
-    optimizer: Option<&(
-        BTreeMap<String, (Vec<usize>, Vec<f32>)>,
-        BTreeMap<String, u64>,
-    )>,
+    optimizer: Option<&OptimizerState>,
 ) -> Result<Replica<AB>>
 where
     AB: AutodiffBackend + AttentionBackend,
