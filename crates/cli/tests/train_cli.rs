@@ -1779,42 +1779,15 @@ impl Drop for Server {
     }
 }
 
-/// `aam-rs serve` on a free local port: `/health`, `/info`, `/metrics`;
-/// `/embed` and `/predict` equal `aam-rs embed` and `predict`; a load test
-/// of 320 requests from 32 clients, a tenth malformed or oversized, gets
-/// 200 for every good one, 422 or 413 for every bad one, nothing else;
-/// SIGTERM ends it cleanly.
-#[test]
-fn serve_answers_like_the_cli() {
+/// `aam-rs serve --model model` with `extra` flags on a free local port, once
+/// `/health` answers 200: the process, its address, and a thread that
+/// returns its log when it exits.
+fn start_server(model: &Path, extra: &[&str]) -> (Server, String, std::thread::JoinHandle<String>) {
     use std::io::BufRead;
-    let tmp = tempfile::tempdir().unwrap();
-    let tr = tmp.path().join("train");
-    run_ok(&tiny_train(&tr, 1, &demo("demo_map.txt"), "age"));
-    let model = tr.join("checkpoints/best.safetensors");
-    let (embed_tsv, predict_tsv) = (tmp.path().join("e.tsv"), tmp.path().join("p.tsv"));
-    let mut a = args(&["embed", "--model"]);
-    a.extend([
-        s(&model),
-        "--table".into(),
-        s(&demo("demo.biom")),
-        "--output".into(),
-        s(&embed_tsv),
-    ]);
-    run_ok(&a);
-    predict(&model, &predict_tsv);
-
     let mut server = Server(
         Command::new(env!("CARGO_BIN_EXE_aam-rs"))
-            .args([
-                "serve",
-                "--model",
-                &s(&model),
-                "--port",
-                "0",
-                "--max-request-samples",
-                "16",
-            ])
-            .args(["--max-concurrent-requests", "64"])
+            .args(["serve", "--model", &s(model), "--port", "0"])
+            .args(extra)
             .env("AAM_LOG", "info")
             .stderr(std::process::Stdio::piped())
             .stdout(std::process::Stdio::null())
@@ -1852,6 +1825,42 @@ fn serve_answers_like_the_cli() {
         );
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
+    (server, addr, log)
+}
+
+/// `aam-rs serve` on a free local port: `/health`, `/info`, `/metrics`;
+/// `/embed` and `/predict` equal `aam-rs embed` and `predict`; a load test
+/// of 320 requests from 32 clients, a tenth malformed or oversized, gets
+/// 200 for every good one, 422 or 413 for every bad one, nothing else; with
+/// one request allowed in flight, 16 at once get 200 or 429, some of each;
+/// SIGTERM ends it cleanly.
+#[test]
+fn serve_answers_like_the_cli() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tr = tmp.path().join("train");
+    run_ok(&tiny_train(&tr, 1, &demo("demo_map.txt"), "age"));
+    let model = tr.join("checkpoints/best.safetensors");
+    let (embed_tsv, predict_tsv) = (tmp.path().join("e.tsv"), tmp.path().join("p.tsv"));
+    let mut a = args(&["embed", "--model"]);
+    a.extend([
+        s(&model),
+        "--table".into(),
+        s(&demo("demo.biom")),
+        "--output".into(),
+        s(&embed_tsv),
+    ]);
+    run_ok(&a);
+    predict(&model, &predict_tsv);
+
+    let (mut server, addr, log) = start_server(
+        &model,
+        &[
+            "--max-request-samples",
+            "16",
+            "--max-concurrent-requests",
+            "64",
+        ],
+    );
     let (status, body) = http(&addr, "GET", "/info", "");
     assert_eq!(status, 200);
     let info: Value = serde_json::from_str(&body).unwrap();
@@ -1971,6 +1980,44 @@ fn serve_answers_like_the_cli() {
     }
     assert!(metrics.contains("aam_batch_samples_count"), "{metrics}");
     assert!(!metrics.contains("status=\"5"), "{metrics}");
+
+    // Busy: one request in flight at most; 16 clients at once, each with
+    // 16 samples, get 200 or 429 (with its message), some of each.
+    let (busy, busy_addr, _) = start_server(
+        &model,
+        &[
+            "--max-request-samples",
+            "16",
+            "--max-concurrent-requests",
+            "1",
+        ],
+    );
+    let start = std::sync::Arc::new(std::sync::Barrier::new(16));
+    let clients: Vec<_> = (0..16)
+        .map(|c| {
+            let (addr, samples, start) = (busy_addr.clone(), samples.clone(), start.clone());
+            std::thread::spawn(move || {
+                let body = request_json(&samples[c..c + 16], false);
+                start.wait();
+                http(&addr, "POST", "/embed", &body)
+            })
+        })
+        .collect();
+    let mut statuses = BTreeMap::new();
+    for client in clients {
+        let (status, answer) = client.join().unwrap();
+        assert!(status == 200 || status == 429, "{status}: {answer}");
+        if status == 429 {
+            assert!(answer.contains("--max-concurrent-requests"), "{answer}");
+        }
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    assert!(
+        statuses.contains_key(&200) && statuses.contains_key(&429),
+        "16 requests at once with one allowed in flight: {statuses:?}"
+    );
+    assert_eq!(http(&busy_addr, "GET", "/health", "").0, 200);
+    drop(busy);
 
     // SIGTERM: a clean exit.
     let killed = Command::new("kill")
