@@ -46,11 +46,7 @@ pub(crate) struct Setup<'a> {
 impl Setup<'_> {
     pub(crate) fn context(&self, loss_scale: f64, replicas: usize) -> PassContext<'_> {
         PassContext {
-            run: self.run,
-            model_config: self.model_config,
-            classifier: self.classifier,
-            slots: self.slots,
-            return_nucleotides: self.return_nucleotides,
+            setup: self,
             loss_scale,
             replicas,
         }
@@ -533,11 +529,7 @@ impl<AB: AutodiffBackend> StepValues<AB> {
 
 /// What every replica's pass of one step reads, besides its own batch.
 pub(crate) struct PassContext<'a> {
-    pub(crate) run: &'a RunConfig,
-    pub(crate) model_config: &'a ModelConfig,
-    pub(crate) classifier: bool,
-    pub(crate) slots: Slots,
-    pub(crate) return_nucleotides: bool,
+    pub(crate) setup: &'a Setup<'a>,
     pub(crate) loss_scale: f64,
     pub(crate) replicas: usize,
 }
@@ -581,7 +573,8 @@ where
     AB: AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
 {
-    let (input, mut targets) = batch_tensors::<AB>(shard.batch, device, ctx.classifier, ctx.slots);
+    let (input, mut targets) =
+        batch_tensors::<AB>(shard.batch, device, ctx.setup.classifier, ctx.setup.slots);
     if let Some(t) = timer.as_deref_mut() {
         t.mark::<AB>(device, "upload");
     }
@@ -593,8 +586,8 @@ where
         ));
     }
     let predictions = {
-        let _autocast = autocast(ctx.run.mixed_precision);
-        predict_batch(model, input, ctx.return_nucleotides)
+        let _autocast = autocast(ctx.setup.run.mixed_precision);
+        predict_batch(model, input, ctx.setup.return_nucleotides)
     };
     if let Some(t) = timer {
         t.mark::<AB>(device, "forward");
@@ -669,20 +662,20 @@ where
             }
         }
         TermScales::of(
-            &ctx.run.loss,
-            ctx.run.unifrac_pairs,
-            ctx.classifier,
+            &ctx.setup.run.loss,
+            ctx.setup.run.unifrac_pairs,
+            ctx.setup.classifier,
             shard.shares,
             ctx.replicas,
             exchanged.nuc_share.map(Tensor::from_inner),
         )
     });
-    let parts = ctx.run.loss.forward(&predictions, &targets)?;
+    let parts = ctx.setup.run.loss.forward(&predictions, &targets)?;
     let (objective, parts) = match scales {
         None => (parts.total.clone(), parts),
         Some((objective, report)) => (
-            objective.apply(&ctx.run.loss, &parts).total,
-            report.apply(&ctx.run.loss, &parts),
+            objective.apply(&ctx.setup.run.loss, &parts).total,
+            report.apply(&ctx.setup.run.loss, &parts),
         ),
     };
     let accuracy = predictions
@@ -703,12 +696,12 @@ where
         (objective * ctx.loss_scale).backward()
     };
     mark("backward");
-    let name = |path: &str| ctx.model_config.torch_key(path);
+    let name = |path: &str| ctx.setup.model_config.torch_key(path);
     buffer.accumulate(GradientBuffer::collect_model(
         model,
         &grads,
         &name,
-        1.0 / (ctx.run.gradient_accumulation_steps as f64 * ctx.loss_scale),
+        1.0 / (ctx.setup.run.gradient_accumulation_steps as f64 * ctx.loss_scale),
     ));
     mark("collect");
     Ok(StepValues::new(&parts, accuracy).into_inner())
