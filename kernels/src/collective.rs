@@ -1,7 +1,8 @@
 //! Sums across devices for data-parallel replicas: NCCL all-reduce on CUDA,
 //! through Burn's `DistributedBackend` (CubeCL queues each all-reduce on the
 //! device's communication stream, behind the compute stream's work, and
-//! `sync_collective` makes later compute wait for it).
+//! `sync_collective` makes later compute wait for it). Under Burn's fusion
+//! backend one call is one custom op (`fusion.rs`).
 //!
 //! Only CUDA's CubeCL server has collectives (`SERVER_COMM_ENABLED`); HIP,
 //! wgpu and the CPU backends return `None` and the trainer sums through the
@@ -15,7 +16,9 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::server::ServerCommunication;
 
 /// The devices' ids, sorted, where no two are the same device.
-fn distinct_ids<D: DeviceOps>(devices: &[D]) -> Option<Vec<burn::tensor::backend::DeviceId>> {
+pub(crate) fn distinct_ids<D: DeviceOps>(
+    devices: &[D],
+) -> Option<Vec<burn::tensor::backend::DeviceId>> {
     let mut ids: Vec<_> = devices.iter().map(DeviceOps::id).collect();
     ids.sort();
     let n = ids.len();

@@ -800,6 +800,7 @@ where
             if stepped {
                 let setup = self.setup;
                 self.on_every_replica(|_| Job::Reduce, |lead| lead.reduce(setup))?;
+                timer.mark::<AB>(device, "reduce");
             }
             // --skip-nonfinite-batches: the batch's values, and before a step
             // the gradient norm, are read before the step; a non-finite one
