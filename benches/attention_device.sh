@@ -5,17 +5,19 @@
 #   CUDARC_CUDA_VERSION=12080 cargo build --profile device -p aam-benches --features cuda \
 #     --bin attention-bench
 #   CUDARC_CUDA_VERSION=12080 cargo test --profile device -p aam-kernels --features cuda,ndarray \
-#     --test fused_parity --test half_precision --test ops --no-run   # prints their paths
-#   xz -c <each> > .carry/gpu/{attention-bench,fused_parity,half_precision,ops}.xz
-# fused_parity runs every kernel the plan can pick on CUDA: the default plan, and through
+#     --test kernels --no-run   # prints its path
+#   xz -c <each> > .carry/gpu/{attention-bench,kernels}.xz
+# The kernel crate's tests are one binary; its suites run here by module: fused_parity::
+# runs every kernel the plan can pick on CUDA: the default plan, and through
 # `KernelChoice` rows split over lanes, head dims in two parts, the separate dQ and dK/dV
 # backward, and CUDA cores only (the row forward, the merged backward).
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_TIMEOUT (s per run, default 280: NVRTC compiles a kernel per shape, dtype and
 # dropout setting), PARITY_THREADS (tests at once, default 8: their kernels compile in
-# parallel), PARITY_FILTER (test name filter), OPS_FILTER (default packed_attention::),
-# WGPU_PARITY (1: also run fused_parity built with --features wgpu,ndarray, carried as
-# .carry/gpu/fused_parity_wgpu.xz, on the GPU through Vulkan; carry .gl too: the Vulkan
+# parallel), PARITY_FILTER (filter of the parity run, default fused_parity::), OPS_FILTER
+# (default ops::packed_attention::), WGPU_PARITY (1: also run fused_parity:: of the test
+# binary built with --features wgpu,ndarray, carried as .carry/gpu/kernels_wgpu.xz, on the
+# GPU through Vulkan; carry .gl too: the Vulkan
 # loader's .deb packages), BENCH (1: run the timings), BENCHES (default "attention-bench":
 # attention-bench builds .carry/gpu/<name>.xz, timed in turn ROUNDS times (default 1), so that
 # two builds are compared interleaved in one call), KERNELS (e.g. "lanes=1 cuda-cores": also
@@ -28,25 +30,28 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gpu
 BENCHES=${BENCHES:-attention-bench}
-for b in $BENCHES fused_parity half_precision ops fused_parity_wgpu; do
+for b in $BENCHES kernels kernels_wgpu; do
   [ -f ".carry/gpu/$b.xz" ] && xz -dc ".carry/gpu/$b.xz" > "/tmp/gpu/$b" && chmod +x "/tmp/gpu/$b"
 done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 status=0
-# One carried CUDA test binary: its title, and a pattern of extra lines to show.
+# One suite of the carried CUDA test binary: its log's name, its title, a pattern of extra
+# lines to show, and the test filter.
 cuda_test() {
-  [ -x "/tmp/gpu/$1" ] || return 0
+  [ -x /tmp/gpu/kernels ] || return 0
   echo "== $1 ($2)"
-  timeout "${PARITY_TIMEOUT:-280}" "/tmp/gpu/$1" ${4:-} --nocapture --test-threads "${PARITY_THREADS:-8}" \
+  timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/kernels "$4" --nocapture --test-threads "${PARITY_THREADS:-8}" \
     > "$OUT/$1.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   grep -E "^test .*(ok|FAILED)$|panicked|test result${3:+|$3}" "$OUT/$1.log" | cut -c1-200 | tail -30
   echo "rc=$rc"
 }
 if [ "${PARITY:-1}" = 1 ]; then
-  cuda_test fused_parity "cuda: every kernel of the plan, and each fallback by KernelChoice" "" "${PARITY_FILTER:-}"
-  cuda_test half_precision "cuda: tensor-core forward and gradients against the f32 kernel" 'BF16 \(151'
-  cuda_test ops "cuda: ${OPS_FILTER:-packed_attention::}" 'BF16 .*t=151' "${OPS_FILTER:-packed_attention::}"
+  cuda_test fused_parity "cuda: every kernel of the plan, and each fallback by KernelChoice" "" \
+    "${PARITY_FILTER:-fused_parity::}"
+  cuda_test half_precision "cuda: tensor-core forward and gradients against the f32 kernel" 'BF16 \(151' \
+    half_precision::
+  cuda_test ops "cuda: ${OPS_FILTER:-ops::packed_attention::}" 'BF16 .*t=151' "${OPS_FILTER:-ops::packed_attention::}"
 fi
 if [ "${WGPU_PARITY:-0}" = 1 ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -54,7 +59,7 @@ if [ "${WGPU_PARITY:-0}" = 1 ]; then
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
   fi
   echo "== fused_parity (wgpu, Vulkan)"
-  timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/fused_parity_wgpu --nocapture --test-threads "${PARITY_THREADS:-8}" \
+  timeout "${PARITY_TIMEOUT:-280}" /tmp/gpu/kernels_wgpu fused_parity:: --nocapture --test-threads "${PARITY_THREADS:-8}" \
     > "$OUT/fused_parity_wgpu.log" 2>&1
   rc=$?; [ $rc -eq 0 ] || status=1
   grep -E "^test .*(ok|FAILED)$|panicked|test result|adapter|Adapter" "$OUT/fused_parity_wgpu.log" | cut -c1-200 | tail -30

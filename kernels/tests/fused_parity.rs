@@ -9,13 +9,10 @@
 //!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else on
 //! wgpu: in CI through Mesa's lavapipe (a CPU Vulkan driver).
-#![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{fused_attention, reference_attention, AttentionDropout, KernelChoice};
 use burn::prelude::*;
-use common::*;
 
 #[test]
 fn lengths_1_7_64_151_and_odd() {

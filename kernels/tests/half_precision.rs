@@ -12,14 +12,11 @@
 //!
 //! Runs on CUDA when built with `--features cuda` (the device machine), else
 //! on wgpu.
-#![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::*;
 use aam_kernels::{fused_attention, AttentionDropout, KernelChoice};
 use burn::prelude::*;
 use burn::tensor::{bf16, f16, DType, TensorData};
-use common::*;
 
 /// Half against f32 on the same rounded inputs: the half side rounds its
 /// probabilities (tensor cores) and its output to the half type.

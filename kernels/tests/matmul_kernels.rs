@@ -13,15 +13,12 @@
 //!
 //! Runs on CUDA when built with `--features cuda`, else on wgpu: in CI
 //! through Mesa's lavapipe (a CPU Vulkan driver, where the unit kernel runs).
-#![cfg(any(feature = "wgpu", feature = "cuda"))]
 
-mod common;
-
+use crate::common::Rng;
 use aam_kernels::AttentionBackend;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn_cubecl::CubeBackend;
-use common::Rng;
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime as Runtime;
 #[cfg(not(feature = "cuda"))]

@@ -57,6 +57,24 @@ impl BackendKind {
             .to_string()
     }
 
+    /// The cargo feature that builds it in.
+    pub fn feature(self) -> &'static str {
+        match self {
+            #[cfg(feature = "ndarray")]
+            BackendKind::Ndarray => "ndarray",
+            #[cfg(feature = "candle")]
+            BackendKind::Candle => "candle",
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => "wgpu",
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => "cuda",
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => "rocm",
+            #[cfg(feature = "tch")]
+            BackendKind::Tch | BackendKind::TchGpu => "tch",
+        }
+    }
+
     /// A line for the log before the first step on a backend that compiles
     /// its kernels at run time (CUDA, ROCm): where the compiled kernels are
     /// kept, and whether this run has to compile them (the first run on a
@@ -145,10 +163,13 @@ impl BackendKind {
 /// `$device` to its default device. `$body` is an `anyhow::Result`; a backend
 /// without a usable device fails with an error before `$body` runs.
 ///
-/// The backends are those compiled into this crate: each one's branch is
-/// emitted through a hidden macro that exists in a full or an empty form
-/// depending on this crate's features, so a crate that expands the macro
-/// (`aam-dev`) needs no backend features of its own.
+/// A backend's branch is compiled where the crate that expands the macro has
+/// the backend's feature (`ndarray`, `candle`, `wgpu`, `cuda`, `rocm`, `tch`;
+/// each must turn on this crate's feature of the same name, as `aam-dev`'s
+/// do). So `aam-dev` built with its default features compiles the training
+/// step for ndarray alone, even where a workspace build turns on more of this
+/// crate's backends; a backend this crate has and the caller lacks is an
+/// error naming the feature.
 #[macro_export]
 macro_rules! with_backend {
     ($kind:expr, |$B:ident, $device:ident| $body:expr) => {{
@@ -156,138 +177,57 @@ macro_rules! with_backend {
         match kind.ensure_available() {
             Err(err) => Err(err),
             Ok(()) => 'dispatch: {
-                $crate::__if_ndarray! {
-                    if kind == $crate::backend::BackendKind::Ndarray {
-                        type $B = $crate::__burn::backend::NdArray<f32>;
-                        let $device = $crate::__burn::backend::ndarray::NdArrayDevice::Cpu;
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "ndarray")]
+                if kind == $crate::backend::BackendKind::Ndarray {
+                    type $B = $crate::__burn::backend::NdArray<f32>;
+                    let $device = $crate::__burn::backend::ndarray::NdArrayDevice::Cpu;
+                    break 'dispatch $body;
                 }
-                $crate::__if_candle! {
-                    if kind == $crate::backend::BackendKind::Candle {
-                        // burn-candle: deprecated upstream after 0.21, kept while it works.
-                        #[allow(deprecated)] type $B = $crate::__burn::backend::Candle<f32, i64>;
-                        #[allow(deprecated)] let $device = $crate::__burn::backend::candle::CandleDevice::Cpu;
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "candle")]
+                if kind == $crate::backend::BackendKind::Candle {
+                    // burn-candle: deprecated upstream after 0.21, kept while it works.
+                    #[allow(deprecated)] type $B = $crate::__burn::backend::Candle<f32, i64>;
+                    #[allow(deprecated)] let $device = $crate::__burn::backend::candle::CandleDevice::Cpu;
+                    break 'dispatch $body;
                 }
-                $crate::__if_wgpu! {
-                    if kind == $crate::backend::BackendKind::Wgpu {
-                        type $B = $crate::__burn::backend::Wgpu<f32, i32>;
-                        let $device = $crate::__burn::backend::wgpu::WgpuDevice::DefaultDevice;
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "wgpu")]
+                if kind == $crate::backend::BackendKind::Wgpu {
+                    type $B = $crate::__burn::backend::Wgpu<f32, i32>;
+                    let $device = $crate::__burn::backend::wgpu::WgpuDevice::DefaultDevice;
+                    break 'dispatch $body;
                 }
-                $crate::__if_cuda! {
-                    if kind == $crate::backend::BackendKind::Cuda {
-                        type $B = $crate::__burn::backend::Cuda<f32, i32>;
-                        let $device = $crate::__burn::backend::cuda::CudaDevice::new(0);
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "cuda")]
+                if kind == $crate::backend::BackendKind::Cuda {
+                    type $B = $crate::__burn::backend::Cuda<f32, i32>;
+                    let $device = $crate::__burn::backend::cuda::CudaDevice::new(0);
+                    break 'dispatch $body;
                 }
-                $crate::__if_rocm! {
-                    if kind == $crate::backend::BackendKind::Rocm {
-                        type $B = $crate::__burn::backend::Rocm<f32, i32>;
-                        let $device = $crate::__burn::backend::rocm::RocmDevice::new(0);
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "rocm")]
+                if kind == $crate::backend::BackendKind::Rocm {
+                    type $B = $crate::__burn::backend::Rocm<f32, i32>;
+                    let $device = $crate::__burn::backend::rocm::RocmDevice::new(0);
+                    break 'dispatch $body;
                 }
-                $crate::__if_tch! {
-                    if kind == $crate::backend::BackendKind::Tch {
-                        type $B = $crate::__burn::backend::LibTorch<f32>;
-                        let $device = $crate::__burn::backend::libtorch::LibTorchDevice::Cpu;
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "tch")]
+                if kind == $crate::backend::BackendKind::Tch {
+                    type $B = $crate::__burn::backend::LibTorch<f32>;
+                    let $device = $crate::__burn::backend::libtorch::LibTorchDevice::Cpu;
+                    break 'dispatch $body;
                 }
-                $crate::__if_tch! {
-                    if kind == $crate::backend::BackendKind::TchGpu {
-                        type $B = $crate::__burn::backend::LibTorch<f32>;
-                        let $device = $crate::__burn::backend::libtorch::LibTorchDevice::Cuda(0);
-                        break 'dispatch $body;
-                    }
+                #[cfg(feature = "tch")]
+                if kind == $crate::backend::BackendKind::TchGpu {
+                    type $B = $crate::__burn::backend::LibTorch<f32>;
+                    let $device = $crate::__burn::backend::libtorch::LibTorchDevice::Cuda(0);
+                    break 'dispatch $body;
                 }
-                unreachable!("backend {kind:?} is compiled in but not dispatched")
+                Err($crate::__anyhow!(
+                    "backend {} is not built into this program: build it with the cargo feature `{}`",
+                    kind.name(),
+                    kind.feature()
+                ))
             }
         }
     }};
-}
-
-#[cfg(feature = "ndarray")]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_ndarray {
-    ($($t:tt)*) => { $($t)* };
-}
-#[cfg(not(feature = "ndarray"))]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_ndarray {
-    ($($t:tt)*) => {};
-}
-
-#[cfg(feature = "candle")]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_candle {
-    ($($t:tt)*) => { $($t)* };
-}
-#[cfg(not(feature = "candle"))]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_candle {
-    ($($t:tt)*) => {};
-}
-
-#[cfg(feature = "wgpu")]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_wgpu {
-    ($($t:tt)*) => { $($t)* };
-}
-#[cfg(not(feature = "wgpu"))]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_wgpu {
-    ($($t:tt)*) => {};
-}
-
-#[cfg(feature = "cuda")]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_cuda {
-    ($($t:tt)*) => { $($t)* };
-}
-#[cfg(not(feature = "cuda"))]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_cuda {
-    ($($t:tt)*) => {};
-}
-
-#[cfg(feature = "rocm")]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_rocm {
-    ($($t:tt)*) => { $($t)* };
-}
-#[cfg(not(feature = "rocm"))]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_rocm {
-    ($($t:tt)*) => {};
-}
-
-#[cfg(feature = "tch")]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_tch {
-    ($($t:tt)*) => { $($t)* };
-}
-#[cfg(not(feature = "tch"))]
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __if_tch {
-    ($($t:tt)*) => {};
 }
 
 /// `aam-rs backends`: one block per compiled backend with the devices it sees.

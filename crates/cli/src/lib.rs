@@ -62,6 +62,8 @@ pub fn exit_code(result: anyhow::Result<()>) -> ExitCode {
 }
 
 #[doc(hidden)]
+pub use anyhow::anyhow as __anyhow;
+#[doc(hidden)]
 pub use burn as __burn;
 
 /// A training run stopped by a signal at an optimiser step, its checkpoint

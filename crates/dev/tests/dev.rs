@@ -125,3 +125,25 @@ fn dense_checks_the_split_weight_gradient_part_by_part() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("OVER TOLERANCE"));
 }
+
+/// A backend that `aam-cli` has and this binary was built without (the
+/// workspace's test build turns on `aam-cli/wgpu`, not `aam-dev/wgpu`) is an
+/// error naming the cargo feature, not a panic.
+#[test]
+fn a_backend_not_built_in_is_an_error_naming_its_feature() {
+    if cfg!(feature = "wgpu") {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-dev"))
+        .args(["dense", "--backend", "wgpu", "--widths", "16x8"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("build it with the cargo feature `wgpu`")
+            || stderr.contains("invalid value 'wgpu'"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

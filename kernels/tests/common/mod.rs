@@ -1,6 +1,6 @@
 //! Shared by the fused-kernel parity tests: random cases, the f32 check of
 //! forward and gradients against the CPU reference, and the dropout check.
-#![allow(dead_code)] // each test binary uses its own part
+#![allow(dead_code)] // some helpers serve only the CUDA or only the wgpu build
 
 use aam_kernels::{fused_attention, reference_attention, AttentionDropout, KernelChoice};
 use burn::backend::{Autodiff, NdArray};
