@@ -134,19 +134,7 @@ fn output<B: FusionBackend>(like: &FloatTensor<Fusion<B>>, shape: Shape, dtype: 
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
 }
 
-/// What the fusion backend's inner backend must be for collectives: Burn's
-/// `DistributedBackend` where CUDA is built (every CubeCL backend then is).
-#[cfg(feature = "cuda")]
-pub trait FusionInner: burn::tensor::backend::distributed::DistributedBackend {}
-#[cfg(feature = "cuda")]
-impl<B: burn::tensor::backend::distributed::DistributedBackend> FusionInner for B {}
-/// What the fusion backend's inner backend must be: nothing more without CUDA.
-#[cfg(not(feature = "cuda"))]
-pub trait FusionInner {}
-#[cfg(not(feature = "cuda"))]
-impl<B> FusionInner for B {}
-
-impl<B: FusionBackend + AttentionBackend + FusionInner> AttentionBackend for Fusion<B> {
+impl<B: FusionBackend + AttentionBackend> AttentionBackend for Fusion<B> {
     fn has_fused_attention() -> bool {
         B::has_fused_attention()
     }
