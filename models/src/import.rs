@@ -567,20 +567,64 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ImportError> {
     })
 }
 
+/// Whether `path` is a PyTorch checkpoint (a torch zip archive, `.pt`/`.pth`)
+/// rather than an aam-rs checkpoint or model directory.
+pub fn is_torch_checkpoint(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && magic == *b"PK\x03\x04"
+}
+
+/// The architecture and weights of a model given as a reference PyTorch
+/// checkpoint (architecture inferred with `hints`, as `aam-rs convert` does)
+/// or as a model directory of `aam-rs convert`.
+pub fn read_model_weights(
+    path: &Path,
+    hints: &ImportHints,
+) -> Result<(ModelConfig, HashMap<String, StateTensor>), ImportError> {
+    if path.is_dir() {
+        let config_path = path.join(CONFIG_FILE);
+        let config = read_config(&config_path)?;
+        return Ok((config, read_safetensors(&path.join(WEIGHTS_FILE))?));
+    }
+    let checkpoint = TorchCheckpoint::read(path)?;
+    let config = infer_config(&checkpoint.shapes(), hints, &checkpoint.path)?;
+    Ok((config, checkpoint.tensors))
+}
+
+/// Loads a model given as [`read_model_weights`] takes it onto `device`.
+pub fn load_model<B: Backend>(
+    path: &Path,
+    hints: &ImportHints,
+    device: &B::Device,
+) -> Result<(ModelConfig, AamModel<B>), ImportError> {
+    let (config, state) = read_model_weights(path, hints)?;
+    let mut model = config.init::<B>(device)?;
+    model.load_state_dict(&config, state, path)?;
+    Ok((config, model))
+}
+
+fn read_config(config_path: &Path) -> Result<ModelConfig, ImportError> {
+    let text = std::fs::read_to_string(config_path).map_err(|source| ImportError::Io {
+        path: config_path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| ImportError::Format {
+        path: config_path.to_path_buf(),
+        reason: format!("invalid model config: {e}"),
+    })
+}
+
 /// Reads a model directory written by [`save_model_dir`].
 pub fn load_model_dir<B: Backend>(
     dir: &Path,
     device: &B::Device,
 ) -> Result<(ModelConfig, AamModel<B>), ImportError> {
-    let config_path = dir.join(CONFIG_FILE);
-    let text = std::fs::read_to_string(&config_path).map_err(|source| ImportError::Io {
-        path: config_path.clone(),
-        source,
-    })?;
-    let config: ModelConfig = serde_json::from_str(&text).map_err(|e| ImportError::Format {
-        path: config_path.clone(),
-        reason: format!("invalid model config: {e}"),
-    })?;
+    let config = read_config(&dir.join(CONFIG_FILE))?;
     let weights_path = dir.join(WEIGHTS_FILE);
     let state = read_safetensors(&weights_path)?;
     let mut model = config.init::<B>(device)?;

@@ -19,8 +19,8 @@ use aam_cli::backend::BackendKind;
 #[derive(Args, Debug)]
 pub struct PredictArgs {
     /// A checkpoint written by `aam-rs train` (checkpoints/best.safetensors),
-    /// or a model folder of `aam-rs convert` (predictions then in the model's
-    /// normalised units).
+    /// a reference checkpoint (`.pt`) or a model folder of `aam-rs convert`
+    /// (predictions of these two in the model's normalised units).
     #[arg(long, value_name = "CHECKPOINT")]
     model: PathBuf,
     /// BIOM table of the samples to predict.

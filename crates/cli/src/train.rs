@@ -2,11 +2,13 @@
 //! turned into `aam-train`'s data and run specifications, the backend chosen,
 //! and the hand-off to [`aam_train::run::fit`] with a progress bar.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use aam_data::{TargetTransform, Transforms};
 use aam_models::categorical::CategoricalEmbedDim;
-use aam_models::model::{AamModel, ModelConfig};
+use aam_models::import::{is_torch_checkpoint, read_model_weights, ImportHints};
+use aam_models::model::{AamModel, ModelConfig, StateTensor};
 use aam_models::sequence_encoder::EncoderType;
 use aam_models::sequence_predictor::{
     CategoricalFusion, OutputActivation, SequencePredictorConfig,
@@ -108,7 +110,9 @@ pub struct TrainArgs {
     /// Build no count head (and no count loss).
     #[arg(long)]
     no_count_prediction: bool,
-    /// Initialise the base model from a `pretrain` checkpoint (its architecture wins over the flags).
+    /// Initialise the base model from a `pretrain` checkpoint, a reference
+    /// `.pt` (its `pretrained_encoder.pt` or `best_model.pt`) or a `convert`
+    /// folder; its architecture wins over the flags.
     #[arg(long, value_name = "CHECKPOINT")]
     pretrained_encoder: Option<PathBuf>,
     /// Train only the heads: the base model's weights stay fixed.
@@ -394,7 +398,7 @@ pub fn train(args: TrainArgs) -> Result<()> {
     let prepared = prepare(&args.data, seed, Some(target), Some(&args.run.output_dir))?;
     let pretrained = match (&resume, &args.pretrained_encoder) {
         (None, Some(path)) => Some(
-            read_checkpoint(path)
+            Pretrained::read(path, &args.model)
                 .with_context(|| format!("--pretrained-encoder {}", path.display()))?,
         ),
         _ => None,
@@ -422,24 +426,17 @@ pub fn train(args: TrainArgs) -> Result<()> {
 fn train_setup(
     args: &TrainArgs,
     p: &Prepared,
-    pretrained: Option<&Checkpoint>,
+    pretrained: Option<&Pretrained>,
 ) -> Result<(ModelConfig, RunConfig, DataInfo)> {
     let mut base = args.model.encoder_config(
         args.data.max_bp,
         args.data.token_limit,
         EncoderType::Unifrac,
     )?;
-    if let Some(ckpt) = pretrained {
-        let path = &ckpt.path;
-        let ModelConfig::SequenceEncoder(encoder) = &ckpt.meta.model else {
-            bail!(
-                "--pretrained-encoder {}: holds a {} model; a `pretrain` checkpoint is needed",
-                path.display(),
-                "SequencePredictor"
-            );
-        };
+    if let Some(pretrained) = pretrained {
+        let path = &pretrained.path;
         // The base architecture is the checkpoint's; masking/attention settings stay the flags'.
-        let mut from = encoder.clone();
+        let mut from = pretrained.encoder.clone();
         from.sample.asv.mask_ratio = base.sample.asv.mask_ratio;
         from.sample.asv.mask_strategy = base.sample.asv.mask_strategy;
         from.sample.asv.attn_implementation = base.sample.asv.attn_implementation;
@@ -586,7 +583,7 @@ fn start(
     prepared: Prepared,
     info: DataInfo,
     resume: Option<Checkpoint>,
-    pretrained: Option<Checkpoint>,
+    pretrained: Option<Pretrained>,
 ) -> Result<()> {
     check_run(&run)?;
     // An observation of this invocation, resumed or not.
@@ -681,7 +678,7 @@ fn fit_on<B: AttentionBackend>(
     run: RunConfig,
     data: TrainData,
     resume: Option<Checkpoint>,
-    pretrained: Option<Checkpoint>,
+    pretrained: Option<Pretrained>,
 ) -> Result<()> {
     r.precision.check::<B>(&devices[0], &r.backend.name())?;
     if devices.len() > 1 {
@@ -728,7 +725,7 @@ fn fit_with<AB>(
     run: RunConfig,
     data: TrainData,
     resume: Option<Checkpoint>,
-    pretrained: Option<Checkpoint>,
+    pretrained: Option<Pretrained>,
 ) -> Result<()>
 where
     AB: burn::tensor::backend::AutodiffBackend + AttentionBackend,
@@ -812,16 +809,65 @@ where
     Ok(())
 }
 
+/// The base model that `--pretrained-encoder` names: a `pretrain`
+/// checkpoint, the base of a `train` checkpoint, a reference `.pt` (its
+/// `pretrained_encoder.pt`, or the `base_model` of a predictor's
+/// `best_model.pt`), or an `aam-rs convert` folder.
+struct Pretrained {
+    /// The file or folder.
+    path: PathBuf,
+    /// Its architecture.
+    encoder: aam_models::sequence_encoder::SequenceEncoderConfig,
+    /// Its weights, by the encoder's torch keys.
+    tensors: HashMap<String, StateTensor>,
+}
+
+impl Pretrained {
+    /// Reads `path`; a reference checkpoint's heads and activations are
+    /// those of `model`'s flags (the reference builds both models from the
+    /// same flags).
+    fn read(path: &Path, model: &ModelArgs) -> Result<Self> {
+        let (config, tensors) = if path.is_dir() || is_torch_checkpoint(path) {
+            let hints = ImportHints {
+                attention_heads: model.attention_heads,
+                ..ImportHints::default()
+            };
+            read_model_weights(path, &hints)?
+        } else {
+            let ckpt = read_checkpoint(path)?;
+            (ckpt.meta.model, ckpt.model)
+        };
+        let (encoder, tensors) = match config {
+            ModelConfig::SequenceEncoder(encoder) => (encoder, tensors),
+            ModelConfig::SequencePredictor(predictor) => {
+                tracing::info!(
+                    "--pretrained-encoder {}: a fine-tuned model; its base model is used",
+                    path.display()
+                );
+                let base = tensors
+                    .into_iter()
+                    .filter_map(|(k, t)| Some((k.strip_prefix("base_model.")?.to_string(), t)))
+                    .collect();
+                (predictor.base, base)
+            }
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            encoder,
+            tensors,
+        })
+    }
+}
+
 /// Copies a pre-trained encoder's weights into a predictor's `base_model`.
 fn load_encoder<B: burn::tensor::backend::Backend>(
     model: &mut AamModel<B>,
     config: &ModelConfig,
-    encoder: &Checkpoint,
+    encoder: &Pretrained,
 ) -> Result<()> {
-    let mut state: std::collections::HashMap<String, aam_models::model::StateTensor> =
-        model.state_dict(config).into_iter().collect();
+    let mut state: HashMap<String, StateTensor> = model.state_dict(config).into_iter().collect();
     let mut loaded = 0;
-    for (key, tensor) in &encoder.model {
+    for (key, tensor) in &encoder.tensors {
         let target = format!("base_model.{key}");
         match state.get(&target) {
             Some(t) if t.shape == tensor.shape => {

@@ -469,6 +469,81 @@ fn pretrain_train_predict_workflow() {
     }
 }
 
+/// The bytes of tensor `name` of a safetensors file.
+fn tensor_bytes(path: &Path, name: &str) -> Vec<u8> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let view = file
+        .tensor(name)
+        .unwrap_or_else(|e| panic!("{}: {name}: {e}", path.display()));
+    view.data().to_vec()
+}
+
+fn reference_fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/reference")
+        .join(case)
+        .join("state_dict.pt")
+}
+
+/// Reference checkpoints (`.pt` trainer checkpoints the reference itself
+/// wrote) are taken where aam-rs takes a checkpoint: `--pretrained-encoder`
+/// fine-tunes from one, `predict --model` predicts with one, giving what
+/// the `convert`ed model gives.
+#[test]
+fn reference_checkpoints_fine_tune_and_predict() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A reference SequenceEncoder: D 32, 2 layers of 4 heads, 150 bp, 6 slots.
+    let encoder = reference_fixture("encoder_unifrac");
+    let converted = tmp.path().join("encoder");
+    run_ok(&args(&["convert", "--from", &s(&encoder), "--out", &s(&converted)]));
+    let tr = tmp.path().join("train");
+    let mut a = tiny_train(&tr, 1, &demo("demo_map.txt"), "age");
+    for (flag, value) in [
+        ("--embedding-dim", "32"),
+        ("--attention-layers", "2"),
+        ("--attention-heads", "4"),
+        ("--max-bp", "150"),
+        ("--token-limit", "6"),
+    ] {
+        a = with(a, flag, value);
+    }
+    a.extend(["--freeze-base".into(), "--pretrained-encoder".into(), s(&encoder)]);
+    let log = run_ok(&a);
+    assert!(
+        log.contains("loaded 89 tensors of the pre-trained encoder"),
+        "{log}"
+    );
+    // The base stays the reference's weights (--freeze-base), as converted.
+    let best = tr.join("checkpoints/best.safetensors");
+    for key in [
+        "sample_encoder.asv_encoder.token_embedding.weight",
+        "encoder_transformer.encoder.layers.1.linear2.weight",
+        "attention_pooling.query.weight",
+    ] {
+        assert_eq!(
+            tensor_bytes(&best, &format!("model.base_model.{key}")),
+            tensor_bytes(&converted.join("model.safetensors"), key),
+            "{key}"
+        );
+    }
+    // A mismatched architecture is named, not panicked on.
+    let err = run_err(&with(a.clone(), "--max-bp", "60"));
+    assert!(err.contains("--max-bp 150 --token-limit 6"), "{err}");
+
+    // A reference predictor predicts as its converted model does.
+    let predictor = reference_fixture("predictor_default");
+    let converted = tmp.path().join("predictor");
+    run_ok(&args(&["convert", "--from", &s(&predictor), "--out", &s(&converted)]));
+    let (from_pt, from_dir) = (tmp.path().join("pt.tsv"), tmp.path().join("dir.tsv"));
+    predict(&predictor, &from_pt);
+    predict(&converted, &from_dir);
+    let (pt, dir) = (numeric_predictions(&from_pt), numeric_predictions(&from_dir));
+    assert_eq!(pt.keys().cloned().collect::<BTreeSet<_>>(), demo_ids());
+    assert_eq!(pt, dir);
+    assert!(pt.values().all(|v| v.is_finite()));
+}
+
 #[test]
 fn classifier_trains_and_predicts_labels() {
     let tmp = tempfile::tempdir().unwrap();

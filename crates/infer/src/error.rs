@@ -9,7 +9,7 @@ pub enum InferError {
     /// A checkpoint that cannot be read (truncated, foreign, another version).
     #[error(transparent)]
     Checkpoint(#[from] aam_train::TrainError),
-    /// A `convert` model folder that cannot be read.
+    /// A `convert` model folder or reference `.pt` that cannot be read.
     #[error(transparent)]
     ModelDir(#[from] aam_models::error::ImportError),
     /// Samples or metadata that cannot be prepared (an ID given twice, a

@@ -1,8 +1,9 @@
 //! `aam-infer`: trained aam-rs models inside Rust programs.
 //!
 //! **Job.** Load a model that `aam-rs pretrain` or `train` wrote (a
-//! checkpoint file), or that `aam-rs convert` made from a reference PyTorch
-//! checkpoint (a folder), on any Burn backend and device; give it samples
+//! checkpoint file), that `aam-rs convert` made from a reference PyTorch
+//! checkpoint (a folder), or a reference checkpoint itself (`.pt`, converted
+//! on load), on any Burn backend and device; give it samples
 //! as `(ID, [(ASV sequence, reads)])` or read from a BIOM table; get back
 //! sample embeddings `[n, D]` (and, on request, each sample's ASV
 //! embeddings) or predictions in the target's original units (a class
@@ -54,6 +55,7 @@ mod error;
 mod model;
 
 pub use aam_data::{BiomTable, Metadata, SampleReads};
+pub use aam_models::import::ImportHints;
 pub use error::{InferError, Result};
 pub use model::{
     AsvEmbedding, Embeddings, Model, ModelInfo, ModelKind, Options, Prediction, Predictions,

@@ -7,7 +7,7 @@ use aam_data::{
     rarefy_sample, slot_asvs, AsvSampling, Batch, BatchConfig, BatchLoader, Dataset, Metadata,
     SampleReads, Transforms,
 };
-use aam_models::import::load_model_dir;
+use aam_models::import::{is_torch_checkpoint, load_model, ImportHints};
 use aam_models::model::{AamModel, ModelConfig};
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_models::AttentionBackend;
@@ -272,12 +272,26 @@ pub struct Model<B: AttentionBackend> {
 
 impl<B: AttentionBackend> Model<B> {
     /// Loads a checkpoint of `aam-rs pretrain` or `train` (a `.safetensors`
-    /// file) or a model folder of `aam-rs convert`, onto `device`.
+    /// file), a model folder of `aam-rs convert`, or a reference PyTorch
+    /// checkpoint (`.pt`, converted on the fly with the reference's defaults
+    /// for what its tensors do not record; [`Model::load_with`] sets them),
+    /// onto `device`.
     pub fn load(path: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
+        Self::load_with(path, &ImportHints::default(), device)
+    }
+
+    /// [`Model::load`], with `hints` for a reference checkpoint's
+    /// architecture fields that no tensor records (attention heads,
+    /// activations, classifier or not, ...).
+    pub fn load_with(
+        path: impl AsRef<Path>,
+        hints: &ImportHints,
+        device: &B::Device,
+    ) -> Result<Self> {
         let path = path.as_ref();
         let (config, model, data, token_limit, asv_sampling, quantiles, all_slots) =
-            if path.is_dir() {
-                let (config, model) = load_model_dir::<B>(path, device)?;
+            if path.is_dir() || is_torch_checkpoint(path) {
+                let (config, model) = load_model::<B>(path, hints, device)?;
                 let token_limit = config.base().sample.token_limit;
                 (
                     config,
