@@ -18,7 +18,7 @@ use aam_train::schedule::SchedulerKind;
 use aam_train::TrainError;
 use anyhow::Result;
 use burn::prelude::Backend;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::de::DeserializeOwned;
 
 use crate::backend::BackendKind;
@@ -118,7 +118,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 0.1)]
     pub dropout: f64,
     /// Feed per-ASV read counts into the sample encoder.
-    #[arg(long)]
+    #[arg(long, overrides_with = "no_count_embedding")]
     pub count_embedding: bool,
     /// How counts enter: add, concat or film.
     #[arg(long, default_value = "add", value_parser = serde_value::<CountEmbeddingMethod>)]
@@ -134,9 +134,51 @@ pub struct ModelArgs {
     /// activations are kept for the backward pass, so chunks would save nothing.
     #[arg(long, default_value_t = 256)]
     pub asv_chunk_size: usize,
-    /// Attention implementation: math, fused (the CubeCL kernel) or auto.
-    #[arg(long, default_value = "auto", value_parser = serde_value::<AttnImplementation>)]
-    pub attn_implementation: AttnImplementation,
+    /// Attention implementation: auto, fused (the CubeCL kernel) or math.
+    /// The reference's sdpa, flash and mem_efficient (PyTorch's SDPA
+    /// kernels) are taken as auto.
+    #[arg(long, value_enum, default_value_t = AttnArg::Auto)]
+    pub attn_implementation: AttnArg,
+    /// No count embedding (the default; the reference's negation of --count-embedding).
+    #[arg(long, overrides_with = "count_embedding", hide_short_help = true)]
+    pub no_count_embedding: bool,
+}
+
+/// `--attn-implementation`: aam-rs's choices and the reference's names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum AttnArg {
+    /// The fused kernel where the backend has one, the math path elsewhere.
+    Auto,
+    /// The fused kernel (an error on a backend without one).
+    Fused,
+    /// Masked softmax attention from tensor ops, on every backend.
+    Math,
+    /// The reference's PyTorch SDPA dispatch: here auto.
+    Sdpa,
+    /// The reference's FlashAttention switch: here auto.
+    Flash,
+    /// The reference's default, memory-efficient SDPA: here auto.
+    MemEfficient,
+}
+
+impl AttnArg {
+    /// The implementation aam-rs runs, and a note when the name was the reference's.
+    pub fn resolve(self) -> (AttnImplementation, Option<String>) {
+        match self {
+            Self::Auto => (AttnImplementation::Auto, None),
+            Self::Fused => (AttnImplementation::Fused, None),
+            Self::Math => (AttnImplementation::Math, None),
+            Self::Sdpa | Self::Flash | Self::MemEfficient => (
+                AttnImplementation::Auto,
+                Some(format!(
+                    "--attn-implementation {}: PyTorch's SDPA kernels are not used here; \
+                     aam-rs runs its fused CubeCL kernel where the backend has one and the math path elsewhere (auto)",
+                    self.to_possible_value().expect("not skipped").get_name()
+                )),
+            ),
+        }
+    }
 }
 
 /// Optimisation flags shared by both commands.
@@ -223,6 +265,11 @@ pub struct RunArgs {
     /// Compute backend (`aam-rs backends` lists those compiled in).
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     pub backend: BackendKind,
+    /// The reference's device choice: `cpu` is --backend ndarray, `cuda` the
+    /// GPU backend built in (CUDA, else ROCm, as PyTorch's ROCm builds name
+    /// it). --backend chooses among more.
+    #[arg(long, value_enum, conflicts_with = "backend")]
+    pub device: Option<DeviceKind>,
     #[command(flatten)]
     pub checkpointing: CheckpointingArgs,
     #[command(flatten)]
@@ -319,16 +366,157 @@ pub struct ParallelArgs {
     /// the reference's DDP loss.
     #[arg(long, conflicts_with = "devices")]
     pub distributed: bool,
+    /// The reference's FSDP switch (parameters sharded over GPUs): here
+    /// `--devices all`, each device holding the whole model (AAM's models
+    /// fit one device many times over).
+    #[arg(long, conflicts_with_all = ["devices", "data_parallel"])]
+    pub fsdp: bool,
+    /// The reference's per-rank FSDP checkpoint shards (needs --fsdp): here
+    /// every checkpoint is one file.
+    #[arg(long, requires = "fsdp")]
+    pub fsdp_sharded_checkpoint: bool,
+    /// The reference's SyncBatchNorm switch: the model has no BatchNorm (in
+    /// the reference neither), so nothing changes.
+    #[arg(long)]
+    pub sync_batchnorm: bool,
 }
 
 impl ParallelArgs {
+    /// Notes on the reference's switches that aam-rs answers differently.
+    pub fn notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        if self.fsdp {
+            notes.push("--fsdp: each device holds the whole model (data parallel over --devices all); AAM's models fit one device".into());
+        }
+        if self.fsdp_sharded_checkpoint {
+            notes.push("--fsdp-sharded-checkpoint: checkpoints are one file, whatever the number of devices".into());
+        }
+        if self.sync_batchnorm {
+            notes.push("--sync-batchnorm: the model has no BatchNorm layer; nothing to synchronise".into());
+        }
+        notes
+    }
+
     /// The device list, with the reference's switches read as `all`.
     pub fn list(&self) -> DeviceList {
-        if self.data_parallel || self.distributed {
+        if self.data_parallel || self.distributed || self.fsdp {
             DeviceList::All
         } else {
             self.devices.clone()
         }
+    }
+}
+
+/// `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// The GPU backend built in: CUDA, else ROCm.
+    Cuda,
+    /// The CPU (ndarray).
+    Cpu,
+}
+
+impl DeviceKind {
+    /// The backend this device choice runs on; an error names the cargo
+    /// feature when no GPU backend is built in.
+    pub fn backend(self) -> Result<BackendKind> {
+        let found = BackendKind::compiled().into_iter().find(|b| {
+            let name = b.name();
+            match self {
+                Self::Cpu => name == "ndarray",
+                Self::Cuda => name == "cuda" || name == "rocm",
+            }
+        });
+        found.ok_or_else(|| {
+            let feature = match self {
+                Self::Cpu => "ndarray",
+                Self::Cuda => "cuda (or rocm)",
+            };
+            anyhow::anyhow!(
+                "--device {}: this aam-rs was built without that backend (cargo feature {feature}; `aam-rs backends` lists those built in)",
+                self.to_possible_value().expect("not skipped").get_name()
+            )
+        })
+    }
+}
+
+/// Options of the reference's `pretrain` and `train` that aam-rs takes with
+/// its own answer: each given one is applied or logged with a note saying
+/// what aam-rs does instead (`docs/migrating-from-aam.md`).
+#[derive(Args, Debug, Clone)]
+pub struct ReferenceArgs {
+    /// Reference: search the largest batch that fits in GPU memory. aam-rs
+    /// trains with --batch-size as given (a note says so).
+    #[arg(long, overrides_with = "no_auto_batch_size")]
+    pub auto_batch_size: bool,
+    /// Train with --batch-size as given (aam-rs always does).
+    #[arg(long, overrides_with = "auto_batch_size")]
+    pub no_auto_batch_size: bool,
+    /// Reference: the memory cap of the batch-size search (not used here).
+    #[arg(long, value_name = "FRACTION")]
+    pub max_memory_fraction: Option<f64>,
+    /// Samples per optimiser step: sets --gradient-accumulation-steps to
+    /// this over --batch-size (rounded down, at least 1).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub target_effective_batch_size: Option<u64>,
+    /// Reference: torch.compile. aam-rs is compiled; nothing to do.
+    #[arg(long)]
+    pub compile_model: bool,
+    /// Reference: TF32 matmuls on Ampere+. aam-rs computes in f32 (or
+    /// --mixed-precision); nothing changes.
+    #[arg(long)]
+    pub tf32: bool,
+    /// Reference: PyTorch's CUDA allocator setting. CubeCL's memory pools
+    /// manage device memory here; nothing changes.
+    #[arg(long)]
+    pub use_expandable_segments: bool,
+    /// Reference: turn off its token cache. aam-rs tokenises each ASV once
+    /// when the table is read; nothing changes.
+    #[arg(long)]
+    pub no_sequence_cache: bool,
+}
+
+impl ReferenceArgs {
+    /// Applies what maps onto aam-rs's options (`--target-effective-batch-size`)
+    /// and returns a note for each option answered differently.
+    pub fn apply(&self, optim: &mut OptimArgs) -> Vec<String> {
+        let mut notes = Vec::new();
+        if self.auto_batch_size || self.max_memory_fraction.is_some() {
+            notes.push(format!(
+                "--auto-batch-size/--max-memory-fraction: aam-rs does not search a batch size; it trains with --batch-size {}",
+                optim.batch_size
+            ));
+        }
+        if let Some(target) = self.target_effective_batch_size {
+            let steps = (target as usize / optim.batch_size.max(1)).max(1);
+            notes.push(format!(
+                "--target-effective-batch-size {target}: {steps} batch(es) of {} per optimiser step (--gradient-accumulation-steps {steps})",
+                optim.batch_size
+            ));
+            optim.gradient_accumulation_steps = steps;
+        }
+        for (given, note) in [
+            (self.compile_model, "--compile-model: aam-rs is compiled Rust and CubeCL kernels; there is nothing to compile"),
+            (self.tf32, "--tf32: matrix products run in f32 (or the --mixed-precision type); TF32 is not used"),
+            (self.use_expandable_segments, "--use-expandable-segments: CubeCL's memory pools manage device memory; there is no PyTorch allocator to set"),
+            (self.no_sequence_cache, "--no-sequence-cache: each ASV is tokenised once when the table is read; there is no cache to turn off"),
+        ] {
+            if given {
+                notes.push(note.into());
+            }
+        }
+        notes
+    }
+}
+
+impl RunArgs {
+    /// Applies `--device` (onto --backend) and returns the notes of the
+    /// reference's switches that aam-rs answers differently.
+    pub fn resolve(&mut self) -> Result<Vec<String>> {
+        if let Some(device) = self.device {
+            self.backend = device.backend()?;
+        }
+        Ok(self.parallel.notes())
     }
 }
 
@@ -440,7 +628,7 @@ impl ModelArgs {
             nuc_mask_ratio: self.nuc_mask_ratio,
             nuc_mask_strategy: self.nuc_mask_strategy,
             asv_chunk_size: self.asv_chunk_size,
-            attn_implementation: self.attn_implementation,
+            attn_implementation: self.attn_implementation.resolve().0,
             max_bp,
             token_limit,
         }

@@ -22,19 +22,61 @@ use std::process::ExitCode;
 /// (`tracing`'s filter syntax, default `info` without CubeCL's autotune
 /// lines), and CubeCL's compiled
 /// kernels kept on disk between runs (GPU builds).
+/// Once [`log_to_file`] names a file, the same lines go there too, with
+/// their time.
 pub fn init() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AAM_LOG")
-                // CubeCL logs each autotuned problem at info ("Tuning ...").
-                .unwrap_or_else(|_| "info,cubecl_runtime::tune=warn".into()),
+    use tracing_subscriber::prelude::*;
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_env("AAM_LOG")
+            // CubeCL logs each autotuned problem at info ("Tuning ...").
+            .unwrap_or_else(|_| "info,cubecl_runtime::tune=warn".into())
+    };
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .without_time()
+                .with_filter(filter()),
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .without_time()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(|| LogFile)
+                .with_ansi(false)
+                .with_filter(filter()),
+        )
         .init();
     #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
     aam_models::persist_compiled_kernels();
+}
+
+/// The file that [`log_to_file`] opened, if any.
+static LOG_FILE: std::sync::Mutex<Option<std::fs::File>> = std::sync::Mutex::new(None);
+
+/// The log lines' writer into [`LOG_FILE`] (nothing before it is opened).
+struct LogFile;
+
+impl std::io::Write for LogFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Some(file) = LOG_FILE.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            file.write_all(buf)?;
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Also writes the log to `path` from now on (appended: a resumed run
+/// continues its run's log), as the reference's `training.log`.
+pub fn log_to_file(path: &std::path::Path) -> std::io::Result<()> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    *LOG_FILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(file);
+    Ok(())
 }
 
 /// Prints a command's error with its causes (`error: ...`) and turns the

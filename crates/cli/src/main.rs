@@ -27,6 +27,7 @@ mod inspect;
 mod plot;
 mod predict;
 mod progress;
+mod rf_baseline;
 mod serve;
 mod stop;
 mod train;
@@ -72,10 +73,19 @@ enum Command {
     Diagnose(diagnose::DiagnoseArgs),
     /// Compute a UniFrac distance matrix (or Faith's PD) from a table and a tree; no ssu needed.
     Unifrac(unifrac::UnifracArgs),
+    /// The reference's random-forest baseline on a run's train/validation split.
+    RfBaseline(rf_baseline::RfBaselineArgs),
 }
 
 fn main() -> ExitCode {
     aam_cli::init();
+    // `train --categorical-help` prints its guide without the required flags.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).is_some_and(|c| c == "train") && argv.iter().any(|a| a == "--categorical-help")
+    {
+        print!("{}", train::CATEGORICAL_HELP);
+        return ExitCode::SUCCESS;
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Pretrain(args) => train::pretrain(args),
@@ -89,6 +99,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(args),
         Command::Diagnose(args) => diagnose::run(args),
         Command::Unifrac(args) => unifrac::run(args),
+        Command::RfBaseline(args) => rf_baseline::run(args),
     };
     aam_cli::exit_code(result)
 }

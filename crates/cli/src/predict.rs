@@ -13,7 +13,9 @@ use aam_models::AttentionBackend;
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 
+use aam_cli::args::{serde_value, DeviceKind};
 use aam_cli::backend::BackendKind;
+use aam_data::AsvSampling;
 
 /// Flags of `aam-rs predict`.
 #[derive(Args, Debug)]
@@ -46,11 +48,46 @@ pub struct PredictArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     backend: BackendKind,
+    /// The reference's device choice: `cpu` is --backend ndarray, `cuda` the
+    /// GPU backend built in.
+    #[arg(long, value_enum, conflicts_with = "backend")]
+    device: Option<DeviceKind>,
+    /// Which ASVs fill the slots of a sample with more than the model's
+    /// slots: first, abundance or random (default: the training rule, with
+    /// random read as abundance).
+    #[arg(long, value_parser = serde_value::<AsvSampling>)]
+    asv_sampling: Option<AsvSampling>,
+    /// Average each sample's prediction over this many passes, each with its
+    /// own random choice of ASVs (with --asv-sampling random; otherwise the
+    /// passes would agree, and one is run).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    prediction_passes: u64,
+    /// Add the population standard deviation over the passes
+    /// (`prediction_std`, one per prediction column).
+    #[arg(long)]
+    output_variance: bool,
+    /// Reference: turn off its token cache. Each ASV is tokenised once when
+    /// the table is read; nothing changes.
+    #[arg(long)]
+    no_sequence_cache: bool,
 }
 
 /// Runs `aam-rs predict`.
-pub fn run(args: PredictArgs) -> Result<()> {
+pub fn run(mut args: PredictArgs) -> Result<()> {
     ensure!(args.batch_size > 0, "--batch-size must be ≥ 1");
+    if let Some(device) = args.device {
+        args.backend = device.backend()?;
+    }
+    if args.no_sequence_cache {
+        tracing::info!("--no-sequence-cache: each ASV is tokenised once when the table is read; there is no cache to turn off");
+    }
+    let mut passes = args.prediction_passes as usize;
+    if passes > 1 && args.asv_sampling != Some(AsvSampling::Random) {
+        tracing::warn!(
+            "--prediction-passes {passes}: without --asv-sampling random every pass sees the same ASVs; running one"
+        );
+        passes = 1;
+    }
     let samples = aam_infer::read_table(&args.table)
         .with_context(|| format!("reading --table {}", args.table.display()))?;
     let options = Options {
@@ -58,6 +95,8 @@ pub fn run(args: PredictArgs) -> Result<()> {
         rarefy: !args.no_rarefy,
         seed: args.seed,
         metadata: read_metadata(args.metadata.as_deref())?,
+        asv_sampling: args.asv_sampling,
+        passes,
         ..Options::default()
     };
     let predictions = aam_cli::with_backend!(args.backend, |B, device| predict_on::<B>(
@@ -81,13 +120,45 @@ pub fn run(args: PredictArgs) -> Result<()> {
             .collect::<Vec<_>>()
             .join("\t")
     });
+    if args.output_variance {
+        text.push('\t');
+        text.push_str(&if width == 1 {
+            "prediction_std".to_string()
+        } else {
+            (0..width)
+                .map(|k| format!("prediction_std_{k}"))
+                .collect::<Vec<_>>()
+                .join("\t")
+        });
+    }
     text.push('\n');
-    for (id, prediction) in predictions.ids.iter().zip(&predictions.values) {
-        let cells: Vec<String> = match prediction {
+    for (i, (id, prediction)) in predictions
+        .ids
+        .iter()
+        .zip(&predictions.values)
+        .enumerate()
+    {
+        let mut cells: Vec<String> = match prediction {
             Prediction::Values(v) => v.iter().map(|x| x.to_string()).collect(),
             Prediction::Quantiles(q) => q.iter().flatten().map(|x| x.to_string()).collect(),
             Prediction::Class { label, .. } => vec![label.clone()],
         };
+        if args.output_variance {
+            let std = predictions.std.as_ref().map(|s| &s[i]);
+            let spread: Vec<f64> = match prediction {
+                // A class's spread: that of the chosen class's probability.
+                Prediction::Class { probabilities, .. } => {
+                    let class = probabilities
+                        .iter()
+                        .enumerate()
+                        .max_by(|a, b| a.1.total_cmp(b.1))
+                        .map_or(0, |(c, _)| c);
+                    vec![std.map_or(0.0, |s| s[class])]
+                }
+                _ => std.cloned().unwrap_or_else(|| vec![0.0; width]),
+            };
+            cells.extend(spread.iter().map(|x| x.to_string()));
+        }
         text.push_str(&format!("{id}\t{}\n", cells.join("\t")));
     }
     write_atomic(&args.output, text.as_bytes())?;

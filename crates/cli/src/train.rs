@@ -2,10 +2,10 @@
 //! turned into `aam-train`'s data and run specifications, the backend chosen,
 //! and the hand-off to [`aam_train::run::fit`] with a progress bar.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use aam_data::{TargetTransform, Transforms};
+use aam_data::{CategoryWeights, TargetTransform, Transforms};
 use aam_models::categorical::CategoricalEmbedDim;
 use aam_models::import::{is_torch_checkpoint, read_model_weights, ImportHints};
 use aam_models::model::{AamModel, ModelConfig, StateTensor};
@@ -27,7 +27,8 @@ use burn::backend::Autodiff;
 use clap::Args;
 
 use aam_cli::args::{
-    flagged, prepare, serde_value, DataArgs, ModelArgs, OptimArgs, ResumeFrom, RunArgs,
+    flagged, prepare, serde_value, DataArgs, ModelArgs, OptimArgs, ReferenceArgs, ResumeFrom,
+    RunArgs,
 };
 
 use crate::progress::Progress;
@@ -45,12 +46,18 @@ pub struct PretrainArgs {
     optim: OptimArgs,
     #[command(flatten)]
     run: RunArgs,
+    #[command(flatten)]
+    reference: ReferenceArgs,
     /// Weight of the UniFrac loss.
     #[arg(long, default_value_t = 1.0)]
     penalty: f64,
     /// Weight of the nucleotide loss.
     #[arg(long, default_value_t = 1.0)]
     nuc_penalty: f64,
+    /// Weight of the count loss: pretraining has no count head, so no
+    /// effect (as in the reference).
+    #[arg(long, default_value_t = 1.0)]
+    count_penalty: f64,
 }
 
 /// `aam-rs train`: supervised training on a metadata column, optionally
@@ -65,6 +72,8 @@ pub struct TrainArgs {
     optim: OptimArgs,
     #[command(flatten)]
     run: RunArgs,
+    #[command(flatten)]
+    reference: ReferenceArgs,
     /// Metadata TSV (a `sample_id` or `#SampleID` column).
     #[arg(long, value_name = "TSV")]
     metadata: PathBuf,
@@ -74,12 +83,37 @@ pub struct TrainArgs {
     /// Classify the column's (string) labels instead of regressing a number.
     #[arg(long)]
     classifier: bool,
-    /// Target transform: none, minmax, zscore, zscore-category, log-minmax, log-zscore.
-    #[arg(long, default_value = "minmax", value_parser = serde_value::<TargetTransform>)]
-    target_transform: TargetTransform,
+    /// Outputs of the target head: the number of classes of a classifier
+    /// (default: the column's distinct labels) or 1 for a regressor.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    out_dim: Option<u64>,
+    /// Target transform: none, minmax, zscore, zscore-category, log-minmax,
+    /// log-zscore, log-zscore-category. Default: minmax, or what the legacy
+    /// flags below say.
+    #[arg(long, value_parser = serde_value::<TargetTransform>)]
+    target_transform: Option<TargetTransform>,
     /// Columns whose value combination keys zscore-category statistics (comma list).
     #[arg(long, value_delimiter = ',')]
     normalize_by: Vec<String>,
+    /// Legacy (reference): min-max normalise the targets (the default).
+    #[arg(long, overrides_with = "no_normalize_targets")]
+    normalize_targets: bool,
+    /// Legacy (reference): raw targets (--target-transform none).
+    #[arg(long, overrides_with = "normalize_targets")]
+    no_normalize_targets: bool,
+    /// Legacy (reference): z-score per category of these columns
+    /// (--target-transform zscore-category --normalize-by COLS).
+    #[arg(long, value_delimiter = ',', value_name = "COLS")]
+    normalize_targets_by: Vec<String>,
+    /// Legacy (reference): ln(y + 1) before normalising (log-minmax, or
+    /// log-zscore-category with --normalize-targets-by).
+    #[arg(long)]
+    log_transform_targets: bool,
+    /// Per-output regression losses as JSON, keyed by output index or the
+    /// target column's name: `{"0": "mse"}`; mse, mae or huber, the others
+    /// --loss-type's.
+    #[arg(long, value_name = "JSON")]
+    loss_config: Option<String>,
     /// Regression loss: mse, mae, huber, quantile or asymmetric.
     #[arg(long, default_value = "huber", value_parser = serde_value::<TargetLossKind>)]
     loss_type: TargetLossKind,
@@ -107,8 +141,11 @@ pub struct TrainArgs {
     /// Weight of the count loss.
     #[arg(long, default_value_t = 1.0)]
     count_penalty: f64,
+    /// Build a count head (the default).
+    #[arg(long, overrides_with = "no_count_prediction")]
+    count_prediction: bool,
     /// Build no count head (and no count loss).
-    #[arg(long)]
+    #[arg(long, overrides_with = "count_prediction")]
     no_count_prediction: bool,
     /// Initialise the base model from a `pretrain` checkpoint, a reference
     /// `.pt` (its `pretrained_encoder.pt` or `best_model.pt`) or a `convert`
@@ -139,8 +176,11 @@ pub struct TrainArgs {
     /// Trainable output scale and bias.
     #[arg(long)]
     learnable_output_scale: bool,
+    /// LayerNorm before the regression head (the default).
+    #[arg(long, overrides_with = "no_target_layer_norm")]
+    target_layer_norm: bool,
     /// No LayerNorm before the regression head.
-    #[arg(long)]
+    #[arg(long, overrides_with = "target_layer_norm")]
     no_target_layer_norm: bool,
     /// Hidden widths of an MLP head (comma list, e.g. 64,32).
     #[arg(long, value_delimiter = ',')]
@@ -151,10 +191,153 @@ pub struct TrainArgs {
     /// Add a linear skip to the MLP head.
     #[arg(long)]
     residual_regression_head: bool,
+    /// Heads of cross-attention and perceiver fusion.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=64))]
+    cross_attn_heads: u64,
+    /// Latents of perceiver fusion.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    perceiver_num_latents: u64,
+    /// Self-attention layers of perceiver fusion.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=16))]
+    perceiver_num_layers: u64,
+    /// Categorical columns (of --categorical-columns) that get a learned
+    /// output scale and bias per category (comma list).
+    #[arg(long, value_delimiter = ',', value_name = "COLS")]
+    conditional_output_scaling: Vec<String>,
+    /// Per-category weights of the target loss: `auto` (balanced: each
+    /// value of the column weighs N / (K · n_k) over the training samples)
+    /// or JSON `{"column=value": weight}` (or `{"value": weight}`); other
+    /// values weigh 1.
+    #[arg(long, value_name = "auto|JSON")]
+    categorical_loss_weights: Option<String>,
+    /// The column of --categorical-loss-weights (default: the first of
+    /// --categorical-columns).
+    #[arg(long, value_name = "COLUMN")]
+    categorical_loss_weight_column: Option<String>,
+    /// Print a guide to choosing --categorical-fusion and exit.
+    #[arg(long)]
+    categorical_help: bool,
+    /// Average validation predictions (and their metrics) over this many
+    /// passes, each with its own random ASV draw (with --asv-sampling random;
+    /// otherwise the passes agree and one runs).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+    val_prediction_passes: u64,
     /// Epoch selection: val_loss, r2, mae, accuracy or f1.
     #[arg(long, default_value = "val_loss", value_parser = serde_value::<BestMetric>)]
     best_metric: BestMetric,
 }
+
+impl TrainArgs {
+    /// `--target-transform`, or the reference's legacy flags read as it
+    /// reads them (a warning when both are given; the legacy ones then
+    /// lose), and the `--normalize-by` columns.
+    fn target_transform(&self) -> (TargetTransform, Vec<String>) {
+        let by = if self.normalize_by.is_empty() {
+            self.normalize_targets_by.clone()
+        } else {
+            self.normalize_by.clone()
+        };
+        let legacy = self.no_normalize_targets
+            || !self.normalize_targets_by.is_empty()
+            || self.log_transform_targets;
+        if let Some(t) = self.target_transform {
+            if legacy {
+                tracing::warn!(
+                    "--target-transform {} is given: --no-normalize-targets, --normalize-targets-by and --log-transform-targets are ignored",
+                    t.name()
+                );
+            }
+            return (t, by);
+        }
+        let log = self.log_transform_targets;
+        let t = if !self.normalize_targets_by.is_empty() {
+            // The reference turns this pair into a global log-zscore, losing the
+            // categories (§8); the per-category transform is what it asks for.
+            if log {
+                TargetTransform::LogZScoreCategory
+            } else {
+                TargetTransform::ZScoreCategory
+            }
+        } else if self.no_normalize_targets {
+            if log {
+                tracing::warn!("--log-transform-targets with --no-normalize-targets: targets stay raw (--target-transform none)");
+            }
+            TargetTransform::None
+        } else if log {
+            TargetTransform::LogMinMax
+        } else {
+            TargetTransform::MinMax
+        };
+        if legacy {
+            tracing::info!(
+                "legacy target flags: --target-transform {}{}",
+                t.name(),
+                if by.is_empty() {
+                    String::new()
+                } else {
+                    format!(" --normalize-by {}", by.join(","))
+                }
+            );
+        }
+        (t, by)
+    }
+
+    /// `--loss-config`: one loss per output (keys: output index, or the
+    /// target column's name for output 0).
+    fn column_losses(&self, outputs: usize) -> Result<Option<Vec<TargetLossKind>>> {
+        let Some(json) = &self.loss_config else {
+            return Ok(None);
+        };
+        let map: BTreeMap<String, String> = serde_json::from_str(json).with_context(|| {
+            format!("--loss-config {json}: expected a JSON object like {{\"0\": \"mse\"}}")
+        })?;
+        let mut losses = vec![self.loss_type; outputs];
+        for (key, kind) in map {
+            let index = if key == self.metadata_column {
+                0
+            } else {
+                key.parse::<usize>().ok().filter(|&i| i < outputs).with_context(|| {
+                    format!(
+                        "--loss-config: key {key:?} is neither an output index below {outputs} nor the target column {:?}",
+                        self.metadata_column
+                    )
+                })?
+            };
+            losses[index] = serde_value::<TargetLossKind>(&kind).map_err(|e| {
+                anyhow::anyhow!("--loss-config: {key:?}: {kind:?} is not a loss ({e})")
+            })?;
+        }
+        Ok(Some(losses))
+    }
+}
+
+/// `train --categorical-help`.
+pub const CATEGORICAL_HELP: &str = "\
+Choosing --categorical-fusion (metadata columns given with --categorical-columns)
+
+  concat           The categorical embeddings are concatenated to each ASV
+                   embedding and projected back to the model width. The
+                   default; a good first choice for a few low-cardinality
+                   columns (site, season, sex).
+  add              The embeddings are projected to the model width and added.
+                   Fewer parameters than concat; use when the categories
+                   shift the whole sample.
+  gmu              A gated multimodal unit learns, per sample, how much the
+                   metadata contributes. Use when the metadata helps some
+                   samples and not others.
+  cross-attention  Each ASV attends to a metadata token
+                   (--cross-attn-heads). Use when categories change how
+                   ASVs should be read, with enough samples per category.
+  perceiver        A small set of latents (--perceiver-num-latents, layers
+                   --perceiver-num-layers) attends over ASVs and metadata.
+                   The most expressive and the most data-hungry.
+
+Related: --categorical-embed-dim (width of each embedding, default 16),
+--categorical-lr (a separate learning rate for these modules),
+--conditional-output-scaling COLS (a learned output scale and bias per
+category of COLS). Start with concat; compare val_loss with gmu or
+cross-attention when there are hundreds of samples per category.
+";
 
 fn run_config(
     task: Task,
@@ -202,6 +385,7 @@ fn run_config(
         unifrac_pairs: Default::default(),
         checkpoint_every_steps: None,
         skip_nonfinite_batches: false,
+        val_prediction_passes: 1,
     }
 }
 
@@ -309,8 +493,41 @@ fn already_complete(c: &Checkpoint) -> bool {
     complete
 }
 
+/// Applies the reference's options that map onto aam-rs's (`--device`,
+/// `--target-effective-batch-size`, ...) and logs a note for each that
+/// aam-rs answers differently.
+fn apply_reference(
+    run: &mut RunArgs,
+    reference: &ReferenceArgs,
+    optim: &mut OptimArgs,
+    model: &ModelArgs,
+) -> Result<()> {
+    std::fs::create_dir_all(&run.output_dir)
+        .with_context(|| format!("creating --output-dir {}", run.output_dir.display()))?;
+    let log = run.output_dir.join("training.log");
+    aam_cli::log_to_file(&log).with_context(|| format!("opening {}", log.display()))?;
+    tracing::info!(
+        "aam-rs {}: {}",
+        env!("CARGO_PKG_VERSION"),
+        std::env::args().collect::<Vec<_>>().join(" ")
+    );
+    let mut notes = run.resolve()?;
+    notes.extend(reference.apply(optim));
+    notes.extend(model.attn_implementation.resolve().1);
+    for note in notes {
+        tracing::info!("{note}");
+    }
+    Ok(())
+}
+
 /// `aam-rs pretrain`.
-pub fn pretrain(args: PretrainArgs) -> Result<()> {
+pub fn pretrain(mut args: PretrainArgs) -> Result<()> {
+    apply_reference(
+        &mut args.run,
+        &args.reference,
+        &mut args.optim,
+        &args.model,
+    )?;
     let resume = resume_checkpoint(&args.run, Task::Pretrain)?;
     if resume.as_ref().is_some_and(already_complete) {
         return Ok(());
@@ -365,7 +582,17 @@ pub fn pretrain(args: PretrainArgs) -> Result<()> {
 }
 
 /// `aam-rs train`.
-pub fn train(args: TrainArgs) -> Result<()> {
+pub fn train(mut args: TrainArgs) -> Result<()> {
+    if args.categorical_help {
+        print!("{CATEGORICAL_HELP}");
+        return Ok(());
+    }
+    apply_reference(
+        &mut args.run,
+        &args.reference,
+        &mut args.optim,
+        &args.model,
+    )?;
     let resume = resume_checkpoint(&args.run, Task::Train)?;
     if resume.as_ref().is_some_and(already_complete) {
         return Ok(());
@@ -448,21 +675,49 @@ fn train_setup(
     }
     let mut transforms = Transforms::default();
     let mut class_labels = None;
+    let (target_transform, normalize_by) = args.target_transform();
     if args.classifier {
         class_labels = p.class_labels.clone();
     } else {
         let normalizer = p
             .dataset
-            .fit_target_normalizer(args.target_transform, &args.normalize_by, &p.train)
-            .with_context(|| {
-                format!(
-                    "fitting --target-transform {}",
-                    args.target_transform.name()
-                )
-            })?;
+            .fit_target_normalizer(target_transform, &normalize_by, &p.train)
+            .with_context(|| format!("fitting --target-transform {}", target_transform.name()))?;
         transforms.target = Some(normalizer);
     }
     transforms.counts = Some(p.dataset.fit_count_normalizer(&p.train)?);
+    if let Some(spec) = &args.categorical_loss_weights {
+        let column = args
+            .categorical_loss_weight_column
+            .clone()
+            .or_else(|| args.categorical_columns.first().cloned())
+            .context("--categorical-loss-weights: name the column with --categorical-loss-weight-column (or give --categorical-columns)")?;
+        let weights = if spec == "auto" {
+            p.dataset
+                .fit_loss_weights(&column, &p.train)
+                .with_context(|| format!("--categorical-loss-weights auto on column {column}"))?
+        } else {
+            let given: BTreeMap<String, f64> = serde_json::from_str(spec).with_context(|| {
+                format!("--categorical-loss-weights {spec}: expected `auto` or a JSON object like {{\"{column}=value\": 2.0}}")
+            })?;
+            if let Some((k, w)) = given.iter().find(|(_, w)| !(w.is_finite() && **w >= 0.0)) {
+                bail!("--categorical-loss-weights: {k:?} has weight {w}; weights must be finite and ≥ 0");
+            }
+            CategoryWeights::given(&column, given)
+        };
+        tracing::info!(
+            "target loss weights by {column}: {}",
+            weights
+                .weights
+                .iter()
+                .map(|(v, w)| format!("{v} {w:.3}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        transforms.loss_weights = Some(weights);
+    } else if args.categorical_loss_weight_column.is_some() {
+        tracing::warn!("--categorical-loss-weight-column without --categorical-loss-weights: every sample weighs 1");
+    }
     if !args.categorical_columns.is_empty() {
         transforms.categorical = Some(
             p.dataset
@@ -476,6 +731,30 @@ fn train_setup(
             "--classifier: column {} has {} distinct label(s); at least 2 are needed",
             args.metadata_column,
             n_classes
+        );
+    }
+    if let Some(out_dim) = args.out_dim {
+        ensure!(
+            out_dim as usize == n_classes,
+            "--out-dim {out_dim}: {}",
+            if args.classifier {
+                format!(
+                    "column {} has {n_classes} classes ({:?}); the classifier's outputs are its classes",
+                    args.metadata_column, class_labels
+                )
+            } else {
+                format!(
+                    "a regressor of one column ({}) has 1 output",
+                    args.metadata_column
+                )
+            }
+        );
+    }
+    for column in &args.conditional_output_scaling {
+        ensure!(
+            args.categorical_columns.contains(column),
+            "--conditional-output-scaling {column}: not one of --categorical-columns {:?}",
+            args.categorical_columns
         );
     }
     let quantiles = (args.loss_type == TargetLossKind::Quantile).then(|| {
@@ -502,7 +781,7 @@ fn train_setup(
         .with_target_layer_norm(!args.no_target_layer_norm)
         .with_bounded_targets(
             args.bounded_targets
-                || (args.target_transform == TargetTransform::LogMinMax && !args.classifier),
+                || (target_transform == TargetTransform::LogMinMax && !args.classifier),
         )
         .with_learnable_output_scale(args.learnable_output_scale)
         .with_output_activation(args.output_activation)
@@ -514,7 +793,14 @@ fn train_setup(
         .with_regressor_dropout(args.regressor_dropout)
         .with_residual_regression_head(args.residual_regression_head)
         .with_num_quantiles(quantiles.as_ref().map(Vec::len))
-        .with_count_prediction(!args.no_count_prediction);
+        .with_count_prediction(!args.no_count_prediction)
+        .with_cross_attn_heads(args.cross_attn_heads as usize)
+        .with_perceiver_num_latents(args.perceiver_num_latents as usize)
+        .with_perceiver_num_layers(args.perceiver_num_layers as usize)
+        .with_conditional_scaling_columns(
+            (!args.conditional_output_scaling.is_empty())
+                .then(|| args.conditional_output_scaling.clone()),
+        );
     if let Some(enc) = &transforms.categorical {
         let cards = enc
             .column_names()
@@ -544,7 +830,7 @@ fn train_setup(
         } else {
             args.loss_type
         },
-        column_losses: None,
+        column_losses: args.column_losses(n_classes)?,
         quantiles,
         over_penalty: args.over_penalty,
         under_penalty: args.under_penalty,
@@ -559,7 +845,7 @@ fn train_setup(
             class_labels
         );
     }
-    let run = run_config(
+    let mut run = run_config(
         Task::Train,
         &args.optim,
         &args.data,
@@ -567,6 +853,14 @@ fn train_setup(
         args.categorical_lr,
         args.best_metric,
     );
+    run.val_prediction_passes = args.val_prediction_passes as usize;
+    if run.val_prediction_passes > 1 && run.asv_sampling != aam_data::AsvSampling::Random {
+        tracing::warn!(
+            "--val-prediction-passes {}: without --asv-sampling random every pass sees the same ASVs; running one",
+            run.val_prediction_passes
+        );
+        run.val_prediction_passes = 1;
+    }
     let info = p.data_info(
         &args.data.spec(args.optim.seed, None),
         transforms,
@@ -748,6 +1042,7 @@ where
     };
     let task = run.task;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
+    let class_labels = data.info.class_labels.clone();
     let n_params: usize = model
         .state_dict_shapes(&model_config)
         .iter()
@@ -775,7 +1070,51 @@ where
         }
         .into());
     }
+    export_torch(&r.output_dir, task, &summary)?;
     crate::plot::loss_curves(&r.output_dir, &summary.history)?;
+    crate::plot::nucleotide_accuracy(&r.output_dir, &summary.history)?;
+    let best_epoch = summary.best.as_ref().map_or(0, |b| b.epoch + 1);
+    if task == Task::Pretrain {
+        let tsv = r.output_dir.join(aam_train::run::files::VAL_UNIFRAC);
+        if let Ok(text) = std::fs::read_to_string(&tsv) {
+            // Columns: sample_a, sample_b, unifrac, predicted.
+            let pairs: Vec<(f64, f64)> = text
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let cells: Vec<&str> = line.split('\t').collect();
+                    Some((cells.get(2)?.parse().ok()?, cells.get(3)?.parse().ok()?))
+                })
+                .collect();
+            crate::plot::scatter(
+                &r.output_dir,
+                "val_unifrac",
+                &pairs,
+                &format!("validation pairs, best epoch {best_epoch}"),
+                ("UniFrac distance", "predicted distance"),
+            )?;
+        }
+    }
+    if task == Task::Train && classifier {
+        let tsv = r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS);
+        if let (Ok(text), Some(labels)) = (std::fs::read_to_string(&tsv), class_labels.as_ref()) {
+            // Columns: sample_id, predicted label, actual label.
+            let pairs: Vec<(String, String)> = text
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let cells: Vec<&str> = line.split('\t').collect();
+                    Some((cells.last()?.to_string(), cells.get(1)?.to_string()))
+                })
+                .collect();
+            crate::plot::confusion_matrix(
+                &r.output_dir,
+                labels,
+                &pairs,
+                &format!("validation, best epoch {best_epoch}"),
+            )?;
+        }
+    }
     if task == Task::Train && !classifier {
         let tsv = r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS);
         if let Ok(text) = std::fs::read_to_string(&tsv) {
@@ -788,11 +1127,10 @@ where
                     Some((cells.last()?.parse().ok()?, cells.get(1)?.parse().ok()?))
                 })
                 .collect();
-            let best = summary.best.as_ref().map_or(0, |b| b.epoch + 1);
             crate::plot::predicted_vs_true(
                 &r.output_dir,
                 &pairs,
-                &format!("validation, best epoch {best}"),
+                &format!("validation, best epoch {best_epoch}"),
             )?;
         }
     }
@@ -806,6 +1144,37 @@ where
         ),
         None => tracing::warn!("no epoch produced a finite {}", "metric"),
     }
+    Ok(())
+}
+
+/// The reference's files, in PyTorch's format (`aam_train::torch`):
+/// `checkpoints/best_model.pt`, and `pretrained_encoder.pt` (`pretrain`)
+/// or `final_model.pt` (`train`), so scripts written for the reference find
+/// what they name.
+fn export_torch(out_dir: &Path, task: Task, summary: &aam_train::run::FitSummary) -> Result<()> {
+    let Ok(best) = read_checkpoint(&summary.best_checkpoint) else {
+        return Ok(());
+    };
+    let checkpoints = out_dir.join("checkpoints");
+    aam_train::torch::write_trainer_checkpoint(&checkpoints.join("best_model.pt"), &best)?;
+    let also = match task {
+        Task::Pretrain => {
+            let path = out_dir.join("pretrained_encoder.pt");
+            aam_train::torch::write_state_dict(&path, &best.model, "")?;
+            path
+        }
+        Task::Train => {
+            let last = read_checkpoint(&summary.last_checkpoint)?;
+            let path = out_dir.join("final_model.pt");
+            aam_train::torch::write_trainer_checkpoint(&path, &last)?;
+            path
+        }
+    };
+    tracing::info!(
+        "PyTorch copies for the reference's scripts: {} and {}",
+        checkpoints.join("best_model.pt").display(),
+        also.display()
+    );
     Ok(())
 }
 
@@ -827,7 +1196,14 @@ impl Pretrained {
     /// those of `model`'s flags (the reference builds both models from the
     /// same flags).
     fn read(path: &Path, model: &ModelArgs) -> Result<Self> {
-        let (config, tensors) = if path.is_dir() || is_torch_checkpoint(path) {
+        let exported = if is_torch_checkpoint(path) {
+            aam_train::torch::read_trainer_checkpoint(path)?
+        } else {
+            None
+        };
+        let (config, tensors) = if let Some(ckpt) = exported {
+            (ckpt.meta.model, ckpt.model)
+        } else if path.is_dir() || is_torch_checkpoint(path) {
             let hints = ImportHints {
                 attention_heads: model.attention_heads,
                 ..ImportHints::default()

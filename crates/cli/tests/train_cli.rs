@@ -405,7 +405,20 @@ fn pretrain_train_predict_workflow() {
     let tmp = tempfile::tempdir().unwrap();
     let (pre, tr) = (tmp.path().join("pre"), tmp.path().join("train"));
     run_ok(&tiny("pretrain", &pre, 2));
-    let encoder = pre.join("checkpoints/best.safetensors");
+    // The reference's file names, in PyTorch's format: the plain state dict
+    // converts as a reference one does; the trainer checkpoint is what the
+    // reference's README passes to --pretrained-encoder.
+    non_empty(&pre.join("pretrained_encoder.pt"));
+    run_ok(&args(&[
+        "convert",
+        "--from",
+        &s(&pre.join("pretrained_encoder.pt")),
+        "--out",
+        &s(&tmp.path().join("encoder")),
+        "--attention-heads",
+        "2",
+    ]));
+    let encoder = pre.join("checkpoints/best_model.pt");
     let mut a = tiny_train(&tr, 2, &demo("demo_map.txt"), "age");
     a.extend(["--pretrained-encoder".into(), s(&encoder)]);
     let log = run_ok(&a);
@@ -467,6 +480,11 @@ fn pretrain_train_predict_workflow() {
             "{id}: predict {p}, val_predictions.tsv {v}"
         );
     }
+    // Its PyTorch copy predicts the same, in years.
+    let from_pt = tmp.path().join("preds_pt.tsv");
+    predict(&tr.join("checkpoints/best_model.pt"), &from_pt);
+    assert_eq!(numeric_predictions(&from_pt), preds);
+    non_empty(&tr.join("final_model.pt"));
 }
 
 /// The bytes of tensor `name` of a safetensors file.
@@ -544,6 +562,344 @@ fn reference_checkpoints_fine_tune_and_predict() {
     assert!(pt.values().all(|v| v.is_finite()));
 }
 
+/// The reference's options, one per line of
+/// `tests/fixtures/reference-cli-options.tsv` (every option of its `pretrain`,
+/// `train`, `predict` and `rf-baseline`, from its click definitions).
+fn reference_options() -> Vec<[String; 4]> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/reference-cli-options.tsv");
+    std::fs::read_to_string(&path)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let c: Vec<&str> = l.split('\t').collect();
+            assert_eq!(c.len(), 4, "{l:?}");
+            [c[0], c[1], c[2], c[3]].map(str::to_string)
+        })
+        .collect()
+}
+
+/// Every option of the reference's four commands is accepted: passed alone
+/// (with the command's required options, the table a missing file), it
+/// gets past the parser and the option checks to the missing table.
+#[test]
+fn every_reference_option_is_accepted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = s(&tmp.path().join("absent.biom"));
+    let file = s(&tmp.path().join("absent.txt"));
+    let out = s(&tmp.path().join("out"));
+    let required = |command: &str| -> Vec<(&'static str, String)> {
+        match command {
+            "pretrain" => vec![
+                ("--table", missing.clone()),
+                ("--unifrac-matrix", file.clone()),
+                ("--output-dir", out.clone()),
+            ],
+            "train" => vec![
+                ("--table", missing.clone()),
+                ("--unifrac-matrix", file.clone()),
+                ("--output-dir", out.clone()),
+                ("--metadata", file.clone()),
+                ("--metadata-column", "age".into()),
+            ],
+            "predict" => vec![
+                ("--model", file.clone()),
+                ("--table", missing.clone()),
+                ("--output", file.clone()),
+            ],
+            "rf-baseline" => vec![
+                ("--table", missing.clone()),
+                ("--metadata", file.clone()),
+                ("--metadata-column", "age".into()),
+                ("--train-samples", file.clone()),
+                ("--val-samples", file.clone()),
+                ("--output", file.clone()),
+            ],
+            other => panic!("unknown command {other}"),
+        }
+    };
+    let options = reference_options();
+    let count = |c: &str| options.iter().filter(|o| o[0] == c).count();
+    assert_eq!(
+        [count("pretrain"), count("train"), count("predict"), count("rf-baseline")],
+        [60, 101, 11, 11]
+    );
+    let mut rejected = Vec::new();
+    for [command, option, kind, example] in &options {
+        let base = required(command);
+        let mut a = vec![command.clone()];
+        for (flag, value) in &base {
+            if flag != option {
+                a.extend([flag.to_string(), value.clone()]);
+            }
+        }
+        // As in the reference, the sharded checkpoint needs --fsdp.
+        if option == "--fsdp-sharded-checkpoint" {
+            a.push("--fsdp".into());
+        }
+        a.push(option.clone());
+        if kind == "value" {
+            a.push(if example == "PATH" {
+                base.iter()
+                    .find(|(f, _)| f == option)
+                    .map_or(file.clone(), |(_, v)| v.clone())
+            } else {
+                example.clone()
+            });
+        }
+        let out = aam_rs(&a);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let ok = match option.as_str() {
+            "--help" => out.status.success() && stdout.contains("Usage:"),
+            "--categorical-help" => out.status.success() && stdout.contains("--categorical-fusion"),
+            // A checkpoint that is not there is reported before the data.
+            "--resume-from" => out.status.code() == Some(1) && stderr.contains("--resume-from"),
+            // A device this build lacks is named; the build has the CPU.
+            _ => {
+                out.status.code() == Some(1)
+                    && (stderr.contains("--table") || stderr.contains("absent.biom"))
+                    && !stderr.contains("Usage:")
+            }
+        };
+        if !ok {
+            rejected.push(format!("aam-rs {}\n{stderr}", a.join(" ")));
+        }
+    }
+    assert!(
+        rejected.is_empty(),
+        "{} reference option(s) rejected:\n{}",
+        rejected.len(),
+        rejected.join("\n")
+    );
+}
+
+/// Reference options end to end on the demo: the ones that map onto aam-rs's
+/// change the run (device, effective batch size, legacy target flags,
+/// per-output losses, passes), the others are noted in training.log; the
+/// run writes TensorBoard events with the reference's tags, and the RF
+/// baseline runs on its split.
+#[test]
+fn reference_options_run_end_to_end() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pre = tmp.path().join("pre");
+    let mut a = tiny("pretrain", &pre, 2);
+    a.extend(args(&[
+        "--device",
+        "cpu",
+        "--attn-implementation",
+        "mem_efficient",
+        "--no-auto-batch-size",
+        "--target-effective-batch-size",
+        "16",
+        "--compile-model",
+        "--tf32",
+        "--use-expandable-segments",
+        "--no-sequence-cache",
+        "--sync-batchnorm",
+        "--no-count-embedding",
+        "--count-penalty",
+        "0.5",
+        "--no-gradient-checkpointing",
+    ]));
+    run_ok(&a);
+    let log = std::fs::read_to_string(pre.join("training.log")).unwrap();
+    for note in [
+        "--attn-implementation mem_efficient: PyTorch's SDPA kernels are not used here",
+        "--target-effective-batch-size 16: 2 batch(es) of 8 per optimiser step",
+        "--compile-model:",
+        "--tf32:",
+        "--use-expandable-segments:",
+        "--no-sequence-cache:",
+        "--sync-batchnorm:",
+        "model: ",
+    ] {
+        assert!(log.contains(note), "training.log lacks {note:?}:\n{log}");
+    }
+    // 48 training samples, batches of 8, 2 per step: 3 steps an epoch.
+    let (_, rows) = metrics(&pre);
+    assert_eq!(rows.iter().map(|r| r["step"]).collect::<Vec<_>>(), [3.0, 6.0]);
+    // TensorBoard: the reference's epoch tags, and a loss per step.
+    let events: Vec<PathBuf> = std::fs::read_dir(pre.join("tensorboard"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let scalars = aam_train::tensorboard::read_scalars(&events[0]).unwrap();
+    let at = |tag: &str| -> Vec<(u64, f32)> {
+        scalars
+            .iter()
+            .filter(|(_, t, _)| t == tag)
+            .map(|(s, _, v)| (*s, *v))
+            .collect()
+    };
+    for tag in [
+        "train/total_loss",
+        "train/unifrac_loss",
+        "train/nuc_loss",
+        "val/total_loss",
+        "val/nuc_accuracy",
+        "val/mae",
+        "train/learning_rate",
+        "perf/samples_per_sec",
+    ] {
+        assert_eq!(at(tag).iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{tag}");
+    }
+    let epoch_loss = at("train/total_loss");
+    assert!((epoch_loss[0].1 as f64 - rows[0]["train_total_loss"]).abs() < 1e-4);
+    assert_eq!(
+        at("step/total_loss").iter().map(|p| p.0).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5, 6]
+    );
+    // Pretraining's validation pairs and plots.
+    let (header, pairs) = tsv(&pre.join("val_unifrac.tsv"));
+    assert_eq!(header, ["sample_a", "sample_b", "unifrac", "predicted"]);
+    assert_eq!(pairs.len(), 2 * 28, "two validation batches of 8");
+    for plot in ["loss", "nuc_accuracy", "val_unifrac"] {
+        non_empty(&pre.join(format!("plots/{plot}.png")));
+    }
+
+    // train: legacy target flags, per-output losses, positive forms.
+    let tr = tmp.path().join("train");
+    let mut a = tiny_train(&tr, 1, &demo("demo_map.txt"), "age");
+    a.extend(args(&[
+        "--log-transform-targets",
+        "--normalize-targets",
+        "--loss-config",
+        r#"{"age": "mse"}"#,
+        "--out-dim",
+        "1",
+        "--count-prediction",
+        "--target-layer-norm",
+        "--cross-attn-heads",
+        "4",
+        "--perceiver-num-latents",
+        "8",
+        "--perceiver-num-layers",
+        "1",
+        "--asv-sampling",
+        "random",
+    ]));
+    a.extend(["--pretrained-encoder".into(), s(&pre.join("checkpoints/best.safetensors"))]);
+    let log = run_ok(&a);
+    assert!(log.contains("legacy target flags: --target-transform log-minmax"), "{log}");
+    let (_, meta) = checkpoint_header(&tr.join("checkpoints/best.safetensors"));
+    assert_eq!(meta["data"]["transforms"]["target"]["transform"], "log-minmax");
+    assert_eq!(meta["run"]["loss"]["column_losses"], serde_json::json!(["mse"]));
+    assert_eq!(meta["model"]["bounded_targets"], true);
+    assert_eq!(meta["model"]["cross_attn_heads"], 4);
+    let err = run_err(&with(a.clone(), "--out-dim", "2"));
+    assert!(err.contains("--out-dim 2: a regressor of one column (age) has 1 output"), "{err}");
+    let err = run_err(&with(a.clone(), "--loss-config", r#"{"5": "mse"}"#));
+    assert!(err.contains("--loss-config: key \"5\""), "{err}");
+
+    // Categorical inputs with loss weights, conditional output scaling and
+    // validation averaged over random ASV draws.
+    let map = tmp.path().join("labelled_map.txt");
+    let text = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
+    let mut lines = text.lines();
+    let mut labelled = format!("{}\tage_group\n", lines.next().unwrap());
+    for line in lines.filter(|l| !l.is_empty()) {
+        let age: f64 = line.split('\t').nth(2).unwrap().parse().unwrap();
+        let group = if age < 40.0 { "young" } else { "old" };
+        labelled.push_str(&format!("{line}\t{group}\n"));
+    }
+    std::fs::write(&map, labelled).unwrap();
+    let passes = |n: &str, dir: &Path| {
+        let mut a = tiny_train(dir, 1, &map, "age");
+        a.extend(args(&[
+            "--categorical-columns",
+            "age_group",
+            "--conditional-output-scaling",
+            "age_group",
+            "--categorical-loss-weights",
+            "auto",
+            "--asv-sampling",
+            "random",
+            "--val-prediction-passes",
+            n,
+        ]));
+        a
+    };
+    let (one, three) = (tmp.path().join("one"), tmp.path().join("three"));
+    let log = run_ok(&passes("1", &one));
+    assert!(log.contains("target loss weights by age_group: old "), "{log}");
+    run_ok(&passes("3", &three));
+    let (_, meta) = checkpoint_header(&three.join("checkpoints/best.safetensors"));
+    let weights = &meta["data"]["transforms"]["loss_weights"];
+    assert_eq!(weights["column"], "age_group");
+    let (w_old, w_young) = (
+        weights["weights"]["old"].as_f64().unwrap(),
+        weights["weights"]["young"].as_f64().unwrap(),
+    );
+    assert!(w_old > 1.0 && w_young < 1.0, "{weights}");
+    assert_eq!(meta["model"]["conditional_scaling_columns"], serde_json::json!(["age_group"]));
+    assert_eq!(meta["run"]["val_prediction_passes"], 3);
+    // The same training and first validation pass: the same losses; the
+    // averaged predictions differ from the single pass's.
+    let ((_, r1), (_, r3)) = (metrics(&one), metrics(&three));
+    assert_eq!(r1[0]["train_total_loss"], r3[0]["train_total_loss"]);
+    assert_eq!(r1[0]["val_total_loss"], r3[0]["val_total_loss"]);
+    let (_, p1) = tsv(&one.join("val_predictions.tsv"));
+    let (_, p3) = tsv(&three.join("val_predictions.tsv"));
+    assert_eq!(p1.len(), p3.len());
+    assert_ne!(p1, p3);
+    let mae = p3
+        .iter()
+        .map(|r| (r[1].parse::<f64>().unwrap() - r[2].parse::<f64>().unwrap()).abs())
+        .sum::<f64>()
+        / p3.len() as f64;
+    assert!((mae - r3[0]["val_mae"]).abs() < 1e-9 * mae.max(1.0), "{mae} vs {}", r3[0]["val_mae"]);
+
+    // predict: passes over random ASV draws, with their spread.
+    let model = tr.join("checkpoints/best.safetensors");
+    let out = tmp.path().join("passes.tsv");
+    let mut p = args(&["predict", "--model", &s(&model), "--table", &s(&demo("demo.biom"))]);
+    p.extend(args(&["--output", &s(&out), "--device", "cpu", "--no-sequence-cache"]));
+    p.extend(args(&["--asv-sampling", "random", "--prediction-passes", "4", "--output-variance"]));
+    run_ok(&p);
+    let (header, rows) = tsv(&out);
+    assert_eq!(header, ["sample_id", "prediction", "prediction_std"]);
+    assert_eq!(rows.len(), 64);
+    let std: Vec<f64> = rows.iter().map(|r| r[2].parse().unwrap()).collect();
+    assert!(std.iter().all(|v| v.is_finite() && *v >= 0.0), "{std:?}");
+    // Samples with more ASVs than the 32 slots vary between draws.
+    assert!(std.iter().any(|v| *v > 0.0), "{std:?}");
+    // Without random sampling the passes would agree: one runs, spread 0.
+    let log = run_ok(&with(p.clone(), "--asv-sampling", "abundance"));
+    assert!(log.contains("running one"), "{log}");
+    let (_, rows) = tsv(&out);
+    assert!(rows.iter().all(|r| r[2] == "0"), "{rows:?}");
+
+    // rf-baseline on the run's split, as in the reference's workflow.
+    let rf = tmp.path().join("rf/predictions.tsv");
+    let mut r = args(&["rf-baseline", "--table", &s(&demo("demo.biom"))]);
+    r.extend(args(&["--metadata", &s(&demo("demo_map.txt")), "--metadata-column", "age"]));
+    r.extend(args(&["--train-samples", &s(&tr.join("train_samples.txt"))]));
+    r.extend(args(&["--val-samples", &s(&tr.join("val_samples.txt"))]));
+    r.extend(args(&["--output", &s(&rf), "--n-estimators", "50", "--n-jobs", "2"]));
+    let out = aam_rs(&r);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for metric in ["R²: ", "MAE: ", "RMSE: "] {
+        assert!(stdout.contains(metric), "{stdout}");
+    }
+    let (header, rows) = tsv(&rf);
+    assert_eq!(header, ["sample_id", "actual", "predicted"]);
+    assert_eq!(
+        rows.iter().map(|r| r[0].clone()).collect::<BTreeSet<_>>(),
+        ids_file(&tr.join("val_samples.txt")).into_iter().collect()
+    );
+    let ages = metadata_column(&demo("demo_map.txt"), "age");
+    for r in &rows {
+        assert_eq!(r[1].parse::<f64>().unwrap(), ages[&r[0]].parse::<f64>().unwrap());
+        let p: f64 = r[2].parse().unwrap();
+        assert!((18.0..=85.0).contains(&p), "{r:?}");
+    }
+    non_empty(&rf.with_extension("png"));
+}
+
 #[test]
 fn classifier_trains_and_predicts_labels() {
     let tmp = tempfile::tempdir().unwrap();
@@ -590,6 +946,7 @@ fn classifier_trains_and_predicts_labels() {
         meta["data"]["class_labels"],
         serde_json::json!(["old", "young"])
     );
+    non_empty(&out.join("plots/confusion_matrix.png"));
 
     // Validation rows: labels, with the truth as in the metadata.
     let (header, vrows) = tsv(&out.join("val_predictions.tsv"));

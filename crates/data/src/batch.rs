@@ -37,7 +37,7 @@ use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::categorical::CategoricalEncoder;
+use crate::categorical::{CategoricalEncoder, CategoryWeights};
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
 use crate::hdf5_util::panic_message;
@@ -143,6 +143,9 @@ pub struct Transforms {
     pub categorical: Option<CategoricalEncoder>,
     /// Count normalisation (None: raw counts).
     pub counts: Option<CountNormalizer>,
+    /// Per-category weights of the target loss (None: every sample 1).
+    #[serde(default)]
+    pub loss_weights: Option<CategoryWeights>,
 }
 
 /// One batch; see the module doc for the layouts.
@@ -169,6 +172,9 @@ pub struct Batch {
     pub targets: Option<Vec<f32>>,
     /// Per categorical column, `[B]` indices (0 = unknown).
     pub categorical_ids: Vec<(String, Vec<i64>)>,
+    /// `[B]` weights of the samples' target losses (with
+    /// [`Transforms::loss_weights`]).
+    pub weights: Option<Vec<f32>>,
 }
 
 impl Batch {
@@ -315,6 +321,7 @@ impl Batch {
                         .iter()
                         .map(|(col, ids)| (col.clone(), ids[rows.clone()].to_vec()))
                         .collect(),
+                    weights: self.weights.as_ref().map(|w| w[rows.clone()].to_vec()),
                 }
             })
             .collect()
@@ -332,6 +339,7 @@ impl Batch {
             unifrac: self.unifrac.clone(),
             targets: self.targets.clone(),
             categorical_ids: self.categorical_ids.clone(),
+            weights: self.weights.clone(),
         }
     }
 }
@@ -576,6 +584,18 @@ impl Inner {
                 .collect(),
             _ => Vec::new(),
         };
+        let weights = match (&self.transforms.loss_weights, d.metadata()) {
+            (Some(w), Some((meta, rows))) => {
+                let column = meta.column(&w.column)?;
+                Some(
+                    members
+                        .iter()
+                        .map(|&s| w.weight(rows[s].and_then(|r| meta.value(r, column))) as f32)
+                        .collect(),
+                )
+            }
+            _ => None,
+        };
         Ok(Batch {
             sample_ids: members.iter().map(|&s| d.sample_ids()[s].clone()).collect(),
             positions: members.to_vec(),
@@ -586,6 +606,7 @@ impl Inner {
             unifrac,
             targets,
             categorical_ids,
+            weights,
         })
     }
 
@@ -1064,6 +1085,8 @@ mod tests {
             ),
             categorical: Some(d.fit_categorical(&["site".to_string()], &train).unwrap()),
             counts: Some(d.fit_count_normalizer(&train).unwrap()),
+            // Balanced over 3 gut and 1 skin samples: N / (K n_k).
+            loss_weights: Some(d.fit_loss_weights("site", &[0, 2, 4, 1]).unwrap()),
         };
         let loader = BatchLoader::new(
             d.clone(),
@@ -1077,6 +1100,7 @@ mod tests {
         assert_eq!(b.targets, Some(vec![0.0, 90.0 / 70.0]));
         // gut = 1, skin = 2.
         assert_eq!(b.categorical_ids, vec![("site".to_string(), vec![1, 2])]);
+        assert_eq!(b.weights, Some(vec![4.0 / 6.0, 2.0]));
         // Counts 1..=8 in training: (c - 1) / 7; padding stays 0.
         assert_eq!(&b.counts[0..3], &[0.0, 0.0, 0.0]);
         assert_eq!(&b.counts[3..6], &[0.0, 1.0 / 7.0, 2.0 / 7.0]);

@@ -149,3 +149,62 @@ mod tests {
         assert!(err.to_string().contains("\"sight\""), "{err}");
     }
 }
+
+/// Per-category loss weights (`--categorical-loss-weights`, §2.10): one
+/// weight per value of a metadata column, attached to each sample's target
+/// loss. A value without a weight, or a missing one, weighs 1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CategoryWeights {
+    /// The metadata column.
+    pub column: String,
+    /// Weight by the column's value.
+    pub weights: BTreeMap<String, f64>,
+}
+
+impl CategoryWeights {
+    /// `auto`: `w_k = N / (K · n_k)` over the training samples with a value
+    /// (N of them, K distinct values, n_k of value k), so that every value
+    /// weighs as much in all.
+    pub fn balanced<S: AsRef<str>>(
+        metadata: &Metadata,
+        column: &str,
+        sample_ids: &[S],
+    ) -> Result<Self> {
+        let c = metadata.column(column)?;
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for id in sample_ids {
+            if let Some(v) = metadata
+                .row(id.as_ref())
+                .and_then(|r| metadata.value(r, c))
+            {
+                *counts.entry(v.to_string()).or_default() += 1;
+            }
+        }
+        let (n, k) = (counts.values().sum::<usize>() as f64, counts.len() as f64);
+        Ok(CategoryWeights {
+            column: column.to_string(),
+            weights: counts
+                .into_iter()
+                .map(|(v, nk)| (v, n / (k * nk as f64)))
+                .collect(),
+        })
+    }
+
+    /// Given weights, keyed `value` or, as the reference writes them,
+    /// `column=value`.
+    pub fn given(column: &str, weights: BTreeMap<String, f64>) -> Self {
+        let prefix = format!("{column}=");
+        CategoryWeights {
+            column: column.to_string(),
+            weights: weights
+                .into_iter()
+                .map(|(k, w)| (k.strip_prefix(&prefix).unwrap_or(&k).to_string(), w))
+                .collect(),
+        }
+    }
+
+    /// The weight of a sample whose column holds `value`.
+    pub fn weight(&self, value: Option<&str>) -> f64 {
+        value.and_then(|v| self.weights.get(v)).copied().unwrap_or(1.0)
+    }
+}

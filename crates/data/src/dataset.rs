@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::biom::BiomTable;
-use crate::categorical::CategoricalEncoder;
+use crate::categorical::{CategoricalEncoder, CategoryWeights};
 use crate::error::{Error, IdList, Result};
 use crate::metadata::Metadata;
 use crate::normalize::{CountNormalizer, TargetNormalizer, TargetTransform};
@@ -321,6 +321,16 @@ impl Dataset {
         })?;
         let ids: Vec<&str> = train.iter().map(|&s| self.sample_ids[s].as_str()).collect();
         CategoricalEncoder::fit(meta, columns, &ids)
+    }
+
+    /// Per-category loss weights of `column` balanced over the samples at
+    /// `train` (`--categorical-loss-weights auto`, §2.10).
+    pub fn fit_loss_weights(&self, column: &str, train: &[usize]) -> Result<CategoryWeights> {
+        let (meta, _) = self.metadata().ok_or_else(|| Error::InvalidConfig {
+            reason: "categorical loss weights need metadata".into(),
+        })?;
+        let ids: Vec<&str> = train.iter().map(|&s| self.sample_ids[s].as_str()).collect();
+        CategoryWeights::balanced(meta, column, &ids)
     }
 
     /// Fit count normalisation (§2.9) on the samples at `train`.

@@ -79,7 +79,7 @@ mod write;
 
 pub use batch::{slot_asvs, AsvSampling, Batch, BatchConfig, BatchLoader, Prefetch, Transforms};
 pub use biom::{BiomTable, SampleCounts};
-pub use categorical::{CategoricalEncoder, UNKNOWN};
+pub use categorical::{CategoricalEncoder, CategoryWeights, UNKNOWN};
 pub use dataset::{Dataset, DatasetBuilder, SampleReads};
 pub use error::{Error, IdList, Result, MAX_LISTED};
 pub use metadata::{is_missing, Metadata};

@@ -267,6 +267,7 @@ fn synthetic_batch(args: &StepArgs) -> Batch {
         unifrac: Some(unifrac),
         targets: None,
         categorical_ids: Vec::new(),
+        weights: None,
     }
 }
 

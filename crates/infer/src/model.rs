@@ -185,6 +185,15 @@ pub struct Options {
     pub max_sequence_length: Option<usize>,
     /// Also return each sample's ASV embeddings ([`Model::embed`] only).
     pub asv_embeddings: bool,
+    /// Which ASVs fill the slots of a sample with more than the model's
+    /// `token_limit` (None: the training rule, `random` read as `abundance`).
+    /// `random` draws anew in each of [`Options::passes`].
+    pub asv_sampling: Option<AsvSampling>,
+    /// Predictions averaged over this many passes ([`Model::predict`] only;
+    /// ≥ 1), each with its own random ASV draw: only `random` sampling makes
+    /// passes differ. With more than one, [`Predictions::std`] holds the
+    /// spread.
+    pub passes: usize,
 }
 
 impl Default for Options {
@@ -196,6 +205,8 @@ impl Default for Options {
             metadata: None,
             max_sequence_length: None,
             asv_embeddings: false,
+            asv_sampling: None,
+            passes: 1,
         }
     }
 }
@@ -254,8 +265,12 @@ pub enum Prediction {
 pub struct Predictions {
     /// The predicted samples.
     pub ids: Vec<String>,
-    /// Their predictions.
+    /// Their predictions (the mean over [`Options::passes`]).
     pub values: Vec<Prediction>,
+    /// With more than one pass, per sample the population standard
+    /// deviation over passes of each value (flattened as the values: one
+    /// per output, per output and quantile, or per class probability).
+    pub std: Option<Vec<Vec<f64>>>,
     /// Samples left out: fewer reads than the rarefaction depth.
     pub dropped: Vec<String>,
 }
@@ -272,10 +287,10 @@ pub struct Model<B: AttentionBackend> {
 
 impl<B: AttentionBackend> Model<B> {
     /// Loads a checkpoint of `aam-rs pretrain` or `train` (a `.safetensors`
-    /// file), a model folder of `aam-rs convert`, or a reference PyTorch
-    /// checkpoint (`.pt`, converted on the fly with the reference's defaults
-    /// for what its tensors do not record; [`Model::load_with`] sets them),
-    /// onto `device`.
+    /// file, or the `best_model.pt` exported beside it), a model folder of
+    /// `aam-rs convert`, or a reference PyTorch checkpoint (`.pt`, converted
+    /// on the fly with the reference's defaults for what its tensors do not
+    /// record; [`Model::load_with`] sets them), onto `device`.
     pub fn load(path: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
         Self::load_with(path, &ImportHints::default(), device)
     }
@@ -289,8 +304,14 @@ impl<B: AttentionBackend> Model<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let path = path.as_ref();
+        // A `best_model.pt` that aam-rs exported carries its checkpoint's metadata.
+        let exported = if is_torch_checkpoint(path) {
+            aam_train::torch::read_trainer_checkpoint(path)?
+        } else {
+            None
+        };
         let (config, model, data, token_limit, asv_sampling, quantiles, all_slots) =
-            if path.is_dir() || is_torch_checkpoint(path) {
+            if exported.is_none() && (path.is_dir() || is_torch_checkpoint(path)) {
                 let (config, model) = load_model::<B>(path, hints, device)?;
                 let token_limit = config.base().sample.token_limit;
                 (
@@ -303,7 +324,10 @@ impl<B: AttentionBackend> Model<B> {
                     false,
                 )
             } else {
-                let ckpt = read_checkpoint(path)?;
+                let ckpt = match exported {
+                    Some(ckpt) => ckpt,
+                    None => read_checkpoint(path)?,
+                };
                 let model = ckpt.model::<B>(device)?;
                 let run = ckpt.meta.run;
                 (
@@ -399,7 +423,7 @@ impl<B: AttentionBackend> Model<B> {
         let mut asvs = options
             .asv_embeddings
             .then(|| vec![Vec::new(); dataset.len()]);
-        self.run_batches(&dataset, options, |batch, input| {
+        self.run_batches(&dataset, options, 0, |batch, input| {
             let (pooled, per_slot) = self.model.base().embed(input.tokens, input.counts);
             let pooled = to_f32(pooled.into_data());
             for (i, &pos) in batch.positions.iter().enumerate() {
@@ -410,8 +434,9 @@ impl<B: AttentionBackend> Model<B> {
                 let per_slot = to_f32(per_slot.into_data());
                 for (i, &pos) in batch.positions.iter().enumerate() {
                     let (ids, counts) = dataset.sample(pos);
-                    let chosen = slot_asvs(counts, self.info.token_limit, self.info.asv_sampling)
-                        .expect("inference never samples ASVs at random");
+                    let sampling = options.asv_sampling.unwrap_or(self.info.asv_sampling);
+                    let chosen = slot_asvs(counts, self.info.token_limit, sampling)
+                        .expect("embeddings never sample ASVs at random (check_options)");
                     asvs[pos] = chosen
                         .iter()
                         .enumerate()
@@ -474,28 +499,89 @@ impl<B: AttentionBackend> Model<B> {
                     .collect::<Result<_, _>>()?,
                 _ => Vec::new(),
             };
-        let mut values = vec![Prediction::Values(Vec::new()); dataset.len()];
-        self.run_batches(&dataset, options, |batch, input| {
-            let b = batch.batch_size();
-            let predicted = predict_batch(&self.model, input, false)
-                .target
-                .expect("a predictor returns its target");
-            let (flat, width) = match predicted {
-                TargetPrediction::Point(p) => {
-                    let w = p.dims()[1];
-                    (to_f32(p.into_data()), w)
+        let passes = options.passes;
+        if passes == 0 {
+            return Err(InferError::InvalidOption {
+                option: "passes",
+                reason: "must be ≥ 1".into(),
+            });
+        }
+        // Per pass, per sample: the flat values (original units, or class
+        // probabilities).
+        let mut each_pass: Vec<Vec<Vec<f64>>> = Vec::with_capacity(passes);
+        for pass in 0..passes {
+            let mut rows = vec![Vec::new(); dataset.len()];
+            self.run_batches(&dataset, options, pass as u64, |batch, input| {
+                let b = batch.batch_size();
+                let predicted = predict_batch(&self.model, input, false)
+                    .target
+                    .expect("a predictor returns its target");
+                let (flat, width) = match predicted {
+                    TargetPrediction::Point(p) => {
+                        let w = p.dims()[1];
+                        (to_f32(p.into_data()), w)
+                    }
+                    TargetPrediction::Quantiles(p) => {
+                        let [_, out, q] = p.dims();
+                        (to_f32(p.reshape([b, out * q]).into_data()), out * q)
+                    }
+                };
+                for (i, &pos) in batch.positions.iter().enumerate() {
+                    let row = &flat[i * width..(i + 1) * width];
+                    rows[pos] = if self.info.kind == ModelKind::Classifier {
+                        // The head returns log-probabilities.
+                        row.iter().map(|&x| (x as f64).exp()).collect()
+                    } else {
+                        let key = dataset
+                            .metadata()
+                            .filter(|_| !key_columns.is_empty())
+                            .and_then(|(meta, rows)| {
+                                rows[pos].map(|r| meta.category_key(r, &key_columns))
+                            });
+                        row.iter()
+                            .map(|&x| match target {
+                                Some(n) => n.denormalize(x as f64, key.as_deref()),
+                                None => x as f64,
+                            })
+                            .collect()
+                    };
                 }
-                TargetPrediction::Quantiles(p) => {
-                    let [_, out, q] = p.dims();
-                    (to_f32(p.reshape([b, out * q]).into_data()), out * q)
-                }
-            };
-            for (i, &pos) in batch.positions.iter().enumerate() {
-                let row = &flat[i * width..(i + 1) * width];
-                values[pos] = if self.info.kind == ModelKind::Classifier {
-                    // The head returns log-probabilities.
-                    let probabilities: Vec<f64> = row.iter().map(|&x| (x as f64).exp()).collect();
-                    let class = probabilities
+                Ok(())
+            })?;
+            each_pass.push(rows);
+        }
+        let n = passes as f64;
+        let mean: Vec<Vec<f64>> = (0..dataset.len())
+            .map(|pos| {
+                let width = each_pass[0][pos].len();
+                (0..width)
+                    .map(|k| each_pass.iter().map(|p| p[pos][k]).sum::<f64>() / n)
+                    .collect()
+            })
+            .collect();
+        let std = (passes > 1).then(|| {
+            mean.iter()
+                .enumerate()
+                .map(|(pos, m)| {
+                    m.iter()
+                        .enumerate()
+                        .map(|(k, mu)| {
+                            let var = each_pass
+                                .iter()
+                                .map(|p| (p[pos][k] - mu).powi(2))
+                                .sum::<f64>()
+                                / n;
+                            var.sqrt()
+                        })
+                        .collect()
+                })
+                .collect()
+        });
+        let values = mean
+            .into_iter()
+            .map(|row| {
+                if self.info.kind == ModelKind::Classifier {
+                    let class = row
                         .iter()
                         .enumerate()
                         .max_by(|a, b| a.1.total_cmp(b.1))
@@ -508,35 +594,22 @@ impl<B: AttentionBackend> Model<B> {
                         .unwrap_or_else(|| class.to_string());
                     Prediction::Class {
                         label,
-                        probabilities,
+                        probabilities: row,
                     }
                 } else {
-                    let key = dataset
-                        .metadata()
-                        .filter(|_| !key_columns.is_empty())
-                        .and_then(|(meta, rows)| {
-                            rows[pos].map(|r| meta.category_key(r, &key_columns))
-                        });
-                    let original: Vec<f64> = row
-                        .iter()
-                        .map(|&x| match target {
-                            Some(n) => n.denormalize(x as f64, key.as_deref()),
-                            None => x as f64,
-                        })
-                        .collect();
                     match &self.info.quantiles {
                         Some(levels) => Prediction::Quantiles(
-                            original.chunks(levels.len()).map(<[f64]>::to_vec).collect(),
+                            row.chunks(levels.len()).map(<[f64]>::to_vec).collect(),
                         ),
-                        None => Prediction::Values(original),
+                        None => Prediction::Values(row),
                     }
-                };
-            }
-            Ok(())
-        })?;
+                }
+            })
+            .collect();
         Ok(Predictions {
             ids: dataset.sample_ids().to_vec(),
             values,
+            std,
             dropped,
         })
     }
@@ -546,6 +619,7 @@ impl<B: AttentionBackend> Model<B> {
         &self,
         dataset: &Arc<Dataset>,
         options: &Options,
+        pass: u64,
         mut each: impl FnMut(&Batch, aam_models::output::ModelInput<B>) -> Result<()>,
     ) -> Result<()> {
         // Targets are not read at inference: no target transform on batches;
@@ -563,7 +637,7 @@ impl<B: AttentionBackend> Model<B> {
         let mut config =
             BatchConfig::validation(options.batch_size, self.info.token_limit, options.seed);
         config.require_even = false;
-        config.asv_sampling = self.info.asv_sampling;
+        config.asv_sampling = options.asv_sampling.unwrap_or(self.info.asv_sampling);
         config.workers = 1;
         config.prefetch = 2;
         let loader = BatchLoader::new(
@@ -573,7 +647,7 @@ impl<B: AttentionBackend> Model<B> {
             config,
         )?;
         let slots = Slots::for_model(&self.config, self.all_slots);
-        for batch in loader.epoch(0) {
+        for batch in loader.epoch(pass) {
             let batch = batch?;
             let (input, _) = batch_tensors::<B>(
                 &batch,
@@ -606,6 +680,12 @@ fn check_options(
         for (sequence, _) in &sample.reads {
             check_sequence(&sample.id, sequence, options.max_sequence_length)?;
         }
+    }
+    if !predicting && options.asv_sampling == Some(AsvSampling::Random) {
+        return Err(InferError::InvalidOption {
+            option: "asv_sampling",
+            reason: "embeddings take a deterministic choice of ASVs (first or abundance); random is for averaged predictions".into(),
+        });
     }
     if predicting && !info.metadata_columns.is_empty() && options.metadata.is_none() {
         return Err(InferError::MetadataRequired {

@@ -144,6 +144,16 @@ pub struct RunConfig {
     /// (`--skip-nonfinite-batches`; one more device read per batch).
     #[serde(default)]
     pub skip_nonfinite_batches: bool,
+    /// Validation predictions (and their metrics) averaged over this many
+    /// passes, each with its own random ASV draw; with `asv_sampling`
+    /// `random` only (the passes of another rule agree). Losses are the
+    /// first pass's. `--val-prediction-passes`; default 1.
+    #[serde(default = "one")]
+    pub val_prediction_passes: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl RunConfig {
@@ -175,6 +185,12 @@ impl RunConfig {
         }
         if self.token_limit == 0 {
             return bad("token-limit", "must be ≥ 1".into());
+        }
+        if !(1..=100).contains(&self.val_prediction_passes) {
+            return bad(
+                "val-prediction-passes",
+                format!("must be in 1..=100, got {}", self.val_prediction_passes),
+            );
         }
         self.loss.validate()
     }

@@ -53,5 +53,7 @@ pub mod prepare;
 mod replica;
 pub mod run;
 pub mod schedule;
+pub mod tensorboard;
+pub mod torch;
 
 pub use error::{Result, TrainError};

@@ -43,6 +43,7 @@ use crate::optim::{LossScaler, Optimizer};
 use crate::parallel::{check_shards, Group, HostExchange, Shares, UnifracPairs};
 use crate::replica::{Clip, Done, Job, Replica, Setup, Shard, StepPlan, StepValues, Workers};
 use crate::schedule::Scheduler;
+use crate::tensorboard::{self, EventWriter};
 
 /// The samples of a run.
 #[derive(Clone, Debug)]
@@ -74,6 +75,11 @@ pub struct BatchStatus {
     pub lr: f64,
     /// Training samples per second in this epoch so far.
     pub samples_per_sec: f64,
+    /// Optimiser steps of the run so far (this batch's included).
+    pub step: u64,
+    /// Whether this batch ended an optimiser step (the last of
+    /// `--gradient-accumulation-steps`).
+    pub stepped: bool,
 }
 
 /// Receives progress; the CLI draws bars and logs from it.
@@ -102,6 +108,62 @@ pub trait Observer {
 /// An observer that does nothing.
 pub struct Silent;
 impl Observer for Silent {}
+
+/// The caller's observer, with the run's scalars also written to
+/// TensorBoard event files (`<out>/tensorboard/`). A write that fails is
+/// logged once and ends the event file, not the run.
+struct Logged<'a> {
+    inner: &'a mut dyn Observer,
+    events: Option<EventWriter>,
+}
+
+impl<'a> Logged<'a> {
+    fn new(out_dir: &Path, inner: &'a mut dyn Observer) -> Self {
+        let events = EventWriter::create(&out_dir.join(tensorboard::DIR))
+            .map_err(|e| tracing::warn!("no TensorBoard events: {e}"))
+            .ok();
+        Logged { inner, events }
+    }
+
+    fn write(&mut self, f: impl FnOnce(&mut EventWriter) -> Result<()>) {
+        if let Some(events) = &mut self.events {
+            if let Err(e) = f(events) {
+                tracing::warn!("TensorBoard events stop here: {e}");
+                self.events = None;
+            }
+        }
+    }
+}
+
+impl Observer for Logged<'_> {
+    fn batch(&mut self, status: &BatchStatus) {
+        if status.stepped {
+            self.write(|w| {
+                w.scalars(
+                    status.step,
+                    [
+                        ("step/total_loss", status.loss),
+                        ("step/learning_rate", status.lr),
+                    ],
+                )
+            });
+        }
+        self.inner.batch(status);
+    }
+    fn validating(&mut self, batches: usize) {
+        self.inner.validating(batches);
+    }
+    fn epoch(&mut self, record: &EpochRecord, improved: bool) {
+        self.write(|w| w.epoch(record, improved));
+        self.inner.epoch(record, improved);
+    }
+    fn should_stop(&mut self) -> bool {
+        self.inner.should_stop()
+    }
+    fn interrupted(&mut self) -> bool {
+        self.inner.interrupted()
+    }
+}
 
 /// What [`fit`] leaves behind.
 #[derive(Clone, Debug)]
@@ -132,6 +194,9 @@ pub mod files {
     pub const BEST: &str = "checkpoints/best.safetensors";
     /// Per-epoch metrics.
     pub const METRICS: &str = "metrics.csv";
+    /// Pretraining: the UniFrac distance and the embeddings' predicted
+    /// distance of each pair of samples within a validation batch, best epoch.
+    pub const VAL_UNIFRAC: &str = "val_unifrac.tsv";
     /// Validation predictions of the best epoch.
     pub const VAL_PREDICTIONS: &str = "val_predictions.tsv";
     /// Device memory per phase of the training step (`--memory-profile`).
@@ -256,7 +321,9 @@ pub fn batch_tensors<B: Backend>(
         base,
         counts: Some(counts),
         target,
-        sample_weights: None,
+        sample_weights: batch.weights.as_ref().map(|w| {
+            Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [b]), device)
+        }),
     };
     (input, targets)
 }
@@ -512,6 +579,8 @@ where
     AB::InnerBackend: AttentionBackend,
 {
     run.validate()?;
+    let mut logged = Logged::new(out_dir, observer);
+    let observer: &mut dyn Observer = &mut logged;
     let device = devices
         .first()
         .ok_or_else(|| TrainError::arg("devices", "names no device"))?;
@@ -651,7 +720,7 @@ where
                     let eval_model = valid(trainer.lead.model());
                     validate(&eval_model, loader, &run, &data, classifier, slots, device)?
                 }
-                None => (BTreeMap::new(), Vec::new()),
+                None => (BTreeMap::new(), ValRows::default()),
             };
             let (record, improved) = trainer.end_epoch(epoch, training, validation, &val_rows)?;
             observer.epoch(&record, improved);
@@ -886,6 +955,8 @@ where
                 loss: total,
                 lr: last_lr,
                 samples_per_sec: seen as f64 / started.elapsed().as_secs_f64().max(1e-9),
+                step: self.progress.global_step,
+                stepped,
             });
             if stepped {
                 interrupted = observer.interrupted();
@@ -1139,7 +1210,7 @@ where
         epoch: usize,
         training: EpochTraining,
         validation: BTreeMap<String, f64>,
-        val_rows: &[PredictionRow],
+        val_rows: &ValRows,
     ) -> Result<(EpochRecord, bool)> {
         let run = self.setup.run;
         let progress = &mut self.progress;
@@ -1197,8 +1268,11 @@ where
         let (last, best) = (out(files::LAST), out(files::BEST));
         if improved {
             self.write_checkpoint(&[&last, &best])?;
-            if !val_rows.is_empty() {
-                write_predictions(&out(files::VAL_PREDICTIONS), val_rows)?;
+            if !val_rows.targets.is_empty() {
+                write_predictions(&out(files::VAL_PREDICTIONS), &val_rows.targets)?;
+            }
+            if !val_rows.pairs.is_empty() {
+                write_pairs(&out(files::VAL_UNIFRAC), &val_rows.pairs)?;
             }
         } else {
             self.write_checkpoint(&[&last])?;
@@ -1219,6 +1293,16 @@ pub fn valid<AB: AutodiffBackend>(model: &AamModel<AB>) -> AamModel<AB::InnerBac
 /// One validation row: sample, prediction(s) and actual value, in original units.
 type PredictionRow = (String, Vec<String>, String);
 
+/// What validation predicted, for the best epoch's files.
+#[derive(Default)]
+struct ValRows {
+    /// Target predictions (`train`).
+    targets: Vec<PredictionRow>,
+    /// Pairs of samples of a batch: their UniFrac distance and the
+    /// distance of their embeddings (`pretrain`).
+    pairs: Vec<(String, String, f64, f64)>,
+}
+
 /// Validation losses and metrics (§3.6), and the predictions for the TSV.
 fn validate<B: AttentionBackend>(
     model: &AamModel<B>,
@@ -1228,13 +1312,14 @@ fn validate<B: AttentionBackend>(
     classifier: bool,
     slots: Slots,
     device: &B::Device,
-) -> Result<(BTreeMap<String, f64>, Vec<PredictionRow>)> {
+) -> Result<(BTreeMap<String, f64>, ValRows)> {
     let mut means = Means::default();
     let mut pairs = RegressionMetrics::default();
     let mut targets_metrics = RegressionMetrics::default();
     let mut classes = ClassificationMetrics::default();
     let (mut nuc_hits, mut nuc_total) = (0.0, 0.0);
     let mut rows = Vec::new();
+    let mut pair_rows = Vec::new();
     let return_nucleotides = run.loss.nuc_penalty > 0.0;
     for batch in loader.epoch(0) {
         let batch = batch?;
@@ -1271,6 +1356,12 @@ fn validate<B: AttentionBackend>(
                 for j in i + 1..b {
                     pp.push(p[i * b + j] as f64);
                     tt.push(t[i * b + j] as f64);
+                    pair_rows.push((
+                        batch.sample_ids[i].clone(),
+                        batch.sample_ids[j].clone(),
+                        t[i * b + j] as f64,
+                        p[i * b + j] as f64,
+                    ));
                 }
             }
             pairs.update(&pp, &tt);
@@ -1305,22 +1396,129 @@ fn validate<B: AttentionBackend>(
         out.insert("accuracy".into(), classes.accuracy());
         out.insert("f1".into(), classes.f1());
     }
-    Ok((out, rows))
+    let passes = run.val_prediction_passes;
+    if passes > 1 && run.asv_sampling == aam_data::AsvSampling::Random && !rows.is_empty() {
+        rows = averaged_predictions(
+            model, loader, run, data, classifier, slots, device, &mut out,
+        )?;
+    }
+    Ok((
+        out,
+        ValRows {
+            targets: rows,
+            pairs: pair_rows,
+        },
+    ))
 }
 
-/// Denormalised predictions of one batch, into the metrics and TSV rows.
-fn target_rows<B: Backend>(
-    pred: &TargetPrediction<B>,
-    batch: &Batch,
+/// Target predictions averaged over `run.val_prediction_passes` passes of
+/// the validation samples, each with the random ASV draws of its own
+/// epoch stream: the rows for the TSV, and the metrics of `out`
+/// (`mae`, `mse`, `r2`, or `accuracy`, `f1`) recomputed from them. A
+/// regressor's outputs are averaged in the model's (normalised) units and
+/// then denormalised; a classifier's class probabilities are averaged.
+#[allow(clippy::too_many_arguments)]
+fn averaged_predictions<B: AttentionBackend>(
+    model: &AamModel<B>,
+    loader: &BatchLoader,
+    run: &RunConfig,
     data: &TrainData,
     classifier: bool,
-    metrics: &mut RegressionMetrics,
-    classes: &mut ClassificationMetrics,
-    rows: &mut Vec<PredictionRow>,
-) {
-    let b = batch.batch_size();
-    // Point predictions [B, out]; quantile models report the middle quantile.
-    let (values, width) = match pred {
+    slots: Slots,
+    device: &B::Device,
+    out: &mut BTreeMap<String, f64>,
+) -> Result<Vec<PredictionRow>> {
+    let passes = run.val_prediction_passes;
+    // Per dataset position: the sum over passes of the outputs, and the batch
+    // order of first sight (the TSV's order) with the sample's class.
+    let mut sums: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
+    let mut order: Vec<(usize, String, Option<usize>)> = Vec::new();
+    for pass in 0..passes as u64 {
+        for batch in loader.epoch(pass) {
+            let batch = batch?;
+            let b = batch.batch_size();
+            let (input, _) = batch_tensors::<B>(&batch, device, classifier, slots);
+            let predictions = {
+                let _autocast = autocast(run.mixed_precision);
+                predict_batch(model, input, false)
+            };
+            let Some(pred) = predictions.target else {
+                continue;
+            };
+            let (values, width) = point_predictions(&pred, b);
+            for (i, &pos) in batch.positions.iter().enumerate() {
+                let row = &values[i * width..(i + 1) * width];
+                let row: Vec<f64> = if classifier {
+                    row.iter().map(|&x| (x as f64).exp()).collect()
+                } else {
+                    row.iter().map(|&x| x as f64).collect()
+                };
+                match sums.get_mut(&pos) {
+                    Some(sum) => sum.iter_mut().zip(&row).for_each(|(s, x)| *s += x),
+                    None => {
+                        let truth = batch.targets.as_ref().map(|t| t[i] as usize);
+                        order.push((pos, batch.sample_ids[i].clone(), truth));
+                        sums.insert(pos, row);
+                    }
+                }
+            }
+        }
+    }
+    let mut metrics = RegressionMetrics::default();
+    let mut classes = ClassificationMetrics::default();
+    let raw = data.dataset.targets();
+    let label = |c: usize| {
+        data.info
+            .class_labels
+            .as_ref()
+            .and_then(|l| l.get(c).cloned())
+            .unwrap_or_else(|| c.to_string())
+    };
+    let mut rows = Vec::with_capacity(order.len());
+    for (pos, id, truth) in order {
+        let mean: Vec<f64> = sums[&pos].iter().map(|s| s / passes as f64).collect();
+        if classifier {
+            let predicted = mean
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map_or(0, |(c, _)| c);
+            let truth = truth.unwrap_or(0);
+            classes.update(truth, predicted);
+            rows.push((id, vec![label(predicted)], label(truth)));
+        } else {
+            let key = category_key(data, pos);
+            let denorm: Vec<f64> = mean
+                .iter()
+                .map(|&x| match &data.info.transforms.target {
+                    Some(n) => n.denormalize(x, key.as_deref()),
+                    None => x,
+                })
+                .collect();
+            let actual = raw.map_or(f64::NAN, |r| r[pos]);
+            metrics.update(&denorm[..1], &[actual]);
+            rows.push((
+                id,
+                denorm.iter().map(|v| format!("{v}")).collect(),
+                format!("{actual}"),
+            ));
+        }
+    }
+    if classifier {
+        out.insert("accuracy".into(), classes.accuracy());
+        out.insert("f1".into(), classes.f1());
+    } else if metrics.count() > 0 {
+        out.insert("mae".into(), metrics.mae());
+        out.insert("mse".into(), metrics.mse());
+        out.insert("r2".into(), metrics.r2());
+    }
+    Ok(rows)
+}
+
+/// A batch's point predictions `[B, width]` as f32: a quantile model's
+/// middle quantile.
+fn point_predictions<B: Backend>(pred: &TargetPrediction<B>, b: usize) -> (Vec<f32>, usize) {
+    match pred {
         TargetPrediction::Point(p) => {
             let [_, out] = p.dims();
             (
@@ -1343,7 +1541,21 @@ fn target_rows<B: Backend>(
                 out,
             )
         }
-    };
+    }
+}
+
+/// Denormalised predictions of one batch, into the metrics and TSV rows.
+fn target_rows<B: Backend>(
+    pred: &TargetPrediction<B>,
+    batch: &Batch,
+    data: &TrainData,
+    classifier: bool,
+    metrics: &mut RegressionMetrics,
+    classes: &mut ClassificationMetrics,
+    rows: &mut Vec<PredictionRow>,
+) {
+    // Point predictions [B, out]; quantile models report the middle quantile.
+    let (values, width) = point_predictions(pred, batch.batch_size());
     let raw = data.dataset.targets();
     for (i, &pos) in batch.positions.iter().enumerate() {
         let row = &values[i * width..(i + 1) * width];
@@ -1413,6 +1625,15 @@ fn write_predictions(path: &Path, rows: &[PredictionRow]) -> Result<()> {
     text.push_str("\tactual\n");
     for (id, pred, actual) in rows {
         text.push_str(&format!("{id}\t{}\t{actual}\n", pred.join("\t")));
+    }
+    write_atomic(path, text.as_bytes())?;
+    Ok(())
+}
+
+fn write_pairs(path: &Path, pairs: &[(String, String, f64, f64)]) -> Result<()> {
+    let mut text = String::from("sample_a\tsample_b\tunifrac\tpredicted\n");
+    for (a, b, actual, predicted) in pairs {
+        text.push_str(&format!("{a}\t{b}\t{actual}\t{predicted}\n"));
     }
     write_atomic(path, text.as_bytes())?;
     Ok(())

@@ -108,6 +108,7 @@ pub(crate) fn run_config() -> RunConfig {
         unifrac_pairs: Default::default(),
         checkpoint_every_steps: None,
         skip_nonfinite_batches: false,
+        val_prediction_passes: 1,
     }
 }
 
