@@ -22,8 +22,8 @@ use std::process::ExitCode;
 /// (`tracing`'s filter syntax, default `info` without CubeCL's autotune
 /// lines), and CubeCL's compiled
 /// kernels kept on disk between runs (GPU builds).
-/// Once [`log_to_file`] names a file, the same lines go there too, with
-/// their time.
+/// From [`keep_log`] on, the same lines also go to the file that
+/// [`log_to_file`] names, with their time.
 pub fn init() {
     use tracing_subscriber::prelude::*;
     let filter = || {
@@ -50,16 +50,32 @@ pub fn init() {
     aam_models::persist_compiled_kernels();
 }
 
-/// The file that [`log_to_file`] opened, if any.
-static LOG_FILE: std::sync::Mutex<Option<std::fs::File>> = std::sync::Mutex::new(None);
+/// Where the log lines' copy goes: held in memory from [`keep_log`] until
+/// [`log_to_file`] names the file.
+struct LogSink {
+    file: Option<std::fs::File>,
+    pending: Option<Vec<u8>>,
+}
 
-/// The log lines' writer into [`LOG_FILE`] (nothing before it is opened).
+static LOG_SINK: std::sync::Mutex<LogSink> = std::sync::Mutex::new(LogSink {
+    file: None,
+    pending: None,
+});
+
+fn log_sink() -> std::sync::MutexGuard<'static, LogSink> {
+    LOG_SINK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The log lines' writer into [`LOG_SINK`] (nothing before [`keep_log`]).
 struct LogFile;
 
 impl std::io::Write for LogFile {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if let Some(file) = LOG_FILE.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        let mut sink = log_sink();
+        if let Some(file) = sink.file.as_mut() {
             file.write_all(buf)?;
+        } else if let Some(pending) = sink.pending.as_mut() {
+            pending.extend_from_slice(buf);
         }
         Ok(buf.len())
     }
@@ -68,14 +84,29 @@ impl std::io::Write for LogFile {
     }
 }
 
-/// Also writes the log to `path` from now on (appended: a resumed run
-/// continues its run's log), as the reference's `training.log`.
+/// Keeps the log lines from now on, for the file [`log_to_file`] will name
+/// (a run's output folder is made only once its options are checked).
+pub fn keep_log() {
+    let mut sink = log_sink();
+    if sink.file.is_none() && sink.pending.is_none() {
+        sink.pending = Some(Vec::new());
+    }
+}
+
+/// Writes the log to `path` from now on, starting with the lines kept since
+/// [`keep_log`] (appended: a resumed run continues its run's log), as the
+/// reference's `training.log`.
 pub fn log_to_file(path: &std::path::Path) -> std::io::Result<()> {
-    let file = std::fs::OpenOptions::new()
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(path)?;
-    *LOG_FILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(file);
+    let mut sink = log_sink();
+    if let Some(pending) = sink.pending.take() {
+        file.write_all(&pending)?;
+    }
+    sink.file = Some(file);
     Ok(())
 }
 

@@ -502,10 +502,7 @@ fn apply_reference(
     optim: &mut OptimArgs,
     model: &ModelArgs,
 ) -> Result<()> {
-    std::fs::create_dir_all(&run.output_dir)
-        .with_context(|| format!("creating --output-dir {}", run.output_dir.display()))?;
-    let log = run.output_dir.join("training.log");
-    aam_cli::log_to_file(&log).with_context(|| format!("opening {}", log.display()))?;
+    aam_cli::keep_log();
     tracing::info!(
         "aam-rs {}: {}",
         env!("CARGO_PKG_VERSION"),
@@ -894,6 +891,8 @@ fn start(
     run.unifrac_pairs = r.parallel.unifrac_pairs;
     std::fs::create_dir_all(&r.output_dir)
         .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
+    let log = r.output_dir.join("training.log");
+    aam_cli::log_to_file(&log).with_context(|| format!("opening {}", log.display()))?;
     let (train_file, val_file) = match run.task {
         Task::Pretrain => ("train_sample_ids.txt", "val_sample_ids.txt"),
         Task::Train => ("train_samples.txt", "val_samples.txt"),
