@@ -11,8 +11,11 @@
 //! `backends` (what this binary can run on, here), `inspect` (check a run's
 //! inputs), `diagnose attention` (does this platform compute attention
 //! correctly?), `diagnose gradients` (does this backend's training step
-//! give the CPU's gradients on my data?) and `unifrac` (a UniFrac matrix
-//! from a table and a tree, `aam-unifrac`). Training's progress bars are
+//! give the CPU's gradients on my data?), `unifrac` (a UniFrac matrix
+//! from a table and a tree, `aam-unifrac`) and `rf-baseline` (the
+//! reference's random forest, `aam-baseline`). The reference's options that
+//! aam-rs answers differently are applied or noted by `train.rs`'s
+//! `apply_reference` and `aam_cli::args::ReferenceArgs`. Training's progress bars are
 //! `progress.rs`; `stop.rs` turns SIGTERM/SIGUSR1 into a checkpoint at the
 //! next step and exit status 75. The flag groups several commands
 //! share and the backend choice are the crate's library (`aam_cli::args`,

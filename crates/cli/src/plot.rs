@@ -47,10 +47,6 @@ fn range(values: impl Iterator<Item = f64>) -> (f64, f64) {
 
 /// `plots/loss.png`: every training and validation loss per epoch.
 pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
-    if history.is_empty() {
-        return Ok(());
-    }
-    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     let mut keys: Vec<&String> = history
         .iter()
         .flat_map(|r| r.train.keys())
@@ -58,13 +54,43 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
         .collect();
     keys.sort();
     keys.dedup();
+    let keys: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
+    epoch_curves(out_dir, "loss", "losses per epoch", "loss", &keys, history, None)
+}
+
+/// `plots/nuc_accuracy.png`: training and validation accuracy of the
+/// masked-nucleotide prediction per epoch (runs that have the loss).
+pub fn nucleotide_accuracy(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
+    epoch_curves(
+        out_dir,
+        "nuc_accuracy",
+        "masked-nucleotide accuracy per epoch",
+        "accuracy",
+        &["nuc_accuracy"],
+        history,
+        Some((0.0, 1.0)),
+    )
+}
+
+/// `plots/<name>.png`: the training and validation values of `keys` per
+/// epoch (nothing when none has a finite value).
+fn epoch_curves(
+    out_dir: &Path,
+    name: &str,
+    title: &str,
+    y_desc: &str,
+    keys: &[&str],
+    history: &[EpochRecord],
+    y_range: Option<(f64, f64)>,
+) -> Result<()> {
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     for k in keys {
         for (side, pick) in [("train", true), ("val", false)] {
             let points: Vec<(f64, f64)> = history
                 .iter()
                 .filter_map(|r| {
                     (if pick { &r.train } else { &r.validation })
-                        .get(k)
+                        .get(*k)
                         .map(|v| ((r.epoch + 1) as f64, *v))
                 })
                 .filter(|(_, v)| v.is_finite())
@@ -74,13 +100,17 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
             }
         }
     }
-    let (y0, y1) = range(series.iter().flat_map(|(_, p)| p.iter().map(|(_, y)| *y)));
+    if series.is_empty() {
+        return Ok(());
+    }
+    let (y0, y1) = y_range
+        .unwrap_or_else(|| range(series.iter().flat_map(|(_, p)| p.iter().map(|(_, y)| *y))));
     let epochs = history.last().map_or(1, |r| r.epoch + 1) as f64;
-    atomic_png(&out_dir.join("plots/loss.png"), |path| {
+    atomic_png(&out_dir.join(format!("plots/{name}.png")), |path| {
         let root = BitMapBackend::new(path, (1000, 640)).into_drawing_area();
         root.fill(&WHITE)?;
         let mut chart = ChartBuilder::on(&root)
-            .caption("losses per epoch", ("sans-serif", 24))
+            .caption(title, ("sans-serif", 24))
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
@@ -88,7 +118,7 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
         chart
             .configure_mesh()
             .x_desc("epoch")
-            .y_desc("loss")
+            .y_desc(y_desc)
             .draw()?;
         for (i, (name, points)) in series.iter().enumerate() {
             let color = Palette99::pick(i / 2).to_rgba();
@@ -115,61 +145,6 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
 /// `plots/val_predictions.png`: predicted against true values (original units).
 pub fn predicted_vs_true(out_dir: &Path, pairs: &[(f64, f64)], title: &str) -> Result<()> {
     scatter(out_dir, "val_predictions", pairs, title, ("true", "predicted"))
-}
-
-/// `plots/nuc_accuracy.png`: training and validation accuracy of the
-/// masked-nucleotide prediction per epoch (runs that have the loss).
-pub fn nucleotide_accuracy(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
-    let key = "nuc_accuracy";
-    let series: Vec<(&str, Vec<(f64, f64)>)> = [("train", true), ("val", false)]
-        .into_iter()
-        .map(|(side, pick)| {
-            let points = history
-                .iter()
-                .filter_map(|r| {
-                    (if pick { &r.train } else { &r.validation })
-                        .get(key)
-                        .map(|v| ((r.epoch + 1) as f64, *v))
-                })
-                .filter(|(_, v)| v.is_finite())
-                .collect::<Vec<_>>();
-            (side, points)
-        })
-        .filter(|(_, p)| !p.is_empty())
-        .collect();
-    if series.is_empty() {
-        return Ok(());
-    }
-    let epochs = history.last().map_or(1, |r| r.epoch + 1) as f64;
-    atomic_png(&out_dir.join("plots/nuc_accuracy.png"), |path| {
-        let root = BitMapBackend::new(path, (1000, 640)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption("masked-nucleotide accuracy per epoch", ("sans-serif", 24))
-            .margin(12)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.5..epochs.max(1.0) + 0.5, 0.0..1.0)?;
-        chart
-            .configure_mesh()
-            .x_desc("epoch")
-            .y_desc("accuracy")
-            .draw()?;
-        for (i, (name, points)) in series.iter().enumerate() {
-            let style = Palette99::pick(i).to_rgba().stroke_width(2);
-            chart
-                .draw_series(LineSeries::new(points.iter().copied(), style).point_size(2))?
-                .label(*name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], style));
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()?;
-        root.present()?;
-        Ok(())
-    })
 }
 
 /// `plots/<name>.png`: predicted against true values, with the diagonal.

@@ -1074,16 +1074,11 @@ where
     crate::plot::nucleotide_accuracy(&r.output_dir, &summary.history)?;
     let best_epoch = summary.best.as_ref().map_or(0, |b| b.epoch + 1);
     if task == Task::Pretrain {
-        let tsv = r.output_dir.join(aam_train::run::files::VAL_UNIFRAC);
-        if let Ok(text) = std::fs::read_to_string(&tsv) {
-            // Columns: sample_a, sample_b, unifrac, predicted.
-            let pairs: Vec<(f64, f64)> = text
-                .lines()
-                .skip(1)
-                .filter_map(|line| {
-                    let cells: Vec<&str> = line.split('\t').collect();
-                    Some((cells.get(2)?.parse().ok()?, cells.get(3)?.parse().ok()?))
-                })
+        // Columns: sample_a, sample_b, unifrac, predicted.
+        if let Some(rows) = tsv_rows(&r.output_dir.join(aam_train::run::files::VAL_UNIFRAC)) {
+            let pairs: Vec<(f64, f64)> = rows
+                .iter()
+                .filter_map(|cells| Some((cells.get(2)?.parse().ok()?, cells.get(3)?.parse().ok()?)))
                 .collect();
             crate::plot::scatter(
                 &r.output_dir,
@@ -1095,16 +1090,12 @@ where
         }
     }
     if task == Task::Train && classifier {
-        let tsv = r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS);
-        if let (Ok(text), Some(labels)) = (std::fs::read_to_string(&tsv), class_labels.as_ref()) {
-            // Columns: sample_id, predicted label, actual label.
-            let pairs: Vec<(String, String)> = text
-                .lines()
-                .skip(1)
-                .filter_map(|line| {
-                    let cells: Vec<&str> = line.split('\t').collect();
-                    Some((cells.last()?.to_string(), cells.get(1)?.to_string()))
-                })
+        // Columns: sample_id, predicted label, actual label.
+        let rows = tsv_rows(&r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS));
+        if let (Some(rows), Some(labels)) = (rows, class_labels.as_ref()) {
+            let pairs: Vec<(String, String)> = rows
+                .iter()
+                .filter_map(|cells| Some((cells.last()?.clone(), cells.get(1)?.clone())))
                 .collect();
             crate::plot::confusion_matrix(
                 &r.output_dir,
@@ -1115,16 +1106,11 @@ where
         }
     }
     if task == Task::Train && !classifier {
-        let tsv = r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS);
-        if let Ok(text) = std::fs::read_to_string(&tsv) {
-            // Columns: sample_id, prediction (first output), ..., actual.
-            let pairs: Vec<(f64, f64)> = text
-                .lines()
-                .skip(1)
-                .filter_map(|line| {
-                    let cells: Vec<&str> = line.split('\t').collect();
-                    Some((cells.last()?.parse().ok()?, cells.get(1)?.parse().ok()?))
-                })
+        // Columns: sample_id, prediction (first output), ..., actual.
+        if let Some(rows) = tsv_rows(&r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS)) {
+            let pairs: Vec<(f64, f64)> = rows
+                .iter()
+                .filter_map(|cells| Some((cells.last()?.parse().ok()?, cells.get(1)?.parse().ok()?)))
                 .collect();
             crate::plot::predicted_vs_true(
                 &r.output_dir,
@@ -1144,6 +1130,17 @@ where
         None => tracing::warn!("no epoch produced a finite {}", "metric"),
     }
     Ok(())
+}
+
+/// The cells of a TSV the run wrote, header skipped (None when it wrote none).
+fn tsv_rows(path: &Path) -> Option<Vec<Vec<String>>> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(
+        text.lines()
+            .skip(1)
+            .map(|line| line.split('\t').map(str::to_string).collect())
+            .collect(),
+    )
 }
 
 /// The reference's files, in PyTorch's format (`aam_train::torch`):

@@ -8,7 +8,9 @@
 //! (§4.1–4.2: [`optim`], [`schedule`]), checkpoints ([`checkpoint`]) and the
 //! epoch loop with validation, early stopping and logs (§4.3–4.4:
 //! [`run::fit`]), generic over any Burn autodiff backend that implements the
-//! attention extension; data-parallel steps over several devices
+//! attention extension, with the run's scalars in TensorBoard event files
+//! ([`tensorboard`]) and the reference's checkpoint files in PyTorch's
+//! format ([`torch`]); data-parallel steps over several devices
 //! ([`parallel`]: one replica per device, each on its own thread, gradients
 //! summed by NCCL on CUDA or through the host, UniFrac pairs across the whole
 //! global batch); and [`gradcheck`], which compares a

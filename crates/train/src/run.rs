@@ -1466,7 +1466,6 @@ fn averaged_predictions<B: AttentionBackend>(
     }
     let mut metrics = RegressionMetrics::default();
     let mut classes = ClassificationMetrics::default();
-    let raw = data.dataset.targets();
     let label = |c: usize| {
         data.info
             .class_labels
@@ -1487,21 +1486,7 @@ fn averaged_predictions<B: AttentionBackend>(
             classes.update(truth, predicted);
             rows.push((id, vec![label(predicted)], label(truth)));
         } else {
-            let key = category_key(data, pos);
-            let denorm: Vec<f64> = mean
-                .iter()
-                .map(|&x| match &data.info.transforms.target {
-                    Some(n) => n.denormalize(x, key.as_deref()),
-                    None => x,
-                })
-                .collect();
-            let actual = raw.map_or(f64::NAN, |r| r[pos]);
-            metrics.update(&denorm[..1], &[actual]);
-            rows.push((
-                id,
-                denorm.iter().map(|v| format!("{v}")).collect(),
-                format!("{actual}"),
-            ));
+            regression_row(data, pos, id, mean.into_iter(), &mut metrics, &mut rows);
         }
     }
     if classifier {
@@ -1556,7 +1541,6 @@ fn target_rows<B: Backend>(
 ) {
     // Point predictions [B, out]; quantile models report the middle quantile.
     let (values, width) = point_predictions(pred, batch.batch_size());
-    let raw = data.dataset.targets();
     for (i, &pos) in batch.positions.iter().enumerate() {
         let row = &values[i * width..(i + 1) * width];
         let id = batch.sample_ids[i].clone();
@@ -1577,23 +1561,35 @@ fn target_rows<B: Backend>(
             };
             rows.push((id, vec![label(predicted)], label(truth)));
         } else {
-            let key = category_key(data, pos);
-            let denorm: Vec<f64> = row
-                .iter()
-                .map(|&x| match &data.info.transforms.target {
-                    Some(n) => n.denormalize(x as f64, key.as_deref()),
-                    None => x as f64,
-                })
-                .collect();
-            let actual = raw.map_or(f64::NAN, |r| r[pos]);
-            metrics.update(&denorm[..1], &[actual]);
-            rows.push((
-                id,
-                denorm.iter().map(|v| format!("{v}")).collect(),
-                format!("{actual}"),
-            ));
+            regression_row(data, pos, id, row.iter().map(|&x| x as f64), metrics, rows);
         }
     }
+}
+
+/// A regressor's outputs for the sample at `pos`, in original units, into
+/// the metrics (first output) and the TSV rows.
+fn regression_row(
+    data: &TrainData,
+    pos: usize,
+    id: String,
+    outputs: impl Iterator<Item = f64>,
+    metrics: &mut RegressionMetrics,
+    rows: &mut Vec<PredictionRow>,
+) {
+    let key = category_key(data, pos);
+    let denorm: Vec<f64> = outputs
+        .map(|x| match &data.info.transforms.target {
+            Some(n) => n.denormalize(x, key.as_deref()),
+            None => x,
+        })
+        .collect();
+    let actual = data.dataset.targets().map_or(f64::NAN, |r| r[pos]);
+    metrics.update(&denorm[..1], &[actual]);
+    rows.push((
+        id,
+        denorm.iter().map(|v| format!("{v}")).collect(),
+        format!("{actual}"),
+    ));
 }
 
 /// The per-category normalisation key of a sample (None without one).
