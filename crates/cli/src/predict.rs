@@ -1,13 +1,14 @@
 //! `aam-rs predict`: a `train` checkpoint + a BIOM table → a TSV of
 //! predictions in the target's original units (reference §5.3, with its
 //! §8 items 1–2 fixed: the architecture, normalisation statistics, class
-//! labels and rarefaction depth all come from the checkpoint). The work is
+//! labels and rarefaction depth all come from the checkpoint), and its
+//! multi-pass mode (`--prediction-passes`, `--output-variance`). The work is
 //! `aam_infer::Model::predict`'s, as in a service.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use aam_data::{write_atomic, IdList, Metadata, SampleReads};
+use aam_data::{write_atomic, AsvSampling, IdList, Metadata, SampleReads};
 use aam_infer::{Model, Options, Prediction, Predictions};
 use aam_models::AttentionBackend;
 use anyhow::{ensure, Context, Result};
@@ -15,7 +16,6 @@ use clap::Args;
 
 use aam_cli::args::{serde_value, DeviceKind};
 use aam_cli::backend::BackendKind;
-use aam_data::AsvSampling;
 
 /// Flags of `aam-rs predict`.
 #[derive(Args, Debug)]
