@@ -462,8 +462,8 @@ pub struct ReferenceArgs {
     /// Reference: torch.compile. aam-rs is compiled; nothing to do.
     #[arg(long)]
     pub compile_model: bool,
-    /// Reference: TF32 matmuls on Ampere+. aam-rs computes in f32 (or
-    /// --mixed-precision); nothing changes.
+    /// Reference: TF32 matmuls on Ampere+. aam-rs's f32 matrix products on
+    /// CUDA use TF32 tensor cores already; nothing changes.
     #[arg(long)]
     pub tf32: bool,
     /// Reference: PyTorch's CUDA allocator setting. CubeCL's memory pools
@@ -497,7 +497,7 @@ impl ReferenceArgs {
         }
         for (given, note) in [
             (self.compile_model, "--compile-model: aam-rs is compiled Rust and CubeCL kernels; there is nothing to compile"),
-            (self.tf32, "--tf32: matrix products run in f32 (or the --mixed-precision type); TF32 is not used"),
+            (self.tf32, "--tf32: f32 matrix products on CUDA use TF32 tensor cores already (the CPU and the other backends compute in f32); nothing changes"),
             (self.use_expandable_segments, "--use-expandable-segments: CubeCL's memory pools manage device memory; there is no PyTorch allocator to set"),
             (self.no_sequence_cache, "--no-sequence-cache: each ASV is tokenised once when the table is read; there is no cache to turn off"),
         ] {
