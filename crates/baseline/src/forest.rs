@@ -29,11 +29,7 @@ pub enum MaxFeatures {
 impl std::str::FromStr for MaxFeatures {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || {
-            format!(
-                "`{s}` is not sqrt, log2, all, a count ≥ 1 or a fraction in (0, 1]"
-            )
-        };
+        let bad = || format!("`{s}` is not sqrt, log2, all, a count ≥ 1 or a fraction in (0, 1]");
         match s.trim() {
             "sqrt" | "auto" => Ok(Self::Sqrt),
             "log2" => Ok(Self::Log2),
@@ -165,10 +161,7 @@ impl Forest {
                     reason: e.to_string(),
                 })?
                 .install(|| (0..config.n_estimators).into_par_iter().map(grow).collect()),
-            None => (0..config.n_estimators)
-                .into_par_iter()
-                .map(grow)
-                .collect(),
+            None => (0..config.n_estimators).into_par_iter().map(grow).collect(),
         };
         Ok(Forest {
             trees,
@@ -320,7 +313,15 @@ mod tests {
             assert!((p - t).abs() < 1e-9, "{p} vs {t}");
         }
         // The same seed, another thread count: the same forest.
-        let one = Forest::fit(&x, &y, &ForestConfig { threads: Some(1), ..config }).unwrap();
+        let one = Forest::fit(
+            &x,
+            &y,
+            &ForestConfig {
+                threads: Some(1),
+                ..config
+            },
+        )
+        .unwrap();
         assert_eq!(one.predict(&x), predicted);
     }
 

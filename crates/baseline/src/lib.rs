@@ -162,7 +162,8 @@ impl Features {
         };
         for (i, _) in keep.iter().enumerate().filter(|(_, &k)| k) {
             out.ids.push(self.ids[i].clone());
-            out.values.extend_from_slice(&self.values[i * p..(i + 1) * p]);
+            out.values
+                .extend_from_slice(&self.values[i * p..(i + 1) * p]);
         }
         out
     }

@@ -392,7 +392,9 @@ impl ParallelArgs {
             notes.push("--fsdp-sharded-checkpoint: checkpoints are one file, whatever the number of devices".into());
         }
         if self.sync_batchnorm {
-            notes.push("--sync-batchnorm: the model has no BatchNorm layer; nothing to synchronise".into());
+            notes.push(
+                "--sync-batchnorm: the model has no BatchNorm layer; nothing to synchronise".into(),
+            );
         }
         notes
     }

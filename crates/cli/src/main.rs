@@ -84,8 +84,7 @@ fn main() -> ExitCode {
     aam_cli::init();
     // `train --categorical-help` prints its guide without the required flags.
     let argv: Vec<String> = std::env::args().collect();
-    if argv.get(1).is_some_and(|c| c == "train") && argv.iter().any(|a| a == "--categorical-help")
-    {
+    if argv.get(1).is_some_and(|c| c == "train") && argv.iter().any(|a| a == "--categorical-help") {
         print!("{}", train::CATEGORICAL_HELP);
         return ExitCode::SUCCESS;
     }

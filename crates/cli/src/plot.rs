@@ -55,7 +55,15 @@ pub fn loss_curves(out_dir: &Path, history: &[EpochRecord]) -> Result<()> {
     keys.sort();
     keys.dedup();
     let keys: Vec<&str> = keys.iter().map(|k| k.as_str()).collect();
-    epoch_curves(out_dir, "loss", "losses per epoch", "loss", &keys, history, None)
+    epoch_curves(
+        out_dir,
+        "loss",
+        "losses per epoch",
+        "loss",
+        &keys,
+        history,
+        None,
+    )
 }
 
 /// `plots/nuc_accuracy.png`: training and validation accuracy of the
@@ -144,7 +152,13 @@ fn epoch_curves(
 
 /// `plots/val_predictions.png`: predicted against true values (original units).
 pub fn predicted_vs_true(out_dir: &Path, pairs: &[(f64, f64)], title: &str) -> Result<()> {
-    scatter(out_dir, "val_predictions", pairs, title, ("true", "predicted"))
+    scatter(
+        out_dir,
+        "val_predictions",
+        pairs,
+        title,
+        ("true", "predicted"),
+    )
 }
 
 /// `plots/<name>.png`: predicted against true values, with the diagonal.
@@ -155,7 +169,12 @@ pub fn scatter(
     title: &str,
     axes: (&str, &str),
 ) -> Result<()> {
-    scatter_file(&out_dir.join(format!("plots/{name}.png")), pairs, title, axes)
+    scatter_file(
+        &out_dir.join(format!("plots/{name}.png")),
+        pairs,
+        title,
+        axes,
+    )
 }
 
 /// A scatter plot of `pairs` (x, y) with the diagonal, written to `file`.

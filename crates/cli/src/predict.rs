@@ -132,12 +132,7 @@ pub fn run(mut args: PredictArgs) -> Result<()> {
         });
     }
     text.push('\n');
-    for (i, (id, prediction)) in predictions
-        .ids
-        .iter()
-        .zip(&predictions.values)
-        .enumerate()
-    {
+    for (i, (id, prediction)) in predictions.ids.iter().zip(&predictions.values).enumerate() {
         let mut cells: Vec<String> = match prediction {
             Prediction::Values(v) => v.iter().map(|x| x.to_string()).collect(),
             Prediction::Quantiles(q) => q.iter().flatten().map(|x| x.to_string()).collect(),

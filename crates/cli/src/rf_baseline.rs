@@ -52,7 +52,11 @@ fn read_ids(path: &Path, flag: &str) -> Result<Vec<String>> {
         .with_context(|| format!("reading --{flag} {}", path.display()))?;
     let ids = aam_baseline::read_ids(&text)
         .map_err(|e| anyhow::anyhow!("--{flag} {}: {e}", path.display()))?;
-    ensure!(!ids.is_empty(), "--{flag} {}: no sample IDs", path.display());
+    ensure!(
+        !ids.is_empty(),
+        "--{flag} {}: no sample IDs",
+        path.display()
+    );
     Ok(ids)
 }
 
@@ -138,7 +142,10 @@ pub fn run(args: RfBaselineArgs) -> Result<()> {
     let started = std::time::Instant::now();
     let forest = Forest::fit(&train, &y_train, &config)?;
     let predicted = forest.predict(&validation);
-    tracing::info!("fitted and predicted in {:.1} s", started.elapsed().as_secs_f64());
+    tracing::info!(
+        "fitted and predicted in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     let m = Metrics::of(&y_val, &predicted);
     println!("R²: {:.3}", m.r2);
     println!("MAE: {:.3}", m.mae);

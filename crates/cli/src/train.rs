@@ -519,12 +519,7 @@ fn apply_reference(
 
 /// `aam-rs pretrain`.
 pub fn pretrain(mut args: PretrainArgs) -> Result<()> {
-    apply_reference(
-        &mut args.run,
-        &args.reference,
-        &mut args.optim,
-        &args.model,
-    )?;
+    apply_reference(&mut args.run, &args.reference, &mut args.optim, &args.model)?;
     let resume = resume_checkpoint(&args.run, Task::Pretrain)?;
     if resume.as_ref().is_some_and(already_complete) {
         return Ok(());
@@ -584,12 +579,7 @@ pub fn train(mut args: TrainArgs) -> Result<()> {
         print!("{CATEGORICAL_HELP}");
         return Ok(());
     }
-    apply_reference(
-        &mut args.run,
-        &args.reference,
-        &mut args.optim,
-        &args.model,
-    )?;
+    apply_reference(&mut args.run, &args.reference, &mut args.optim, &args.model)?;
     let resume = resume_checkpoint(&args.run, Task::Train)?;
     if resume.as_ref().is_some_and(already_complete) {
         return Ok(());
@@ -1078,7 +1068,9 @@ where
         if let Some(rows) = tsv_rows(&r.output_dir.join(aam_train::run::files::VAL_UNIFRAC)) {
             let pairs: Vec<(f64, f64)> = rows
                 .iter()
-                .filter_map(|cells| Some((cells.get(2)?.parse().ok()?, cells.get(3)?.parse().ok()?)))
+                .filter_map(|cells| {
+                    Some((cells.get(2)?.parse().ok()?, cells.get(3)?.parse().ok()?))
+                })
                 .collect();
             crate::plot::scatter(
                 &r.output_dir,
@@ -1110,7 +1102,9 @@ where
         if let Some(rows) = tsv_rows(&r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS)) {
             let pairs: Vec<(f64, f64)> = rows
                 .iter()
-                .filter_map(|cells| Some((cells.last()?.parse().ok()?, cells.get(1)?.parse().ok()?)))
+                .filter_map(|cells| {
+                    Some((cells.last()?.parse().ok()?, cells.get(1)?.parse().ok()?))
+                })
                 .collect();
             crate::plot::predicted_vs_true(
                 &r.output_dir,

@@ -514,7 +514,13 @@ fn reference_checkpoints_fine_tune_and_predict() {
     // A reference SequenceEncoder: D 32, 2 layers of 4 heads, 150 bp, 6 slots.
     let encoder = reference_fixture("encoder_unifrac");
     let converted = tmp.path().join("encoder");
-    run_ok(&args(&["convert", "--from", &s(&encoder), "--out", &s(&converted)]));
+    run_ok(&args(&[
+        "convert",
+        "--from",
+        &s(&encoder),
+        "--out",
+        &s(&converted),
+    ]));
     let tr = tmp.path().join("train");
     let mut a = tiny_train(&tr, 1, &demo("demo_map.txt"), "age");
     for (flag, value) in [
@@ -526,7 +532,11 @@ fn reference_checkpoints_fine_tune_and_predict() {
     ] {
         a = with(a, flag, value);
     }
-    a.extend(["--freeze-base".into(), "--pretrained-encoder".into(), s(&encoder)]);
+    a.extend([
+        "--freeze-base".into(),
+        "--pretrained-encoder".into(),
+        s(&encoder),
+    ]);
     let log = run_ok(&a);
     assert!(
         log.contains("loaded 89 tensors of the pre-trained encoder"),
@@ -552,11 +562,20 @@ fn reference_checkpoints_fine_tune_and_predict() {
     // A reference predictor predicts as its converted model does.
     let predictor = reference_fixture("predictor_default");
     let converted = tmp.path().join("predictor");
-    run_ok(&args(&["convert", "--from", &s(&predictor), "--out", &s(&converted)]));
+    run_ok(&args(&[
+        "convert",
+        "--from",
+        &s(&predictor),
+        "--out",
+        &s(&converted),
+    ]));
     let (from_pt, from_dir) = (tmp.path().join("pt.tsv"), tmp.path().join("dir.tsv"));
     predict(&predictor, &from_pt);
     predict(&converted, &from_dir);
-    let (pt, dir) = (numeric_predictions(&from_pt), numeric_predictions(&from_dir));
+    let (pt, dir) = (
+        numeric_predictions(&from_pt),
+        numeric_predictions(&from_dir),
+    );
     assert_eq!(pt.keys().cloned().collect::<BTreeSet<_>>(), demo_ids());
     assert_eq!(pt, dir);
     assert!(pt.values().all(|v| v.is_finite()));
@@ -622,7 +641,12 @@ fn every_reference_option_is_accepted() {
     let options = reference_options();
     let count = |c: &str| options.iter().filter(|o| o[0] == c).count();
     assert_eq!(
-        [count("pretrain"), count("train"), count("predict"), count("rf-baseline")],
+        [
+            count("pretrain"),
+            count("train"),
+            count("predict"),
+            count("rf-baseline")
+        ],
         [60, 101, 11, 11]
     );
     let mut rejected = Vec::new();
@@ -719,7 +743,10 @@ fn reference_options_run_end_to_end() {
     }
     // 48 training samples, batches of 8, 2 per step: 3 steps an epoch.
     let (_, rows) = metrics(&pre);
-    assert_eq!(rows.iter().map(|r| r["step"]).collect::<Vec<_>>(), [3.0, 6.0]);
+    assert_eq!(
+        rows.iter().map(|r| r["step"]).collect::<Vec<_>>(),
+        [3.0, 6.0]
+    );
     // TensorBoard: the reference's epoch tags, and a loss per step.
     let events: Vec<PathBuf> = std::fs::read_dir(pre.join("tensorboard"))
         .unwrap()
@@ -744,12 +771,19 @@ fn reference_options_run_end_to_end() {
         "train/learning_rate",
         "perf/samples_per_sec",
     ] {
-        assert_eq!(at(tag).iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2], "{tag}");
+        assert_eq!(
+            at(tag).iter().map(|p| p.0).collect::<Vec<_>>(),
+            [1, 2],
+            "{tag}"
+        );
     }
     let epoch_loss = at("train/total_loss");
     assert!((epoch_loss[0].1 as f64 - rows[0]["train_total_loss"]).abs() < 1e-4);
     assert_eq!(
-        at("step/total_loss").iter().map(|p| p.0).collect::<Vec<_>>(),
+        at("step/total_loss")
+            .iter()
+            .map(|p| p.0)
+            .collect::<Vec<_>>(),
         [1, 2, 3, 4, 5, 6]
     );
     // Pretraining's validation pairs and plots.
@@ -781,16 +815,31 @@ fn reference_options_run_end_to_end() {
         "--asv-sampling",
         "random",
     ]));
-    a.extend(["--pretrained-encoder".into(), s(&pre.join("checkpoints/best.safetensors"))]);
+    a.extend([
+        "--pretrained-encoder".into(),
+        s(&pre.join("checkpoints/best.safetensors")),
+    ]);
     let log = run_ok(&a);
-    assert!(log.contains("legacy target flags: --target-transform log-minmax"), "{log}");
+    assert!(
+        log.contains("legacy target flags: --target-transform log-minmax"),
+        "{log}"
+    );
     let (_, meta) = checkpoint_header(&tr.join("checkpoints/best.safetensors"));
-    assert_eq!(meta["data"]["transforms"]["target"]["transform"], "log-minmax");
-    assert_eq!(meta["run"]["loss"]["column_losses"], serde_json::json!(["mse"]));
+    assert_eq!(
+        meta["data"]["transforms"]["target"]["transform"],
+        "log-minmax"
+    );
+    assert_eq!(
+        meta["run"]["loss"]["column_losses"],
+        serde_json::json!(["mse"])
+    );
     assert_eq!(meta["model"]["bounded_targets"], true);
     assert_eq!(meta["model"]["cross_attn_heads"], 4);
     let err = run_err(&with(a.clone(), "--out-dim", "2"));
-    assert!(err.contains("--out-dim 2: a regressor of one column (age) has 1 output"), "{err}");
+    assert!(
+        err.contains("--out-dim 2: a regressor of one column (age) has 1 output"),
+        "{err}"
+    );
     let err = run_err(&with(a.clone(), "--loss-config", r#"{"5": "mse"}"#));
     assert!(err.contains("--loss-config: key \"5\""), "{err}");
 
@@ -824,7 +873,10 @@ fn reference_options_run_end_to_end() {
     };
     let (one, three) = (tmp.path().join("one"), tmp.path().join("three"));
     let log = run_ok(&passes("1", &one));
-    assert!(log.contains("target loss weights by age_group: old "), "{log}");
+    assert!(
+        log.contains("target loss weights by age_group: old "),
+        "{log}"
+    );
     run_ok(&passes("3", &three));
     let (_, meta) = checkpoint_header(&three.join("checkpoints/best.safetensors"));
     let weights = &meta["data"]["transforms"]["loss_weights"];
@@ -834,7 +886,10 @@ fn reference_options_run_end_to_end() {
         weights["weights"]["young"].as_f64().unwrap(),
     );
     assert!(w_old > 1.0 && w_young < 1.0, "{weights}");
-    assert_eq!(meta["model"]["conditional_scaling_columns"], serde_json::json!(["age_group"]));
+    assert_eq!(
+        meta["model"]["conditional_scaling_columns"],
+        serde_json::json!(["age_group"])
+    );
     assert_eq!(meta["run"]["val_prediction_passes"], 3);
     // The same training and first validation pass: the same losses; the
     // averaged predictions differ from the single pass's.
@@ -850,14 +905,36 @@ fn reference_options_run_end_to_end() {
         .map(|r| (r[1].parse::<f64>().unwrap() - r[2].parse::<f64>().unwrap()).abs())
         .sum::<f64>()
         / p3.len() as f64;
-    assert!((mae - r3[0]["val_mae"]).abs() < 1e-9 * mae.max(1.0), "{mae} vs {}", r3[0]["val_mae"]);
+    assert!(
+        (mae - r3[0]["val_mae"]).abs() < 1e-9 * mae.max(1.0),
+        "{mae} vs {}",
+        r3[0]["val_mae"]
+    );
 
     // predict: passes over random ASV draws, with their spread.
     let model = tr.join("checkpoints/best.safetensors");
     let out = tmp.path().join("passes.tsv");
-    let mut p = args(&["predict", "--model", &s(&model), "--table", &s(&demo("demo.biom"))]);
-    p.extend(args(&["--output", &s(&out), "--device", "cpu", "--no-sequence-cache"]));
-    p.extend(args(&["--asv-sampling", "random", "--prediction-passes", "4", "--output-variance"]));
+    let mut p = args(&[
+        "predict",
+        "--model",
+        &s(&model),
+        "--table",
+        &s(&demo("demo.biom")),
+    ]);
+    p.extend(args(&[
+        "--output",
+        &s(&out),
+        "--device",
+        "cpu",
+        "--no-sequence-cache",
+    ]));
+    p.extend(args(&[
+        "--asv-sampling",
+        "random",
+        "--prediction-passes",
+        "4",
+        "--output-variance",
+    ]));
     run_ok(&p);
     let (header, rows) = tsv(&out);
     assert_eq!(header, ["sample_id", "prediction", "prediction_std"]);
@@ -875,12 +952,31 @@ fn reference_options_run_end_to_end() {
     // rf-baseline on the run's split, as in the reference's workflow.
     let rf = tmp.path().join("rf/predictions.tsv");
     let mut r = args(&["rf-baseline", "--table", &s(&demo("demo.biom"))]);
-    r.extend(args(&["--metadata", &s(&demo("demo_map.txt")), "--metadata-column", "age"]));
-    r.extend(args(&["--train-samples", &s(&tr.join("train_samples.txt"))]));
+    r.extend(args(&[
+        "--metadata",
+        &s(&demo("demo_map.txt")),
+        "--metadata-column",
+        "age",
+    ]));
+    r.extend(args(&[
+        "--train-samples",
+        &s(&tr.join("train_samples.txt")),
+    ]));
     r.extend(args(&["--val-samples", &s(&tr.join("val_samples.txt"))]));
-    r.extend(args(&["--output", &s(&rf), "--n-estimators", "50", "--n-jobs", "2"]));
+    r.extend(args(&[
+        "--output",
+        &s(&rf),
+        "--n-estimators",
+        "50",
+        "--n-jobs",
+        "2",
+    ]));
     let out = aam_rs(&r);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     for metric in ["R²: ", "MAE: ", "RMSE: "] {
         assert!(stdout.contains(metric), "{stdout}");
@@ -893,7 +989,10 @@ fn reference_options_run_end_to_end() {
     );
     let ages = metadata_column(&demo("demo_map.txt"), "age");
     for r in &rows {
-        assert_eq!(r[1].parse::<f64>().unwrap(), ages[&r[0]].parse::<f64>().unwrap());
+        assert_eq!(
+            r[1].parse::<f64>().unwrap(),
+            ages[&r[0]].parse::<f64>().unwrap()
+        );
         let p: f64 = r[2].parse().unwrap();
         assert!((18.0..=85.0).contains(&p), "{r:?}");
     }

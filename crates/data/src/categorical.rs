@@ -173,10 +173,7 @@ impl CategoryWeights {
         let c = metadata.column(column)?;
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for id in sample_ids {
-            if let Some(v) = metadata
-                .row(id.as_ref())
-                .and_then(|r| metadata.value(r, c))
-            {
+            if let Some(v) = metadata.row(id.as_ref()).and_then(|r| metadata.value(r, c)) {
                 *counts.entry(v.to_string()).or_default() += 1;
             }
         }
@@ -205,6 +202,9 @@ impl CategoryWeights {
 
     /// The weight of a sample whose column holds `value`.
     pub fn weight(&self, value: Option<&str>) -> f64 {
-        value.and_then(|v| self.weights.get(v)).copied().unwrap_or(1.0)
+        value
+            .and_then(|v| self.weights.get(v))
+            .copied()
+            .unwrap_or(1.0)
     }
 }

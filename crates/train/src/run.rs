@@ -321,9 +321,10 @@ pub fn batch_tensors<B: Backend>(
         base,
         counts: Some(counts),
         target,
-        sample_weights: batch.weights.as_ref().map(|w| {
-            Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [b]), device)
-        }),
+        sample_weights: batch
+            .weights
+            .as_ref()
+            .map(|w| Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [b]), device)),
     };
     (input, targets)
 }
@@ -1466,13 +1467,6 @@ fn averaged_predictions<B: AttentionBackend>(
     }
     let mut metrics = RegressionMetrics::default();
     let mut classes = ClassificationMetrics::default();
-    let label = |c: usize| {
-        data.info
-            .class_labels
-            .as_ref()
-            .and_then(|l| l.get(c).cloned())
-            .unwrap_or_else(|| c.to_string())
-    };
     let mut rows = Vec::with_capacity(order.len());
     for (pos, id, truth) in order {
         let mean: Vec<f64> = sums[&pos].iter().map(|s| s / passes as f64).collect();
@@ -1484,7 +1478,11 @@ fn averaged_predictions<B: AttentionBackend>(
                 .map_or(0, |(c, _)| c);
             let truth = truth.unwrap_or(0);
             classes.update(truth, predicted);
-            rows.push((id, vec![label(predicted)], label(truth)));
+            rows.push((
+                id,
+                vec![class_label(data, predicted)],
+                class_label(data, truth),
+            ));
         } else {
             regression_row(data, pos, id, mean.into_iter(), &mut metrics, &mut rows);
         }
@@ -1552,18 +1550,24 @@ fn target_rows<B: Backend>(
                 .map_or(0, |(c, _)| c);
             let truth = batch.targets.as_ref().map_or(0, |t| t[i] as usize);
             classes.update(truth, predicted);
-            let label = |c: usize| {
-                data.info
-                    .class_labels
-                    .as_ref()
-                    .and_then(|l| l.get(c).cloned())
-                    .unwrap_or_else(|| c.to_string())
-            };
-            rows.push((id, vec![label(predicted)], label(truth)));
+            rows.push((
+                id,
+                vec![class_label(data, predicted)],
+                class_label(data, truth),
+            ));
         } else {
             regression_row(data, pos, id, row.iter().map(|&x| x as f64), metrics, rows);
         }
     }
+}
+
+/// The label of class `c` (its index when the run has no labels).
+fn class_label(data: &TrainData, c: usize) -> String {
+    data.info
+        .class_labels
+        .as_ref()
+        .and_then(|l| l.get(c).cloned())
+        .unwrap_or_else(|| c.to_string())
 }
 
 /// A regressor's outputs for the sample at `pos`, in original units, into

@@ -106,7 +106,12 @@ impl EventWriter {
     pub fn epoch(&mut self, record: &EpochRecord, improved: bool) -> Result<()> {
         let mut tags: Vec<(String, f64)> = Vec::new();
         tags.extend(record.train.iter().map(|(k, v)| (format!("train/{k}"), *v)));
-        tags.extend(record.validation.iter().map(|(k, v)| (format!("val/{k}"), *v)));
+        tags.extend(
+            record
+                .validation
+                .iter()
+                .map(|(k, v)| (format!("val/{k}"), *v)),
+        );
         tags.push(("train/learning_rate".into(), record.lr));
         tags.push(("perf/epoch_duration_sec".into(), record.seconds));
         tags.push(("perf/samples_per_sec".into(), record.samples_per_sec));
@@ -225,7 +230,8 @@ pub fn read_scalars(path: &Path) -> Result<Vec<(u64, String, f32)>> {
             .ok_or_else(|| bad(format!("truncated record header at byte {at}")))?;
         let len_bytes = &header[..8];
         let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
-        if u32::from_le_bytes(header[8..12].try_into().expect("4 bytes")) != masked_crc32c(len_bytes)
+        if u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"))
+            != masked_crc32c(len_bytes)
         {
             return Err(bad(format!("length checksum mismatch at byte {at}")));
         }

@@ -46,18 +46,17 @@ pub fn write_trainer_checkpoint(path: &Path, checkpoint: &Checkpoint) -> Result<
         path: checkpoint.path.clone(),
         reason: format!("metadata does not serialise: {e}"),
     })?;
-    let epoch = checkpoint
-        .meta
-        .progress
-        .best
-        .as_ref()
-        .map_or(checkpoint.meta.progress.epochs_done.saturating_sub(1), |b| {
-            b.epoch
-        });
+    let epoch = checkpoint.meta.progress.best.as_ref().map_or(
+        checkpoint.meta.progress.epochs_done.saturating_sub(1),
+        |b| b.epoch,
+    );
     write(
         path,
         vec![
-            ("model_state_dict", Value::StateDict(sorted(&checkpoint.model, ""))),
+            (
+                "model_state_dict",
+                Value::StateDict(sorted(&checkpoint.model, "")),
+            ),
             ("epoch", Value::Int(epoch as i64)),
             (META_KEY, Value::Str(meta)),
         ],
@@ -73,7 +72,7 @@ pub fn write_state_dict(
 ) -> Result<()> {
     let tensors = sorted(model, prefix);
     let mut out = Vec::new();
-    pickle_dict(&mut out, &tensors.iter().map(|&(k, t)| (k, t)).collect::<Vec<_>>());
+    pickle_dict(&mut out, &tensors);
     write_archive(path, out, &tensors)
 }
 
@@ -86,11 +85,10 @@ pub fn read_meta(path: &Path) -> Result<Option<CheckpointMeta>> {
     else {
         return Ok(None);
     };
-    let meta: CheckpointMeta =
-        serde_json::from_str(&json).map_err(|e| TrainError::Checkpoint {
-            path: path.to_path_buf(),
-            reason: format!("its `{META_KEY}` entry does not parse ({e})"),
-        })?;
+    let meta: CheckpointMeta = serde_json::from_str(&json).map_err(|e| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: format!("its `{META_KEY}` entry does not parse ({e})"),
+    })?;
     if meta.format != FORMAT_VERSION {
         return Err(TrainError::Checkpoint {
             path: path.to_path_buf(),
@@ -120,7 +118,10 @@ pub fn read_trainer_checkpoint(path: &Path) -> Result<Option<Checkpoint>> {
 }
 
 /// The tensors under `prefix`, prefix stripped, in key order.
-fn sorted<'a>(model: &'a HashMap<String, StateTensor>, prefix: &str) -> Vec<(&'a str, &'a StateTensor)> {
+fn sorted<'a>(
+    model: &'a HashMap<String, StateTensor>,
+    prefix: &str,
+) -> Vec<(&'a str, &'a StateTensor)> {
     let mut tensors: Vec<(&str, &StateTensor)> = model
         .iter()
         .filter_map(|(k, t)| Some((k.strip_prefix(prefix)?, t)))
