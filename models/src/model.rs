@@ -440,10 +440,17 @@ impl<B: AttentionBackend> AamModel<B> {
                     out.push(("perceiver_attn_weights", F4(t)));
                 }
                 push2(&mut out, "embeddings", o.embeddings);
-                push2(&mut out, "base_prediction", o.base_prediction);
-                push2(&mut out, "unifrac_pred", o.unifrac_pred);
-                push2(&mut out, "faith_pred", o.faith_pred);
-                push2(&mut out, "tax_pred", o.tax_pred);
+                // The reference's predictor returns the base heads only
+                // with nucleotides.
+                let with_nucleotides = |x: Option<Tensor<B, 2>>| x.filter(|_| return_nucleotides);
+                push2(
+                    &mut out,
+                    "base_prediction",
+                    with_nucleotides(o.base_prediction),
+                );
+                push2(&mut out, "unifrac_pred", with_nucleotides(o.unifrac_pred));
+                push2(&mut out, "faith_pred", with_nucleotides(o.faith_pred));
+                push2(&mut out, "tax_pred", with_nucleotides(o.tax_pred));
                 push_nucleotides(&mut out, o.nucleotides);
             }
         }

@@ -519,13 +519,17 @@ pub struct PredictorOutput<B: Backend> {
     pub perceiver_attn_weights: Option<Tensor<B, 4>>,
     /// The base model's pooled embedding `[B, D]` (unifrac base).
     pub embeddings: Option<Tensor<B, 2>>,
-    /// Non-unifrac base head output (only with `return_nucleotides`, as the reference).
+    /// Non-unifrac base head output. The reference returns it only with
+    /// `return_nucleotides`, which makes a faith_pd base loss silently zero
+    /// without the nucleotide loss (§3.2); here it is always set, and
+    /// [`AamModel::forward_named`](crate::AamModel::forward_named) keeps the
+    /// reference's output keys.
     pub base_prediction: Option<Tensor<B, 2>>,
-    /// Combined base outputs (only with `return_nucleotides`).
+    /// Combined base outputs (always set, as `base_prediction`).
     pub unifrac_pred: Option<Tensor<B, 2>>,
-    /// Combined base outputs (only with `return_nucleotides`).
+    /// Combined base outputs (always set, as `base_prediction`).
     pub faith_pred: Option<Tensor<B, 2>>,
-    /// Combined base outputs (only with `return_nucleotides`).
+    /// Combined base outputs (always set, as `base_prediction`).
     pub tax_pred: Option<Tensor<B, 2>>,
     /// The filled slots' nucleotide logits (the reference's `nuc_predictions`
     /// and `mask_indices`, packed).
@@ -603,7 +607,6 @@ impl<B: AttentionBackend> SequencePredictor<B> {
             }
             None => TargetPrediction::Point(self.transform_output(y, ids)),
         };
-        let with_nucleotides = |x: Option<Tensor<B, 2>>| x.filter(|_| return_nucleotides);
         PredictorOutput {
             target_prediction,
             base_embeddings: se,
@@ -612,10 +615,10 @@ impl<B: AttentionBackend> SequencePredictor<B> {
             cross_attn_weights,
             perceiver_attn_weights,
             embeddings: base.embeddings,
-            base_prediction: with_nucleotides(base.base_prediction),
-            unifrac_pred: with_nucleotides(base.unifrac_pred),
-            faith_pred: with_nucleotides(base.faith_pred),
-            tax_pred: with_nucleotides(base.tax_pred),
+            base_prediction: base.base_prediction,
+            unifrac_pred: base.unifrac_pred,
+            faith_pred: base.faith_pred,
+            tax_pred: base.tax_pred,
             nucleotides: base.nucleotides,
         }
     }

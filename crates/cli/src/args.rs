@@ -11,6 +11,7 @@ use aam_models::sample_encoder::CountEmbeddingMethod;
 use aam_models::sequence_encoder::{EncoderType, SequenceEncoderConfig};
 use aam_models::{AttnImplementation, MixedPrecision};
 use aam_train::config::{ModelSpec, PhaseTiming};
+use aam_train::loss::BaseLoss;
 use aam_train::optim::OptimizerKind;
 use aam_train::parallel::UnifracPairs;
 use aam_train::prepare::{DataSpec, Prepared, TargetSpec, UnifracSource};
@@ -59,7 +60,9 @@ pub struct DataArgs {
     #[arg(long, value_name = "BIOM")]
     pub table: PathBuf,
     /// UniFrac distances (.h5 from ssu or `aam-rs unifrac`, .npy/.npz with a
-    /// sample-ID sidecar, .csv/.tsv). Or give --tree.
+    /// sample-ID sidecar, .csv/.tsv); with --unifrac-metric faith_pd, one
+    /// Faith's PD value per sample (faithpd's .tsv, .csv, .npy/.npz/.h5 with
+    /// sample IDs). Or give --tree.
     #[arg(
         long,
         value_name = "FILE",
@@ -72,8 +75,11 @@ pub struct DataArgs {
     /// `unifrac-<metric>-<key>.h5` and reused by runs on the same inputs).
     #[arg(long, value_name = "NEWICK")]
     pub tree: Option<PathBuf>,
-    /// With --tree, the UniFrac variant to compute (`unifrac` and `weighted`
-    /// are the reference's names). With --unifrac-matrix the file decides.
+    /// The base target: a UniFrac variant (`unifrac` and `weighted` are the
+    /// reference's names; with --unifrac-matrix the file decides which), or
+    /// `faith_pd`: a Faith's PD value per sample, predicted by a one-output
+    /// head with an MSE loss (read from --unifrac-matrix, or computed from
+    /// --tree).
     #[arg(long, value_enum, default_value_t = UnifracMetric::Unweighted)]
     pub unifrac_metric: UnifracMetric,
     /// Reads per sample after rarefaction (samples with fewer are dropped, with a warning).
@@ -574,14 +580,29 @@ pub enum UnifracMetric {
     WeightedNormalized,
     /// Abundance-weighted UniFrac, not normalised.
     WeightedUnnormalized,
+    /// Faith's phylogenetic diversity of each sample.
+    FaithPd,
 }
 
 impl UnifracMetric {
-    fn method(self) -> aam_unifrac::Method {
+    /// The UniFrac variant; `None` for Faith's PD.
+    fn method(self) -> Option<aam_unifrac::Method> {
         match self {
-            Self::Unweighted => aam_unifrac::Method::Unweighted,
-            Self::WeightedNormalized => aam_unifrac::Method::WeightedNormalized,
-            Self::WeightedUnnormalized => aam_unifrac::Method::WeightedUnnormalized,
+            Self::Unweighted => Some(aam_unifrac::Method::Unweighted),
+            Self::WeightedNormalized => Some(aam_unifrac::Method::WeightedNormalized),
+            Self::WeightedUnnormalized => Some(aam_unifrac::Method::WeightedUnnormalized),
+            Self::FaithPd => None,
+        }
+    }
+
+    /// The base model and base loss this target trains: Faith's PD, a
+    /// one-output head (the reference's pretrain width; its `train` builds a
+    /// width-D head that cannot match the `[B, 1]` target, §8 item 13) with
+    /// MSE; else the UniFrac embedding distance.
+    pub fn base(self) -> (EncoderType, Option<usize>, BaseLoss) {
+        match self {
+            Self::FaithPd => (EncoderType::FaithPd, Some(1), BaseLoss::Mse),
+            _ => (EncoderType::Unifrac, None, BaseLoss::Unifrac),
         }
     }
 }
@@ -590,14 +611,17 @@ impl DataArgs {
     /// The inputs of a run, prepared with `seed`; a matrix computed from
     /// `--tree` is kept in `cache_dir` (a run's output folder).
     pub fn spec(&self, seed: u64, cache_dir: Option<&Path>) -> DataSpec {
-        let unifrac = match (&self.tree, &self.unifrac_matrix) {
-            (Some(tree), _) => UnifracSource::Tree {
+        // clap requires one of the two.
+        let file = || self.unifrac_matrix.clone().unwrap_or_default();
+        let unifrac = match (&self.tree, self.unifrac_metric.method()) {
+            (Some(tree), Some(method)) => UnifracSource::Tree {
                 tree: tree.clone(),
-                method: self.unifrac_metric.method(),
+                method,
                 cache_dir: cache_dir.map(Path::to_path_buf),
             },
-            // clap requires one of the two.
-            (None, matrix) => UnifracSource::Matrix(matrix.clone().unwrap_or_default()),
+            (Some(tree), None) => UnifracSource::FaithPdTree(tree.clone()),
+            (None, Some(_)) => UnifracSource::Matrix(file()),
+            (None, None) => UnifracSource::FaithPd(file()),
         };
         DataSpec {
             table: self.table.clone(),

@@ -16,7 +16,7 @@ use aam_models::sequence_predictor::{
 use aam_models::AttentionBackend;
 use aam_train::checkpoint::{read_checkpoint, Checkpoint, DataInfo};
 use aam_train::config::{BestMetric, RunConfig, Task};
-use aam_train::loss::{BaseLoss, LossConfig, TargetLossKind};
+use aam_train::loss::{LossConfig, TargetLossKind};
 use aam_train::optim::OptimizerConfig;
 use aam_train::prepare::{Prepared, TargetSpec};
 use aam_train::run::{fit, TrainData};
@@ -527,15 +527,16 @@ pub fn pretrain(mut args: PretrainArgs) -> Result<()> {
     let (model_config, run) = match &resume {
         Some(c) => (c.meta.model.clone(), c.meta.run.clone()),
         None => {
-            let base = args.model.encoder_config(
-                args.data.max_bp,
-                args.data.token_limit,
-                EncoderType::Unifrac,
-            )?;
+            let (encoder_type, output_dim, base_loss) = args.data.unifrac_metric.base();
+            let base = args
+                .model
+                .encoder_config(args.data.max_bp, args.data.token_limit, encoder_type)?
+                .with_base_output_dim(output_dim);
             let loss = LossConfig {
                 penalty: args.penalty,
                 nuc_penalty: args.nuc_penalty,
                 count_penalty: 0.0,
+                base: base_loss,
                 ..Default::default()
             };
             (
@@ -642,11 +643,11 @@ fn train_setup(
     p: &Prepared,
     pretrained: Option<&Pretrained>,
 ) -> Result<(ModelConfig, RunConfig, DataInfo)> {
-    let mut base = args.model.encoder_config(
-        args.data.max_bp,
-        args.data.token_limit,
-        EncoderType::Unifrac,
-    )?;
+    let (encoder_type, output_dim, base_loss) = args.data.unifrac_metric.base();
+    let mut base = args
+        .model
+        .encoder_config(args.data.max_bp, args.data.token_limit, encoder_type)?
+        .with_base_output_dim(output_dim);
     if let Some(pretrained) = pretrained {
         let path = &pretrained.path;
         // The base architecture is the checkpoint's; masking/attention settings stay the flags'.
@@ -658,6 +659,12 @@ fn train_setup(
         ensure!(from.sample.asv.max_bp == args.data.max_bp && from.sample.token_limit == args.data.token_limit,
             "--pretrained-encoder {} was trained with --max-bp {} --token-limit {}; pass the same values",
             path.display(), from.sample.asv.max_bp, from.sample.token_limit);
+        let faith = |t: EncoderType| t == EncoderType::FaithPd;
+        ensure!(faith(from.encoder_type) == faith(encoder_type),
+            "--pretrained-encoder {} was pretrained on {}; pass --unifrac-metric {} (and its --unifrac-matrix or --tree) so that its base head keeps a target",
+            path.display(),
+            if faith(from.encoder_type) { "Faith's PD" } else { "UniFrac distances" },
+            if faith(from.encoder_type) { "faith_pd" } else { "unifrac (or weighted)" });
         base = from;
     }
     let mut transforms = Transforms::default();
@@ -811,7 +818,7 @@ fn train_setup(
         } else {
             args.count_penalty
         },
-        base: BaseLoss::Unifrac,
+        base: base_loss,
         target_loss: if args.classifier {
             TargetLossKind::Huber
         } else {
@@ -1097,8 +1104,9 @@ where
             )?;
         }
     }
-    if task == Task::Train && !classifier {
-        // Columns: sample_id, prediction (first output), ..., actual.
+    if !classifier {
+        // Columns: sample_id, prediction (first output), ..., actual (the
+        // target, or Faith's PD in `pretrain`).
         if let Some(rows) = tsv_rows(&r.output_dir.join(aam_train::run::files::VAL_PREDICTIONS)) {
             let pairs: Vec<(f64, f64)> = rows
                 .iter()

@@ -400,6 +400,128 @@ fn pretrain_from_a_tree_learns_as_from_the_ssu_matrix() {
     );
 }
 
+/// Faith's PD of the demo's samples by `faithpd` (Debian's unifrac-tools,
+/// the reference implementation) on the demo table (already at 1,000 reads,
+/// so rarefying it at 1,000 keeps it) and the study's tree.
+fn faithpd_oracle(out: &Path) -> BTreeMap<String, f64> {
+    let status = Command::new("faithpd")
+        .args([
+            "-i",
+            &s(&demo("demo.biom")),
+            "-t",
+            &s(&demo("tree.nwk")),
+            "-o",
+            &s(out),
+        ])
+        .status()
+        .unwrap_or_else(|e| {
+            panic!("cannot run faithpd ({e}): apt-get install unifrac-tools (.ci/run installs it)")
+        });
+    assert!(status.success(), "faithpd failed");
+    let (header, rows) = tsv(out);
+    assert_eq!(header, ["#SampleID", "faith_pd"]);
+    rows.iter()
+        .map(|r| (r[0].clone(), r[1].parse().unwrap()))
+        .collect()
+}
+
+#[test]
+fn faith_pd_pretraining_learns_the_faithpd_values() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faith = tmp.path().join("faith_pd.tsv");
+    let oracle = faithpd_oracle(&faith);
+    assert_eq!(oracle.len(), 64);
+    let with_metric = |mut a: Vec<String>, source: &str, path: &Path| {
+        let at = a.iter().position(|x| x == "--unifrac-matrix").unwrap();
+        a[at] = source.into();
+        a[at + 1] = s(path);
+        a.extend(args(&["--unifrac-metric", "faith_pd"]));
+        a
+    };
+    let (from_file, from_tree) = (tmp.path().join("file"), tmp.path().join("tree"));
+    run_ok(&with_metric(
+        tiny("pretrain", &from_file, 4),
+        "--unifrac-matrix",
+        &faith,
+    ));
+    let log = run_ok(&with_metric(
+        tiny("pretrain", &from_tree, 4),
+        "--tree",
+        &demo("tree.nwk"),
+    ));
+    assert!(log.contains("Faith's PD of 64 samples"), "{log}");
+
+    // The loss falls, and validation reports the PD's regression metrics.
+    let (header, rows) = metrics(&from_file);
+    for col in [
+        "train_unifrac_loss",
+        "val_unifrac_loss",
+        "val_mae",
+        "val_r2",
+    ] {
+        assert!(
+            header.iter().any(|h| h == col),
+            "metrics.csv lacks {col}: {header:?}"
+        );
+    }
+    let (first, last) = (rows[0]["train_unifrac_loss"], rows[3]["train_unifrac_loss"]);
+    assert!(
+        first > 1.0 && last < first,
+        "Faith's PD loss did not fall: {first} -> {last}"
+    );
+    assert!(rows[3]["val_mae"] < rows[0]["val_mae"], "{rows:?}");
+    // The PD computed from --tree is faithpd's: the same run, loss for loss.
+    let (_, tree_rows) = metrics(&from_tree);
+    for (a, b) in rows.iter().zip(&tree_rows) {
+        for key in ["train_unifrac_loss", "val_unifrac_loss", "val_mae"] {
+            let (x, y) = (a[key], b[key]);
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs().max(1e-3),
+                "{key}: {x} vs {y}"
+            );
+        }
+    }
+    // val_predictions.tsv holds each validation sample's predicted and true PD.
+    let (header, val) = tsv(&from_file.join("val_predictions.tsv"));
+    assert_eq!(header, ["sample_id", "prediction", "actual"]);
+    assert_eq!(val.len(), 16);
+    for row in &val {
+        let actual: f64 = row[2].parse().unwrap();
+        assert!((actual - oracle[&row[0]]).abs() < 1e-4, "{row:?}");
+        assert!(row[1].parse::<f64>().unwrap().is_finite());
+    }
+    // A one-output head, as the reference's pretrain builds.
+    let (names, meta) = checkpoint_header(&from_file.join("checkpoints/best.safetensors"));
+    assert!(names.contains("model.output_head.weight"), "no output_head");
+    assert_eq!(meta["model"]["base_output_dim"], 1, "{meta}");
+
+    // Fine-tuning keeps the Faith's PD head and its loss, also without the
+    // nucleotide loss (the reference's base loss is 0 there, §8 item 13).
+    let encoder = from_file.join("checkpoints/best.safetensors");
+    let tuned = tmp.path().join("tuned");
+    let mut a = tiny_train(&tuned, 1, &demo("demo_map.txt"), "age");
+    a = with_metric(a, "--unifrac-matrix", &faith);
+    a.extend(["--pretrained-encoder".into(), s(&encoder)]);
+    a.extend(args(&["--nuc-penalty", "0"]));
+    run_ok(&a);
+    let (_, rows) = metrics(&tuned);
+    let base = rows[0]["train_unifrac_loss"];
+    assert!(base.is_finite() && base > 0.0, "{rows:?}");
+    // A Faith's PD encoder fine-tuned against UniFrac distances is refused.
+    let mut a = tiny_train(
+        &tmp.path().join("mismatch"),
+        1,
+        &demo("demo_map.txt"),
+        "age",
+    );
+    a.extend(["--pretrained-encoder".into(), s(&encoder)]);
+    let err = run_err(&a);
+    assert!(
+        err.contains("--unifrac-metric faith_pd") && err.contains("Faith's PD"),
+        "{err}"
+    );
+}
+
 #[test]
 fn pretrain_train_predict_workflow() {
     let tmp = tempfile::tempdir().unwrap();

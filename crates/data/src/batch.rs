@@ -168,6 +168,8 @@ pub struct Batch {
     pub counts: Vec<f32>,
     /// `[B, B]` UniFrac distances between the batch's samples, batch order.
     pub unifrac: Option<Vec<f32>>,
+    /// `[B, 1]` Faith's PD of the batch's samples (`faith_pd` pretraining).
+    pub faith_pd: Option<Vec<f32>>,
     /// `[B, 1]` targets (normalised if a target normaliser is set).
     pub targets: Option<Vec<f32>>,
     /// Per categorical column, `[B]` indices (0 = unknown).
@@ -315,6 +317,7 @@ impl Batch {
                             .flat_map(|i| u[i * b + rows.start..i * b + rows.end].iter().copied())
                             .collect()
                     }),
+                    faith_pd: self.faith_pd.as_ref().map(|v| v[rows.clone()].to_vec()),
                     targets: self.targets.as_ref().map(|t| t[rows.clone()].to_vec()),
                     categorical_ids: self
                         .categorical_ids
@@ -337,6 +340,7 @@ impl Batch {
             tokens: Vec::new(),
             counts: Vec::new(),
             unifrac: self.unifrac.clone(),
+            faith_pd: self.faith_pd.clone(),
             targets: self.targets.clone(),
             categorical_ids: self.categorical_ids.clone(),
             weights: self.weights.clone(),
@@ -556,6 +560,9 @@ impl Inner {
             m.block_into(&batch_rows, &mut block);
             block
         });
+        let faith_pd = d
+            .faith_pd()
+            .map(|(v, rows)| members.iter().map(|&s| v.get(rows[s])).collect());
         let targets = d.targets().map(|raw| {
             members
                 .iter()
@@ -604,6 +611,7 @@ impl Inner {
             tokens,
             counts,
             unifrac,
+            faith_pd,
             targets,
             categorical_ids,
             weights,

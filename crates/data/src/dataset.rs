@@ -22,7 +22,7 @@ use crate::metadata::Metadata;
 use crate::normalize::{CountNormalizer, TargetNormalizer, TargetTransform};
 use crate::split::{train_val_split, Split};
 use crate::tokenize::{TokenCache, DEFAULT_MAX_BP};
-use crate::unifrac::{DistanceMatrix, MissingPolicy};
+use crate::unifrac::{DistanceMatrix, MissingPolicy, SampleValues};
 
 /// Samples ready for batching.
 #[derive(Debug, Clone)]
@@ -35,6 +35,7 @@ pub struct Dataset {
     asv_ids: Vec<String>,
     tokens: TokenCache,
     unifrac: Option<(Arc<DistanceMatrix>, Vec<usize>)>,
+    faith_pd: Option<(Arc<SampleValues>, Vec<usize>)>,
     metadata: Option<(Arc<Metadata>, Vec<Option<usize>>)>,
     target_column: Option<String>,
     targets: Option<Vec<f64>>,
@@ -77,6 +78,7 @@ pub struct DatasetBuilder<'a> {
     table: &'a BiomTable,
     max_bp: usize,
     unifrac: Option<(Arc<DistanceMatrix>, MissingPolicy)>,
+    faith_pd: Option<(Arc<SampleValues>, MissingPolicy)>,
     metadata: Option<Arc<Metadata>>,
     target: Option<(String, MissingPolicy)>,
 }
@@ -88,6 +90,7 @@ impl Dataset {
             table,
             max_bp: DEFAULT_MAX_BP,
             unifrac: None,
+            faith_pd: None,
             metadata: None,
             target: None,
         }
@@ -177,6 +180,7 @@ impl Dataset {
             counts,
             asv_ids,
             unifrac: None,
+            faith_pd: None,
             metadata,
             target_column: None,
             targets: None,
@@ -253,6 +257,13 @@ impl Dataset {
         self.unifrac
             .as_ref()
             .map(|(m, rows)| (m.as_ref(), rows.as_slice()))
+    }
+
+    /// The Faith's PD values and each sample's row in them.
+    pub fn faith_pd(&self) -> Option<(&SampleValues, &[usize])> {
+        self.faith_pd
+            .as_ref()
+            .map(|(v, rows)| (v.as_ref(), rows.as_slice()))
     }
 
     /// The metadata and each sample's row (None: absent from the metadata).
@@ -356,6 +367,13 @@ impl<'a> DatasetBuilder<'a> {
         self
     }
 
+    /// Attach Faith's PD values (the base target of `faith_pd` pretraining);
+    /// `missing` decides about table samples they lack.
+    pub fn faith_pd(mut self, values: Arc<SampleValues>, missing: MissingPolicy) -> Self {
+        self.faith_pd = Some((values, missing));
+        self
+    }
+
     /// Attach metadata (for targets and categorical columns).
     pub fn metadata(mut self, metadata: Arc<Metadata>) -> Self {
         self.metadata = Some(metadata);
@@ -397,6 +415,15 @@ impl<'a> DatasetBuilder<'a> {
                 keep[s] = true;
                 matrix_row[s] = row;
             }
+        }
+        let mut faith_row = vec![usize::MAX; ids.len()];
+        if let Some((values, policy)) = &self.faith_pd {
+            let mut matched = vec![false; ids.len()];
+            for (s, row) in values.match_samples(ids, *policy)? {
+                matched[s] = true;
+                faith_row[s] = row;
+            }
+            keep.iter_mut().zip(matched).for_each(|(k, m)| *k &= m);
         }
         let mut meta_row: Vec<Option<usize>> = vec![None; ids.len()];
         let mut target = vec![f64::NAN; ids.len()];
@@ -446,7 +473,8 @@ impl<'a> DatasetBuilder<'a> {
         let kept: Vec<usize> = (0..ids.len()).filter(|&s| keep[s]).collect();
         if kept.is_empty() {
             return Err(Error::InvalidConfig {
-                reason: "no sample is left after matching the table to the matrix and metadata"
+                reason: "no sample is left after matching the table to the matrix (or per-sample \
+                         values) and metadata"
                     .into(),
             });
         }
@@ -471,6 +499,9 @@ impl<'a> DatasetBuilder<'a> {
         let unifrac = self
             .unifrac
             .map(|(m, _)| (m, kept.iter().map(|&s| matrix_row[s]).collect()));
+        let faith_pd = self
+            .faith_pd
+            .map(|(v, _)| (v, kept.iter().map(|&s| faith_row[s]).collect()));
         let targets = self
             .target
             .as_ref()
@@ -487,6 +518,7 @@ impl<'a> DatasetBuilder<'a> {
             asv_ids: selected.observation_ids().to_vec(),
             tokens,
             unifrac,
+            faith_pd,
             metadata,
             target_column: self.target.map(|(c, _)| c),
             targets,

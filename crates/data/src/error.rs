@@ -274,6 +274,26 @@ pub enum Error {
         value: f64,
     },
 
+    /// A per-sample values file that is not one value per sample.
+    #[error("{}: expected one value per sample (N or N x 1), found shape {shape:?}", path.display())]
+    NotAVector {
+        /// The file.
+        path: PathBuf,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+
+    /// NaN or infinity among per-sample values.
+    #[error("{}: sample {id:?} has the non-finite value {value}", path.display())]
+    ValueNonFinite {
+        /// The file.
+        path: PathBuf,
+        /// The sample.
+        id: String,
+        /// The value.
+        value: f64,
+    },
+
     /// A line of a text matrix (CSV/TSV) is malformed.
     #[error("{}:{line}: {reason}", path.display())]
     MatrixText {
@@ -286,10 +306,12 @@ pub enum Error {
     },
 
     /// Table samples absent from the distance matrix.
-    #[error("{}: {count} of the table's {of} sample(s) are missing from the distance matrix{}: {ids}", path.display(), if count == of { " (none is in it: a matrix of another study?)" } else { "" })]
+    #[error("{}: {count} of the table's {of} sample(s) are missing from the {what}{}: {ids}", path.display(), if count == of { " (none is in it: a file of another study?)" } else { "" })]
     SamplesMissingFromMatrix {
-        /// The matrix file.
+        /// The matrix (or per-sample values) file.
         path: PathBuf,
+        /// What the file holds ("distance matrix", "Faith's PD values").
+        what: &'static str,
         /// How many.
         count: usize,
         /// The table's samples.

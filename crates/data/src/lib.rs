@@ -3,7 +3,8 @@
 //! **Job.** Turn a user's inputs into model batches: a BIOM table whose
 //! observation IDs are ASV sequences ([`BiomTable`], BIOM 2.x HDF5 and 1.0
 //! JSON), rarefied ([`BiomTable::rarefy`]) and tokenised ([`TokenCache`]); a
-//! UniFrac distance matrix ([`DistanceMatrix`]); a metadata TSV ([`Metadata`])
+//! UniFrac distance matrix ([`DistanceMatrix`]) or per-sample Faith's PD
+//! ([`SampleValues`]); a metadata TSV ([`Metadata`])
 //! with numeric targets ([`TargetNormalizer`]) and categorical columns
 //! ([`CategoricalEncoder`]); a seeded split ([`train_val_split`]); batches
 //! `tokens [B,S,L]`, `counts [B,S,1]`, `unifrac [B,B]`, targets and
@@ -93,6 +94,7 @@ pub use split::{train_val_split, Split};
 pub use summary::{summarize, Summary, SummaryOptions};
 pub use tokenize::TokenCache;
 pub use unifrac::{
-    read_id_file, sidecar_candidates, DistanceMatrix, MatrixIds, MissingPolicy, TOLERANCE,
+    read_id_file, sidecar_candidates, DistanceMatrix, MatrixIds, MissingPolicy, SampleValues,
+    TOLERANCE,
 };
 pub use write::{write_atomic, write_atomic_with};

@@ -265,6 +265,7 @@ fn synthetic_batch(args: &StepArgs) -> Batch {
         tokens,
         counts,
         unifrac: Some(unifrac),
+        faith_pd: None,
         targets: None,
         categorical_ids: Vec::new(),
         weights: None,

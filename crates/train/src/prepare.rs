@@ -17,7 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use aam_data::{
-    BiomTable, Dataset, DistanceMatrix, MatrixIds, Metadata, MissingPolicy, Transforms,
+    BiomTable, Dataset, DistanceMatrix, MatrixIds, Metadata, MissingPolicy, SampleValues,
+    Transforms,
 };
 
 use crate::checkpoint::DataInfo;
@@ -61,6 +62,26 @@ pub enum UnifracSource {
         /// Where to keep the matrix (a run's output folder).
         cache_dir: Option<PathBuf>,
     },
+    /// Faith's PD per sample (`--unifrac-metric faith_pd`) from a file:
+    /// `faithpd`'s TSV, a CSV, or `.npy`/`.npz`/`.h5` with sample IDs.
+    FaithPd(PathBuf),
+    /// Faith's PD of the rarefied table's samples over this Newick tree
+    /// (computed in well under a second per thousand samples; not cached).
+    FaithPdTree(PathBuf),
+}
+
+impl UnifracSource {
+    /// Whether the base target is Faith's PD (one value per sample) rather
+    /// than pairwise distances.
+    pub fn is_faith_pd(&self) -> bool {
+        matches!(self, Self::FaithPd(_) | Self::FaithPdTree(_))
+    }
+}
+
+/// The base target of a run, read or computed.
+enum BaseTarget {
+    Distances(DistanceMatrix),
+    FaithPd(SampleValues),
 }
 
 /// The target of `train`: a metadata column, numeric or (with `classifier`)
@@ -113,16 +134,32 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
             aam_data::IdList::new(&rarefied.dropped)
         );
     }
-    let (matrix, matrix_source) = match &spec.unifrac {
+    let (base, base_source) = match &spec.unifrac {
         UnifracSource::Matrix(path) => (
-            DistanceMatrix::read(path, &MatrixIds::Auto).map_err(input("unifrac-matrix"))?,
+            BaseTarget::Distances(
+                DistanceMatrix::read(path, &MatrixIds::Auto).map_err(input("unifrac-matrix"))?,
+            ),
             path.display().to_string(),
         ),
         UnifracSource::Tree {
             tree,
             method,
             cache_dir,
-        } => tree_matrix(spec, &rarefied.table, tree, *method, cache_dir.as_deref())?,
+        } => {
+            let (matrix, source) =
+                tree_matrix(spec, &rarefied.table, tree, *method, cache_dir.as_deref())?;
+            (BaseTarget::Distances(matrix), source)
+        }
+        UnifracSource::FaithPd(path) => (
+            BaseTarget::FaithPd(
+                SampleValues::read(path, &MatrixIds::Auto).map_err(input("unifrac-matrix"))?,
+            ),
+            path.display().to_string(),
+        ),
+        UnifracSource::FaithPdTree(tree) => (
+            BaseTarget::FaithPd(tree_faith_pd(&rarefied.table, tree)?),
+            format!("Faith's PD computed from {}", tree.display()),
+        ),
     };
     let policy = if spec.drop_missing {
         MissingPolicy::Drop
@@ -130,14 +167,16 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
         MissingPolicy::Error
     };
     check_sequences(&rarefied.table, spec)?;
-    let mut builder = Dataset::builder(&rarefied.table)
-        .max_bp(spec.max_bp)
-        .unifrac(Arc::new(matrix), policy);
+    let builder = Dataset::builder(&rarefied.table).max_bp(spec.max_bp);
+    let (mut builder, base_key) = match base {
+        BaseTarget::Distances(m) => (builder.unifrac(Arc::new(m), policy), "unifrac_matrix"),
+        BaseTarget::FaithPd(v) => (builder.faith_pd(Arc::new(v), policy), "faith_pd"),
+    };
     let mut sources = BTreeMap::from([
         ("table".to_string(), spec.table.display().to_string()),
-        ("unifrac_matrix".to_string(), matrix_source),
+        (base_key.to_string(), base_source),
     ]);
-    if let UnifracSource::Tree { tree, .. } = &spec.unifrac {
+    if let UnifracSource::Tree { tree, .. } | UnifracSource::FaithPdTree(tree) = &spec.unifrac {
         sources.insert("tree".into(), tree.display().to_string());
     }
     let mut class_labels = None;
@@ -276,6 +315,27 @@ fn tree_matrix(
         source,
     })?;
     Ok((matrix, source))
+}
+
+/// Faith's PD of every sample of `table` (the rarefied table) over `tree`.
+fn tree_faith_pd(table: &BiomTable, tree: &Path) -> Result<SampleValues> {
+    let start = std::time::Instant::now();
+    let parsed = aam_unifrac::Tree::read(tree)?;
+    let (pd, _) = aam_unifrac::faith_pd(
+        table,
+        &parsed,
+        &aam_unifrac::Options::new(aam_unifrac::Method::Unweighted),
+    )?;
+    tracing::info!(
+        "Faith's PD of {} samples over {} in {:.2} s",
+        pd.ids.len(),
+        tree.display(),
+        start.elapsed().as_secs_f64()
+    );
+    SampleValues::from_values(tree, pd.ids, pd.values).map_err(|source| TrainError::Input {
+        option: "tree",
+        source,
+    })
 }
 
 /// FNV-1a, 64 bits: a stable hash (the same in every build and process) for

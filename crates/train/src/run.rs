@@ -37,7 +37,9 @@ use crate::checkpoint::{
 };
 use crate::config::{PhaseTiming, RunConfig, Task};
 use crate::error::{Result, TrainError};
-use crate::loss::{nucleotide_accuracy, pairwise_tanh_distances, LossTargets, Predictions, Target};
+use crate::loss::{
+    nucleotide_accuracy, pairwise_tanh_distances, BaseLoss, LossTargets, Predictions, Target,
+};
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
 use crate::optim::{LossScaler, Optimizer};
 use crate::parallel::{check_shards, Group, HostExchange, Shares, UnifracPairs};
@@ -197,7 +199,8 @@ pub mod files {
     /// Pretraining: the UniFrac distance and the embeddings' predicted
     /// distance of each pair of samples within a validation batch, best epoch.
     pub const VAL_UNIFRAC: &str = "val_unifrac.tsv";
-    /// Validation predictions of the best epoch.
+    /// Validation predictions of the best epoch (the target; in Faith's PD
+    /// pretraining, the predicted PD of each validation sample).
     pub const VAL_PREDICTIONS: &str = "val_predictions.tsv";
     /// Device memory per phase of the training step (`--memory-profile`).
     pub const MEMORY_PROFILE: &str = "memory_profile.csv";
@@ -285,9 +288,17 @@ pub fn batch_tensors<B: Backend>(
         TensorData::new(batch.counts.clone(), batch.counts_shape()),
         device,
     );
-    let base = batch.unifrac.as_ref().map(|u| {
-        Tensor::<B, 2>::from_data(TensorData::new(u.clone(), batch.unifrac_shape()), device)
-    });
+    let base = match (&batch.unifrac, &batch.faith_pd) {
+        (Some(u), _) => Some(Tensor::<B, 2>::from_data(
+            TensorData::new(u.clone(), batch.unifrac_shape()),
+            device,
+        )),
+        (None, Some(pd)) => Some(Tensor::<B, 2>::from_data(
+            TensorData::new(pd.clone(), [b, 1]),
+            device,
+        )),
+        (None, None) => None,
+    };
     let target = batch.targets.as_ref().map(|t| {
         if classifier {
             let classes: Vec<i64> = t.iter().map(|&c| c as i64).collect();
@@ -1366,6 +1377,30 @@ fn validate<B: AttentionBackend>(
                 }
             }
             pairs.update(&pp, &tt);
+        }
+        // Faith's PD pretraining reports metrics of the predicted PD.
+        if let (Task::Pretrain, BaseLoss::Mse, Some(p), Some(t)) = (
+            run.task,
+            run.loss.base,
+            &predictions.base_prediction,
+            &targets.base,
+        ) {
+            let p = p
+                .clone()
+                .into_data()
+                .convert::<f64>()
+                .to_vec::<f64>()
+                .expect("f64");
+            let t = t
+                .clone()
+                .into_data()
+                .convert::<f64>()
+                .to_vec::<f64>()
+                .expect("f64");
+            pairs.update(&p, &t);
+            for (i, id) in batch.sample_ids.iter().enumerate() {
+                rows.push((id.clone(), vec![p[i].to_string()], t[i].to_string()));
+            }
         }
         if let Some(pred) = &predictions.target {
             target_rows(

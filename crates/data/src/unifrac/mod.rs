@@ -20,12 +20,15 @@
 
 mod npy;
 mod text;
+mod values;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, IdList, Result};
 use crate::hdf5_util::H5;
+
+pub use values::SampleValues;
 
 /// Absolute tolerance of the symmetry and zero-diagonal checks.
 pub const TOLERANCE: f64 = 1e-6;
@@ -157,36 +160,7 @@ impl DistanceMatrix {
     /// extension, sidecar ID files (for [`MatrixIds::Auto`]) are looked for
     /// next to `path`, and `path` names the matrix in error messages.
     pub fn from_bytes(bytes: Vec<u8>, path: &Path, ids: &MatrixIds) -> Result<Self> {
-        if bytes.is_empty() {
-            return Err(Error::EmptyFile {
-                path: path.to_path_buf(),
-            });
-        }
-        let ext = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase)
-            .unwrap_or_default();
-        let (shape, raw, embedded) =
-            match ext.as_str() {
-                "h5" | "hdf5" => read_h5(bytes, path)?,
-                "npy" => {
-                    let a = npy::parse(&bytes, path, "array")?;
-                    let raw = numeric(a.values, path, "array")?;
-                    (a.shape, raw, None)
-                }
-                "npz" => read_npz(&bytes, path)?,
-                "csv" | "tsv" | "txt" => {
-                    let m = text::parse(&bytes, path, if ext == "csv" { ',' } else { '\t' })?;
-                    (vec![m.rows, m.cols], Raw::F64(m.values), Some(m.ids))
-                }
-                _ => return Err(Error::UnsupportedFormat {
-                    path: path.to_path_buf(),
-                    reason:
-                        "distance matrices are read from .h5, .hdf5, .npy, .npz, .csv, .tsv or .txt"
-                            .into(),
-                }),
-            };
+        let (shape, raw, embedded) = read_raw(bytes, path, TextLayout::Square)?;
         let (rows, cols) = match shape.as_slice() {
             [r, c] => (*r, *c),
             [n] => (*n, 1),
@@ -205,15 +179,7 @@ impl DistanceMatrix {
                 cols,
             });
         }
-        let (ids, id_source) = match embedded {
-            Some(embedded) => {
-                if *ids != MatrixIds::Auto {
-                    tracing::warn!(matrix = %path.display(), "the matrix file carries its own sample IDs; the IDs given by the caller are not used");
-                }
-                (embedded, "the matrix file".to_string())
-            }
-            None => resolve_ids(path, ids)?,
-        };
+        let (ids, id_source) = row_ids(path, embedded, ids)?;
         Self::validate(path.to_path_buf(), ids, &id_source, rows, raw)
     }
 
@@ -344,33 +310,13 @@ impl DistanceMatrix {
         sample_ids: &[S],
         policy: MissingPolicy,
     ) -> Result<Vec<(usize, usize)>> {
-        let mut matched = Vec::with_capacity(sample_ids.len());
-        let mut missing = Vec::new();
-        for (k, id) in sample_ids.iter().enumerate() {
-            match self.position(id.as_ref()) {
-                Some(row) => matched.push((k, row)),
-                None => missing.push(id.as_ref().to_string()),
-            }
-        }
-        if !missing.is_empty() {
-            match policy {
-                MissingPolicy::Error => {
-                    return Err(Error::SamplesMissingFromMatrix {
-                        path: self.source.clone(),
-                        count: missing.len(),
-                        of: sample_ids.len(),
-                        ids: IdList::new(&missing),
-                    })
-                }
-                MissingPolicy::Drop => tracing::warn!(
-                    matrix = %self.source.display(),
-                    "dropping {} table sample(s) missing from the distance matrix: {}",
-                    missing.len(),
-                    IdList::new(&missing)
-                ),
-            }
-        }
-        Ok(matched)
+        match_rows(
+            &self.source,
+            "distance matrix",
+            &self.index,
+            sample_ids,
+            policy,
+        )
     }
 
     /// Write the [B, B] block of `rows` (in that order) into `out`, row-major.
@@ -385,6 +331,111 @@ impl DistanceMatrix {
             let row = &self.data[i * n..(i + 1) * n];
             out.extend(rows.iter().map(|&j| row[j]));
         }
+    }
+}
+
+/// How the rows of a text file are laid out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TextLayout {
+    /// Square, with column sample IDs in the header (lsmat).
+    Square,
+    /// One value column per sample (a vector such as Faith's PD).
+    Column,
+}
+
+/// (shape, values, embedded IDs) of a matrix or vector file, by extension.
+fn read_raw(
+    bytes: Vec<u8>,
+    path: &Path,
+    layout: TextLayout,
+) -> Result<(Vec<usize>, Raw, Option<Vec<String>>)> {
+    if bytes.is_empty() {
+        return Err(Error::EmptyFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .unwrap_or_default();
+    Ok(match ext.as_str() {
+        "h5" | "hdf5" => read_h5(bytes, path)?,
+        "npy" => {
+            let a = npy::parse(&bytes, path, "array")?;
+            let raw = numeric(a.values, path, "array")?;
+            (a.shape, raw, None)
+        }
+        "npz" => read_npz(&bytes, path)?,
+        "csv" | "tsv" | "txt" => {
+            let delimiter = if ext == "csv" { ',' } else { '\t' };
+            let m = text::parse(&bytes, path, delimiter, layout == TextLayout::Square)?;
+            (vec![m.rows, m.cols], Raw::F64(m.values), Some(m.ids))
+        }
+        _ => {
+            return Err(Error::UnsupportedFormat {
+                path: path.to_path_buf(),
+                reason: "distance matrices and per-sample values are read from .h5, .hdf5, \
+                         .npy, .npz, .csv, .tsv or .txt"
+                    .into(),
+            })
+        }
+    })
+}
+
+/// The file's row of each of `sample_ids` (see [`DistanceMatrix::match_samples`]);
+/// `what` names the file's content in the error and the warning.
+pub(crate) fn match_rows<S: AsRef<str>>(
+    source: &Path,
+    what: &'static str,
+    index: &HashMap<String, usize>,
+    sample_ids: &[S],
+    policy: MissingPolicy,
+) -> Result<Vec<(usize, usize)>> {
+    let mut matched = Vec::with_capacity(sample_ids.len());
+    let mut missing = Vec::new();
+    for (k, id) in sample_ids.iter().enumerate() {
+        match index.get(id.as_ref()) {
+            Some(&row) => matched.push((k, row)),
+            None => missing.push(id.as_ref().to_string()),
+        }
+    }
+    if !missing.is_empty() {
+        match policy {
+            MissingPolicy::Error => {
+                return Err(Error::SamplesMissingFromMatrix {
+                    path: source.to_path_buf(),
+                    what,
+                    count: missing.len(),
+                    of: sample_ids.len(),
+                    ids: IdList::new(&missing),
+                })
+            }
+            MissingPolicy::Drop => tracing::warn!(
+                file = %source.display(),
+                "dropping {} table sample(s) missing from the {what}: {}",
+                missing.len(),
+                IdList::new(&missing)
+            ),
+        }
+    }
+    Ok(matched)
+}
+
+/// The sample IDs of a file's rows: its own, else those `ids` gives.
+fn row_ids(
+    path: &Path,
+    embedded: Option<Vec<String>>,
+    ids: &MatrixIds,
+) -> Result<(Vec<String>, String)> {
+    match embedded {
+        Some(embedded) => {
+            if *ids != MatrixIds::Auto {
+                tracing::warn!(file = %path.display(), "the file carries its own sample IDs; the IDs given by the caller are not used");
+            }
+            Ok((embedded, "the file itself".to_string()))
+        }
+        None => resolve_ids(path, ids),
     }
 }
 

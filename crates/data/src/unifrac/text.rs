@@ -28,7 +28,15 @@ fn cell(s: &str) -> &str {
         .unwrap_or(s)
 }
 
-pub(crate) fn parse(bytes: &[u8], path: &Path, delimiter: char) -> Result<TextMatrix> {
+/// Parse a text matrix; with `square`, columns named like the rows are
+/// permuted into row order (a one-column file, such as `faithpd`'s output,
+/// is read as it is).
+pub(crate) fn parse(
+    bytes: &[u8],
+    path: &Path,
+    delimiter: char,
+    square: bool,
+) -> Result<TextMatrix> {
     let err = |line: usize, reason: String| Error::MatrixText {
         path: path.to_path_buf(),
         line,
@@ -100,7 +108,7 @@ pub(crate) fn parse(bytes: &[u8], path: &Path, delimiter: char) -> Result<TextMa
     }
     let rows = ids.len();
     let cols = col_ids.len();
-    if rows == cols && col_ids.iter().zip(&ids).any(|(c, r)| *c != r.as_str()) {
+    if square && rows == cols && col_ids.iter().zip(&ids).any(|(c, r)| *c != r.as_str()) {
         // Same size, different order or set: permute columns into row order.
         let row_of: HashMap<&str, usize> = ids
             .iter()
@@ -148,6 +156,7 @@ mod tests {
             b"\ta\tb\r\na\t0\t0.5\r\nb\t0.5\t0\r\n",
             Path::new("d.txt"),
             '\t',
+            true,
         )
         .unwrap();
         assert_eq!(m.ids, vec!["a", "b"]);
@@ -156,14 +165,14 @@ mod tests {
 
     #[test]
     fn columns_in_another_order_are_permuted() {
-        let m = parse(b"id,b,a\na,0.5,0\nb,0,0.5\n", Path::new("d.csv"), ',').unwrap();
+        let m = parse(b"id,b,a\na,0.5,0\nb,0,0.5\n", Path::new("d.csv"), ',', true).unwrap();
         assert_eq!(m.values, vec![0.0, 0.5, 0.5, 0.0]);
     }
 
     #[test]
     fn errors_name_line_sample_and_column() {
         let p = Path::new("d.csv");
-        let msg = parse(b",a,b\na,0,x\nb,1,0\n", p, ',')
+        let msg = parse(b",a,b\na,0,x\nb,1,0\n", p, ',', true)
             .unwrap_err()
             .to_string();
         assert!(
@@ -173,18 +182,18 @@ mod tests {
                 && msg.contains("\"x\""),
             "{msg}"
         );
-        let msg = parse(b",a,b\na,0,1\nb,1\n", p, ',')
+        let msg = parse(b",a,b\na,0,1\nb,1\n", p, ',', true)
             .unwrap_err()
             .to_string();
         assert!(
             msg.contains("d.csv:3") && msg.contains("1 values for 2"),
             "{msg}"
         );
-        let msg = parse(b",a,c\na,0,1\nb,1,0\n", p, ',')
+        let msg = parse(b",a,c\na,0,1\nb,1,0\n", p, ',', true)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("d.csv:1") && msg.contains("\"c\""), "{msg}");
-        let msg = parse(b"a\tb\n", p, ',').unwrap_err().to_string();
+        let msg = parse(b"a\tb\n", p, ',', true).unwrap_err().to_string();
         assert!(msg.contains("delimiter"), "{msg}");
     }
 }
