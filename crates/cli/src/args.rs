@@ -252,6 +252,9 @@ pub struct RunArgs {
     /// Output directory (checkpoints/, metrics.csv, plots, sample lists).
     #[arg(long, value_name = "DIR")]
     pub output_dir: PathBuf,
+    /// The batch-size search `--auto-batch-size` asked for.
+    #[arg(skip)]
+    pub batch_size_search: Option<BatchSizeSearch>,
     /// Continue the run of this checkpoint (its configuration is used; data
     /// must be the same). `auto`: the newest readable checkpoint in
     /// --output-dir, or a fresh start when there is none (one command for a
@@ -448,19 +451,33 @@ impl DeviceKind {
     }
 }
 
+/// `--auto-batch-size`: search the largest batch under a memory cap.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchSizeSearch {
+    /// `--max-memory-fraction` (default 0.8, the reference's).
+    pub max_memory_fraction: f64,
+    /// `--target-effective-batch-size`: samples per optimiser step after
+    /// the search.
+    pub target_effective_batch_size: Option<u64>,
+}
+
 /// Options of the reference's `pretrain` and `train` that aam-rs takes with
 /// its own answer: each given one is applied or logged with a note saying
 /// what aam-rs does instead (`docs/migrating-from-aam.md`).
 #[derive(Args, Debug, Clone)]
 pub struct ReferenceArgs {
-    /// Reference: search the largest batch that fits in GPU memory. aam-rs
-    /// trains with --batch-size as given (a note says so).
+    /// On a CUDA or ROCm device: train with the largest even batch in
+    /// [2, 256] whose step needs at most --max-memory-fraction of the
+    /// device's memory, measured before training (replaces --batch-size).
+    /// Elsewhere a note says --batch-size is kept. Off by default (the
+    /// reference's default was on).
     #[arg(long, overrides_with = "no_auto_batch_size")]
     pub auto_batch_size: bool,
-    /// Train with --batch-size as given (aam-rs always does).
+    /// Train with --batch-size as given (the default).
     #[arg(long, overrides_with = "auto_batch_size")]
     pub no_auto_batch_size: bool,
-    /// Reference: the memory cap of the batch-size search (not used here).
+    /// The memory cap of --auto-batch-size, a fraction of the device's
+    /// memory. Default 0.8.
     #[arg(long, value_name = "FRACTION")]
     pub max_memory_fraction: Option<f64>,
     /// Samples per optimiser step: sets --gradient-accumulation-steps to
@@ -485,13 +502,21 @@ pub struct ReferenceArgs {
 }
 
 impl ReferenceArgs {
+    /// The batch-size search asked for, if any.
+    pub fn batch_size_search(&self) -> Option<BatchSizeSearch> {
+        self.auto_batch_size.then(|| BatchSizeSearch {
+            max_memory_fraction: self.max_memory_fraction.unwrap_or(0.8),
+            target_effective_batch_size: self.target_effective_batch_size,
+        })
+    }
+
     /// Applies what maps onto aam-rs's options (`--target-effective-batch-size`)
     /// and returns a note for each option answered differently.
     pub fn apply(&self, optim: &mut OptimArgs) -> Vec<String> {
         let mut notes = Vec::new();
-        if self.auto_batch_size || self.max_memory_fraction.is_some() {
+        if !self.auto_batch_size && self.max_memory_fraction.is_some() {
             notes.push(format!(
-                "--auto-batch-size/--max-memory-fraction: aam-rs does not search a batch size; it trains with --batch-size {}",
+                "--max-memory-fraction caps --auto-batch-size, which is off: training with --batch-size {}",
                 optim.batch_size
             ));
         }

@@ -132,6 +132,36 @@ impl BackendKind {
         }
     }
 
+    /// Bytes of memory of device `index`, where the backend's driver
+    /// reports them (CUDA, ROCm); `None` for the CPU, wgpu and libtorch.
+    pub fn total_memory(self, index: usize) -> Result<Option<u64>> {
+        let _ = index;
+        match self {
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => {
+                let ctx = cudarc::driver::CudaContext::new(index)
+                    .map_err(|e| anyhow::anyhow!("CUDA device {index}: {e:?}"))?;
+                let bytes = ctx
+                    .total_mem()
+                    .map_err(|e| anyhow::anyhow!("CUDA device {index}: {e:?}"))?;
+                Ok(Some(bytes as u64))
+            }
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => {
+                use cubecl_hip_sys as hip;
+                let mut bytes = 0usize;
+                // SAFETY: the device count was checked before any device was
+                // built (`ensure_available`); `bytes` is writable.
+                let status = unsafe { hip::hipDeviceTotalMem(&mut bytes, index as i32) };
+                if status != hip::hipError_t_hipSuccess {
+                    bail!("hipDeviceTotalMem({index}) failed with HIP error {status}");
+                }
+                Ok(Some(bytes as u64))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Fails, naming the cause, where the backend has no device to run on;
     /// [`with_backend!`](crate::with_backend) calls it before anything is
     /// built, so a missing driver is an error message, not a panic.

@@ -27,8 +27,8 @@ use burn::backend::Autodiff;
 use clap::Args;
 
 use aam_cli::args::{
-    flagged, prepare, serde_value, DataArgs, ModelArgs, OptimArgs, ReferenceArgs, ResumeFrom,
-    RunArgs,
+    flagged, prepare, serde_value, BatchSizeSearch, DataArgs, ModelArgs, OptimArgs, ReferenceArgs,
+    ResumeFrom, RunArgs,
 };
 
 use crate::progress::Progress;
@@ -510,6 +510,7 @@ fn apply_reference(
     );
     let mut notes = run.resolve()?;
     notes.extend(reference.apply(optim));
+    run.batch_size_search = reference.batch_size_search();
     notes.extend(model.attn_implementation.resolve().1);
     for note in notes {
         tracing::info!("{note}");
@@ -1006,6 +1007,77 @@ fn fit_on<B: AttentionBackend>(
     }
 }
 
+/// `--auto-batch-size`: replaces `run.batch_size` (and, with
+/// `--target-effective-batch-size`, the accumulation steps) by the largest
+/// batch under the memory cap of a CUDA or ROCm device; elsewhere a note
+/// says that `--batch-size` is kept.
+fn search_batch_size<AB>(
+    devices: &[AB::Device],
+    r: &RunArgs,
+    search: BatchSizeSearch,
+    model_config: &ModelConfig,
+    run: &mut RunConfig,
+    data: &TrainData,
+) -> Result<()>
+where
+    AB: burn::tensor::backend::AutodiffBackend + AttentionBackend,
+    AB::InnerBackend: AttentionBackend,
+{
+    let keep = |why: String| {
+        tracing::info!(
+            "--auto-batch-size: {why}; training with --batch-size {}",
+            run.batch_size
+        );
+        Ok(())
+    };
+    if devices.len() > 1 {
+        return keep(format!(
+            "not searched for {} replicas (as the reference, which skips it for data-parallel runs)",
+            devices.len()
+        ));
+    }
+    let index = match r.parallel.list() {
+        aam_cli::args::DeviceList::Indices(i) => i.first().copied().unwrap_or(0),
+        aam_cli::args::DeviceList::All => 0,
+    };
+    let Some(total) = r.backend.total_memory(index)? else {
+        return keep(format!(
+            "the {} backend reports no device memory to fill (the search runs on CUDA and ROCm devices)",
+            r.backend.name()
+        ));
+    };
+    let started = std::time::Instant::now();
+    let found = aam_train::batch_size::largest_batch::<AB>(
+        model_config,
+        run,
+        data,
+        &devices[0],
+        total,
+        search.max_memory_fraction,
+    )
+    .map_err(flagged)?;
+    run.batch_size = found.batch_size;
+    if let Some(target) = search.target_effective_batch_size {
+        run.gradient_accumulation_steps = (target as usize / found.batch_size).max(1);
+    }
+    tracing::info!(
+        "--auto-batch-size: batch size {} ({} per optimiser step), the largest of {} tried under {:.2} GiB ({} of {:.1} GiB), in {:.1} s",
+        found.batch_size,
+        found.batch_size * run.gradient_accumulation_steps,
+        found
+            .trials
+            .iter()
+            .map(|t| format!("{} ({:.2} GiB)", t.batch_size, t.bytes as f64 / (1u64 << 30) as f64))
+            .collect::<Vec<_>>()
+            .join(", "),
+        found.cap as f64 / (1u64 << 30) as f64,
+        search.max_memory_fraction,
+        total as f64 / (1u64 << 30) as f64,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 /// Trains with autodiff backend `AB` (its checkpointing strategy decides
 /// what the backward pass recomputes).
 fn fit_with<AB>(
@@ -1036,6 +1108,10 @@ where
             model
         }
     };
+    let mut run = run;
+    if let (Some(search), None) = (r.batch_size_search, &resume) {
+        search_batch_size::<AB>(devices, r, search, &model_config, &mut run, &data)?;
+    }
     let task = run.task;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
     let class_labels = data.info.class_labels.clone();

@@ -836,7 +836,9 @@ fn reference_options_run_end_to_end() {
         "cpu",
         "--attn-implementation",
         "mem_efficient",
-        "--no-auto-batch-size",
+        "--auto-batch-size",
+        "--max-memory-fraction",
+        "0.6",
         "--target-effective-batch-size",
         "16",
         "--compile-model",
@@ -854,6 +856,7 @@ fn reference_options_run_end_to_end() {
     for note in [
         "--attn-implementation mem_efficient: PyTorch's SDPA kernels are not used here",
         "--target-effective-batch-size 16: 2 batch(es) of 8 per optimiser step",
+        "--auto-batch-size: the ndarray backend reports no device memory to fill (the search runs on CUDA and ROCm devices); training with --batch-size 8",
         "--compile-model:",
         "--tf32:",
         "--use-expandable-segments:",

@@ -43,6 +43,7 @@
 
 #![deny(missing_docs)]
 
+pub mod batch_size;
 pub mod checkpoint;
 pub mod config;
 mod error;
