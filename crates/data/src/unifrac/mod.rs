@@ -61,10 +61,75 @@ pub enum MissingPolicy {
 /// A validated square distance matrix with sample IDs.
 #[derive(Debug, Clone)]
 pub struct DistanceMatrix {
+    rows: Rows,
+    data: Vec<f32>,
+}
+
+/// The sample IDs of a file's rows (unique), indexed, and the file.
+#[derive(Debug, Clone)]
+pub(crate) struct Rows {
     source: PathBuf,
     ids: Vec<String>,
     index: HashMap<String, usize>,
-    data: Vec<f32>,
+}
+
+impl Rows {
+    /// Fails on an ID given twice, naming it (`kind`: what the IDs are).
+    fn new(source: PathBuf, ids: Vec<String>, kind: &'static str) -> Result<Self> {
+        let mut index = HashMap::with_capacity(ids.len());
+        for (i, id) in ids.iter().enumerate() {
+            if index.insert(id.clone(), i).is_some() {
+                return Err(Error::DuplicateId {
+                    path: source,
+                    kind,
+                    id: id.clone(),
+                });
+            }
+        }
+        Ok(Self { source, ids, index })
+    }
+
+    fn position(&self, id: &str) -> Option<usize> {
+        self.index.get(id).copied()
+    }
+
+    /// The row of each of `sample_ids` (see [`DistanceMatrix::match_samples`]);
+    /// `what` names the file's content in the error and the warning.
+    fn match_samples<S: AsRef<str>>(
+        &self,
+        what: &'static str,
+        sample_ids: &[S],
+        policy: MissingPolicy,
+    ) -> Result<Vec<(usize, usize)>> {
+        let mut matched = Vec::with_capacity(sample_ids.len());
+        let mut missing = Vec::new();
+        for (k, id) in sample_ids.iter().enumerate() {
+            match self.position(id.as_ref()) {
+                Some(row) => matched.push((k, row)),
+                None => missing.push(id.as_ref().to_string()),
+            }
+        }
+        if !missing.is_empty() {
+            match policy {
+                MissingPolicy::Error => {
+                    return Err(Error::SamplesMissingFromMatrix {
+                        path: self.source.clone(),
+                        what,
+                        count: missing.len(),
+                        of: sample_ids.len(),
+                        ids: IdList::new(&missing),
+                    })
+                }
+                MissingPolicy::Drop => tracing::warn!(
+                    file = %self.source.display(),
+                    "dropping {} table sample(s) missing from the {what}: {}",
+                    missing.len(),
+                    IdList::new(&missing)
+                ),
+            }
+        }
+        Ok(matched)
+    }
 }
 
 /// The names under which the reference looks for a matrix, in order.
@@ -219,21 +284,14 @@ impl DistanceMatrix {
                 source_name: id_source.to_string(),
             });
         }
-        let mut index = HashMap::with_capacity(n);
-        for (i, id) in ids.iter().enumerate() {
-            if index.insert(id.clone(), i).is_some() {
-                return Err(Error::DuplicateId {
-                    path: source,
-                    kind: "matrix sample",
-                    id: id.clone(),
-                });
-            }
-        }
+        let rows = Rows::new(source, ids, "matrix sample")?;
+        let (source, ids) = (&rows.source, &rows.ids);
         let violation = match &raw {
             Raw::F32(v) => first_violation(v, n),
             Raw::F64(v) => first_violation(v, n),
         };
         if let Some(violation) = violation {
+            let source = source.clone();
             return Err(match violation {
                 Violation::NonFinite { i, j, value } => Error::MatrixNonFinite {
                     path: source,
@@ -256,36 +314,34 @@ impl DistanceMatrix {
             });
         }
         Ok(Self {
-            source,
-            ids,
-            index,
+            rows,
             data: raw.into_f32(),
         })
     }
 
     /// The file the matrix came from.
     pub fn source(&self) -> &Path {
-        &self.source
+        &self.rows.source
     }
 
     /// Number of samples (rows = columns).
     pub fn len(&self) -> usize {
-        self.ids.len()
+        self.rows.ids.len()
     }
 
     /// True for a 0 x 0 matrix.
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.rows.ids.is_empty()
     }
 
     /// Sample IDs in row order.
     pub fn ids(&self) -> &[String] {
-        &self.ids
+        &self.rows.ids
     }
 
     /// Row of a sample ID.
     pub fn position(&self, id: &str) -> Option<usize> {
-        self.index.get(id).copied()
+        self.rows.position(id)
     }
 
     /// Distance between rows `i` and `j`.
@@ -293,7 +349,7 @@ impl DistanceMatrix {
     /// # Panics
     /// If a row is out of range (a programmer error).
     pub fn get(&self, i: usize, j: usize) -> f32 {
-        self.data[i * self.ids.len() + j]
+        self.data[i * self.len() + j]
     }
 
     /// Distance between two samples by ID.
@@ -310,13 +366,8 @@ impl DistanceMatrix {
         sample_ids: &[S],
         policy: MissingPolicy,
     ) -> Result<Vec<(usize, usize)>> {
-        match_rows(
-            &self.source,
-            "distance matrix",
-            &self.index,
-            sample_ids,
-            policy,
-        )
+        self.rows
+            .match_samples("distance matrix", sample_ids, policy)
     }
 
     /// Write the [B, B] block of `rows` (in that order) into `out`, row-major.
@@ -326,7 +377,7 @@ impl DistanceMatrix {
     pub fn block_into(&self, rows: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.reserve(rows.len() * rows.len());
-        let n = self.ids.len();
+        let n = self.len();
         for &i in rows {
             let row = &self.data[i * n..(i + 1) * n];
             out.extend(rows.iter().map(|&j| row[j]));
@@ -381,45 +432,6 @@ fn read_raw(
             })
         }
     })
-}
-
-/// The file's row of each of `sample_ids` (see [`DistanceMatrix::match_samples`]);
-/// `what` names the file's content in the error and the warning.
-pub(crate) fn match_rows<S: AsRef<str>>(
-    source: &Path,
-    what: &'static str,
-    index: &HashMap<String, usize>,
-    sample_ids: &[S],
-    policy: MissingPolicy,
-) -> Result<Vec<(usize, usize)>> {
-    let mut matched = Vec::with_capacity(sample_ids.len());
-    let mut missing = Vec::new();
-    for (k, id) in sample_ids.iter().enumerate() {
-        match index.get(id.as_ref()) {
-            Some(&row) => matched.push((k, row)),
-            None => missing.push(id.as_ref().to_string()),
-        }
-    }
-    if !missing.is_empty() {
-        match policy {
-            MissingPolicy::Error => {
-                return Err(Error::SamplesMissingFromMatrix {
-                    path: source.to_path_buf(),
-                    what,
-                    count: missing.len(),
-                    of: sample_ids.len(),
-                    ids: IdList::new(&missing),
-                })
-            }
-            MissingPolicy::Drop => tracing::warn!(
-                file = %source.display(),
-                "dropping {} table sample(s) missing from the {what}: {}",
-                missing.len(),
-                IdList::new(&missing)
-            ),
-        }
-    }
-    Ok(matched)
 }
 
 /// The sample IDs of a file's rows: its own, else those `ids` gives.

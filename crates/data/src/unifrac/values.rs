@@ -9,18 +9,15 @@
 //! as [`DistanceMatrix`](super::DistanceMatrix) finds them. Every value must
 //! be finite and every ID unique.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use super::{match_rows, read_raw, row_ids, MatrixIds, MissingPolicy, TextLayout};
+use super::{read_raw, row_ids, MatrixIds, MissingPolicy, Rows, TextLayout};
 use crate::error::{Error, Result};
 
 /// Validated per-sample values with their sample IDs.
 #[derive(Debug, Clone)]
 pub struct SampleValues {
-    source: PathBuf,
-    ids: Vec<String>,
-    index: HashMap<String, usize>,
+    rows: Rows,
     values: Vec<f32>,
 }
 
@@ -90,49 +87,38 @@ impl SampleValues {
                 ),
             });
         }
-        let mut index = HashMap::with_capacity(ids.len());
-        for (i, id) in ids.iter().enumerate() {
-            if index.insert(id.clone(), i).is_some() {
-                return Err(Error::DuplicateId {
-                    path: source,
-                    kind: "sample",
-                    id: id.clone(),
-                });
-            }
-            if !values[i].is_finite() {
-                return Err(Error::ValueNonFinite {
-                    path: source,
-                    id: id.clone(),
-                    value: values[i],
-                });
-            }
+        let rows = Rows::new(source, ids, "sample")?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::ValueNonFinite {
+                path: rows.source,
+                id: rows.ids[i].clone(),
+                value: values[i],
+            });
         }
         Ok(Self {
-            source,
-            ids,
-            index,
+            rows,
             values: values.into_iter().map(|v| v as f32).collect(),
         })
     }
 
     /// The file the values came from.
     pub fn source(&self) -> &Path {
-        &self.source
+        &self.rows.source
     }
 
     /// Number of samples.
     pub fn len(&self) -> usize {
-        self.ids.len()
+        self.values.len()
     }
 
     /// True without any sample.
     pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.values.is_empty()
     }
 
     /// Sample IDs in row order.
     pub fn ids(&self) -> &[String] {
-        &self.ids
+        &self.rows.ids
     }
 
     /// The value of row `i`.
@@ -145,7 +131,7 @@ impl SampleValues {
 
     /// The value of a sample by ID.
     pub fn value(&self, id: &str) -> Option<f32> {
-        self.index.get(id).map(|&i| self.values[i])
+        self.rows.position(id).map(|i| self.values[i])
     }
 
     /// The row of each of `sample_ids`, as
@@ -155,13 +141,8 @@ impl SampleValues {
         sample_ids: &[S],
         policy: MissingPolicy,
     ) -> Result<Vec<(usize, usize)>> {
-        match_rows(
-            &self.source,
-            "per-sample values",
-            &self.index,
-            sample_ids,
-            policy,
-        )
+        self.rows
+            .match_samples("per-sample values", sample_ids, policy)
     }
 }
 
