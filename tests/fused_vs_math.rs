@@ -6,7 +6,6 @@
 #![cfg(feature = "wgpu")]
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use aam_models::import::{infer_config, ImportHints, TorchCheckpoint};
 use aam_models::model::{AamModel, ModelConfig};
@@ -24,9 +23,7 @@ const OUTPUT_RTOL: f32 = 1e-5;
 const GRAD_RTOL: f32 = 1e-4;
 
 fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/reference")
-        .join(name)
+    aam_tests::fixtures_dir().join(name)
 }
 
 fn model(
