@@ -70,14 +70,6 @@ pub enum UnifracSource {
     FaithPdTree(PathBuf),
 }
 
-impl UnifracSource {
-    /// Whether the base target is Faith's PD (one value per sample) rather
-    /// than pairwise distances.
-    pub fn is_faith_pd(&self) -> bool {
-        matches!(self, Self::FaithPd(_) | Self::FaithPdTree(_))
-    }
-}
-
 /// The base target of a run, read or computed.
 enum BaseTarget {
     Distances(DistanceMatrix),

@@ -1385,18 +1385,14 @@ fn validate<B: AttentionBackend>(
             &predictions.base_prediction,
             &targets.base,
         ) {
-            let p = p
-                .clone()
-                .into_data()
-                .convert::<f64>()
-                .to_vec::<f64>()
-                .expect("f64");
-            let t = t
-                .clone()
-                .into_data()
-                .convert::<f64>()
-                .to_vec::<f64>()
-                .expect("f64");
+            let host = |x: &Tensor<B, 2>| -> Vec<f64> {
+                x.clone()
+                    .into_data()
+                    .convert::<f64>()
+                    .to_vec()
+                    .expect("f64")
+            };
+            let (p, t) = (host(p), host(t));
             pairs.update(&p, &t);
             for (i, id) in batch.sample_ids.iter().enumerate() {
                 rows.push((id.clone(), vec![p[i].to_string()], t[i].to_string()));

@@ -214,11 +214,7 @@ impl DistanceMatrix {
     /// Read and validate a matrix file; see the module doc for formats and IDs.
     pub fn read(path: impl AsRef<Path>, ids: &MatrixIds) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_bytes(bytes, path, ids)
+        Self::from_bytes(read_bytes(path)?, path, ids)
     }
 
     /// Parse a matrix held in memory. The format is chosen by `path`'s
@@ -383,6 +379,14 @@ impl DistanceMatrix {
             out.extend(rows.iter().map(|&j| row[j]));
         }
     }
+}
+
+/// A matrix or values file's bytes; an error names the file.
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// How the rows of a text file are laid out.

@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{read_raw, row_ids, MatrixIds, MissingPolicy, Rows, TextLayout};
+use super::{read_bytes, read_raw, row_ids, MatrixIds, MissingPolicy, Rows, TextLayout};
 use crate::error::{Error, Result};
 
 /// Validated per-sample values with their sample IDs.
@@ -25,11 +25,7 @@ impl SampleValues {
     /// Read and validate a file; see the module doc for formats and IDs.
     pub fn read(path: impl AsRef<Path>, ids: &MatrixIds) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_bytes(bytes, path, ids)
+        Self::from_bytes(read_bytes(path)?, path, ids)
     }
 
     /// Parse values held in memory; `path` gives the format (extension),
