@@ -12,7 +12,8 @@
 #   .carry/serve/oral_2550.biom.xz  from ../shared/data/oral2550
 #   .carry/gpu/cache/             optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
 # Env: REQUESTS (per phase, default 1280), BACKEND (cuda), BINS (the aam-rs builds to run in turn,
-#      default .carry/serve/aam-rs.xz; several, space-separated, for an A/B in one call).
+#      default .carry/serve/aam-rs.xz; several, space-separated, for an A/B in one call),
+#      COLD_EACH (1: each build starts from an empty kernel cache, as on a fresh node; none is kept).
 # Writes to $OUT: serve-<k>.txt and serve-<k>.json for the k-th of BINS, cache.txz.*.
 set -uo pipefail
 source benches/kernel_cache.sh
@@ -28,8 +29,9 @@ for bin in ${BINS:-.carry/serve/aam-rs.xz}; do
   k=$((k + 1))
   xz -dc "$bin" > "/tmp/bin/aam-rs-$k"; chmod +x "/tmp/bin/aam-rs-$k"
   echo "== $k: $bin"
+  [ "${COLD_EACH:-0}" = 1 ] && rm -rf target/autotune target/cuda target/hip
   /tmp/bin/serve-bench --aam-rs "/tmp/bin/aam-rs-$k" --model /tmp/serve/model.safetensors \
     --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
     --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve-$k.json" 2>&1 | tee "$OUT/serve-$k.txt"
 done
-save_kernel_cache
+[ "${COLD_EACH:-0}" = 1 ] || save_kernel_cache

@@ -8,11 +8,15 @@
 //! once per problem bucket, which costs minutes of compilation on a GPU's
 //! first run and a little time whenever a new bucket appears mid-run.
 
+mod any_rows;
 mod plan;
 mod tma_tiling;
 
+use any_rows::{any_rows, AnyRows};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
+use cubek::matmul::launch::launch_tiling::{launch_ref, launch_ref_tma};
+use cubek::matmul::routines::BlueprintStrategy;
 
 pub use plan::{dense_matmul_plan, set_matmul_tuning, MatmulShape, MatmulTuning};
 pub use tma_tiling::TmaTiling;
@@ -253,7 +257,6 @@ pub fn launch_matmul<R: CubeRuntime>(
     out: &CubeTensor<R>,
 ) -> Result<(), cubek::matmul::definition::MatmulSetupError> {
     use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
-    use cubek::matmul::routines::BlueprintStrategy;
     use cubek::std::InputBinding;
 
     let dtype = lhs.dtype;
@@ -268,18 +271,82 @@ pub fn launch_matmul<R: CubeRuntime>(
     let rhs = InputBinding::new(rhs.clone().binding(), dtype.into());
     let out = out.clone().binding();
     match kernel {
-        DenseKernel::Cubek(strategy) => {
-            cubek::matmul::launch::launch_ref(strategy, client, lhs, rhs, out, &mut elems)
+        DenseKernel::Cubek(strategy) => launch_cubek(strategy, client, lhs, rhs, out, &mut elems),
+        DenseKernel::TmaDouble(tiling) => launch_ref_tma::<R, AnyRows<TunedTmaDoubleBuffering>>(
+            client,
+            lhs,
+            rhs,
+            out,
+            &BlueprintStrategy::Inferred(*tiling),
+            &mut elems,
+        ),
+    }
+}
+
+/// One of cubek's strategies, as cubek's `launch_ref` launches it (the same
+/// routine, loaders and tile kind), but [`AnyRows`]: the kernels the dense
+/// layers use serve every batch's row count. Strategies no list here names
+/// launch as cubek launches them.
+fn launch_cubek<R: CubeRuntime>(
+    strategy: &cubek::matmul::launch::Strategy,
+    client: &cubecl::client::ComputeClient<R>,
+    lhs: cubek::std::InputBinding<R>,
+    rhs: cubek::std::InputBinding<R>,
+    out: cubecl::prelude::TensorBinding<R>,
+    elems: &mut cubek::matmul::definition::MatmulElems,
+) -> Result<(), cubek::matmul::definition::MatmulSetupError> {
+    use cubek::matmul::components::tile::TileMatmulKind::{Cmma, Mma};
+    use cubek::matmul::launch::Strategy;
+    use cubek::matmul::routines::{
+        double_buffering::TmaDoubleBufferingAlgorithm,
+        simple::{SimpleAlgorithm, SimpleTmaAlgorithm},
+        simple_unit::SimpleUnitAlgorithm,
+        specialized::SpecializedAlgorithm,
+    };
+
+    match strategy {
+        Strategy::SimpleUnit(s) => launch_ref::<R, AnyRows<SimpleUnitAlgorithm>>(
+            client,
+            lhs,
+            rhs,
+            out,
+            &any_rows(s),
+            elems,
+        ),
+        Strategy::SimpleCyclicCmma(s) => {
+            let s = stamp(s, |args| args.tile_matmul = Cmma);
+            launch_ref::<R, AnyRows<SimpleAlgorithm>>(client, lhs, rhs, out, &s, elems)
         }
-        DenseKernel::TmaDouble(tiling) => {
-            cubek::matmul::launch::launch_tiling::launch_ref_tma::<R, TunedTmaDoubleBuffering>(
-                client,
-                lhs,
-                rhs,
-                out,
-                &BlueprintStrategy::Inferred(*tiling),
-                &mut elems,
+        Strategy::SimpleTmaMma(s) => {
+            let s = stamp(s, |args| args.tile_matmul = Mma);
+            launch_ref_tma::<R, AnyRows<SimpleTmaAlgorithm>>(client, lhs, rhs, out, &s, elems)
+        }
+        Strategy::SpecializedTmaMma(s) => {
+            let s = stamp(s, |args| args.tile_matmul = Mma);
+            launch_ref_tma::<R, AnyRows<SpecializedAlgorithm>>(client, lhs, rhs, out, &s, elems)
+        }
+        Strategy::DoubleTmaMma(s) => {
+            let s = stamp(s, |args| args.tile_matmul = Mma);
+            launch_ref_tma::<R, AnyRows<TmaDoubleBufferingAlgorithm>>(
+                client, lhs, rhs, out, &s, elems,
             )
         }
+        other => cubek::matmul::launch::launch_ref(other, client, lhs, rhs, out, elems),
     }
+}
+
+/// `strategy` as [`AnyRows`]'s, its inferred options edited by `set` (the
+/// tile kind the strategy's name promises, as cubek stamps it).
+fn stamp<A>(
+    strategy: &BlueprintStrategy<(), A>,
+    set: impl FnOnce(&mut A::Strategy),
+) -> BlueprintStrategy<(), AnyRows<A>>
+where
+    A: cubek::matmul::routines::Routine<(), Blueprint = cubek::matmul::definition::TilingBlueprint>,
+{
+    let mut strategy = any_rows(strategy);
+    if let BlueprintStrategy::Inferred(options) = &mut strategy {
+        set(options);
+    }
+    strategy
 }
