@@ -155,6 +155,9 @@ fn main() {
             .lines()
             .map_while(Result::ok)
         {
+            if line.contains("warming up on") || line.contains(" ready in ") {
+                eprintln!("serve: {}", line.trim());
+            }
             if let Some(at) = line.find("listening on http://") {
                 let _ = tx.send(
                     line[at + 20..]
@@ -174,6 +177,10 @@ fn main() {
         assert!(loaded.elapsed() < Duration::from_secs(900), "never healthy");
         std::thread::sleep(Duration::from_millis(50));
     }
+    println!(
+        "service healthy {:.1} s after it listened (model load and warm-up)",
+        loaded.elapsed().as_secs_f64()
+    );
     let bodies: Arc<Vec<String>> = Arc::new(
         samples
             .chunks(args.samples_per_request)

@@ -75,6 +75,21 @@ impl BackendKind {
         }
     }
 
+    /// Whether the backend compiles kernels for each new shape at run time
+    /// (CubeCL's: CUDA, ROCm, wgpu).
+    pub fn compiles_kernels(self) -> bool {
+        match self {
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => true,
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => true,
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
     /// A line for the log before the first step on a backend that compiles
     /// its kernels at run time (CUDA, ROCm): where the compiled kernels are
     /// kept, and whether this run has to compile them (the first run on a

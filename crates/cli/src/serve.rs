@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use aam_infer::Options;
 use aam_models::AttentionBackend;
-use aam_serve::ServeConfig;
+use aam_serve::{ServeConfig, WarmUp};
 use anyhow::{ensure, Result};
 use clap::Args;
 
@@ -54,6 +54,21 @@ pub struct ServeArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     backend: BackendKind,
+    /// What runs before GET /health says ready: `shapes` (every ASV slot
+    /// count a batch can take, at sample counts of powers of two: on a GPU
+    /// backend the kernels of each shape are compiled before the first
+    /// request, not while requests wait) or `one-batch` (a single sample).
+    /// Default: `shapes` on cuda, rocm and wgpu, `one-batch` on the CPU
+    /// backends, which compile nothing.
+    #[arg(long, value_enum, value_name = "WHAT")]
+    warm_up: Option<WarmUpArg>,
+}
+
+/// `--warm-up`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum WarmUpArg {
+    Shapes,
+    OneBatch,
 }
 
 /// Runs `aam-rs serve` until SIGTERM or Ctrl-C.
@@ -79,6 +94,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
             seed: args.seed,
             max_sequence_length: args.max_sequence_length,
             ..Options::default()
+        },
+        warm_up: match args.warm_up {
+            Some(WarmUpArg::Shapes) => WarmUp::Shapes,
+            Some(WarmUpArg::OneBatch) => WarmUp::OneBatch,
+            None if args.backend.compiles_kernels() => WarmUp::Shapes,
+            None => WarmUp::OneBatch,
         },
     };
     let backend = args.backend.name();

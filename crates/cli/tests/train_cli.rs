@@ -2639,13 +2639,19 @@ fn serve_answers_like_the_cli() {
 
     // Busy: one request in flight at most; 16 clients at once, each with
     // 16 samples, get 200 or 429 (with its message), some of each.
-    let (busy, busy_addr, _) = start_server(
+    // It warms up on every batch shape first, as on a GPU: the model's one
+    // slot count (32) at 1-64 samples and full batches of 2-64 samples.
+    let (busy, busy_addr, busy_log) = start_server(
         &model,
         &[
             "--max-request-samples",
             "16",
             "--max-concurrent-requests",
             "1",
+            "--max-batch-asvs",
+            "2048",
+            "--warm-up",
+            "shapes",
         ],
     );
     let start = std::sync::Arc::new(std::sync::Barrier::new(16));
@@ -2674,6 +2680,8 @@ fn serve_answers_like_the_cli() {
     );
     assert_eq!(http(&busy_addr, "GET", "/health", "").0, 200);
     drop(busy);
+    let busy_log = busy_log.join().unwrap();
+    assert!(busy_log.contains("13 warm-up batches"), "{busy_log}");
 
     // SIGTERM: a clean exit.
     let killed = Command::new("kill")

@@ -12,7 +12,7 @@ use aam_models::model::{AamModel, ModelConfig};
 use aam_models::sequence_predictor::TargetPrediction;
 use aam_models::AttentionBackend;
 use aam_train::checkpoint::{read_checkpoint, DataInfo};
-use aam_train::run::{batch_tensors, predict_batch, Slots};
+use aam_train::run::{batch_tensors, predict_batch, Slots, SLOT_MULTIPLE};
 use burn::prelude::*;
 use serde::Serialize;
 
@@ -403,6 +403,21 @@ impl<B: AttentionBackend> Model<B> {
     /// The device it runs on.
     pub fn device(&self) -> &B::Device {
         &self.device
+    }
+
+    /// The ASV slots per sample a batch can take on the device, smallest
+    /// first: the batch's fullest sample's ASVs rounded up to a multiple of
+    /// 32 (at most `token_limit`) where the model masks empty slots, else
+    /// `token_limit` alone. Each is a shape the sample level's kernels are
+    /// compiled for; a service warms them up before it says it is ready.
+    pub fn slot_counts(&self) -> Vec<usize> {
+        let limit = self.info.token_limit;
+        match Slots::for_model(&self.config, self.all_slots) {
+            Slots::TokenLimit => vec![limit],
+            Slots::Filled => (1..=limit.div_ceil(SLOT_MULTIPLE))
+                .map(|k| (k * SLOT_MULTIPLE).min(limit))
+                .collect(),
+        }
     }
 
     /// Sample embeddings (the pooled embedding of the base model: for a

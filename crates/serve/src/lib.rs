@@ -25,6 +25,11 @@
 //!   (body size, samples, ASVs), 422 for malformed JSON or bad samples (the
 //!   message names the sample and the field), 429 when busy, 503 until the
 //!   model is loaded and its kernels compiled (`/health` too).
+//! - *Kernels compile before the first request*: on a JIT backend each new
+//!   batch shape compiles kernels the first time it runs, seconds that a
+//!   request would wait for. [`WarmUp::Shapes`] runs every ASV slot count a
+//!   batch can take, at sample counts of powers of two, before `/health`
+//!   says ready ([`ServeConfig::warm_up`]).
 //! - *Shutdown is graceful*: SIGTERM or Ctrl-C stops accepting connections,
 //!   the requests in flight are answered, then the process exits.
 
@@ -67,6 +72,27 @@ pub struct ServeConfig {
     /// Rarefaction (to the training depth, with this seed) and the sequence
     /// length limit; `batch_size` is ignored (the ASV budget forms batches).
     pub options: Options,
+    /// What runs before `/health` says ready.
+    pub warm_up: WarmUp,
+}
+
+/// The batches a service runs before it says it is ready.
+///
+/// On the JIT backends (CUDA, ROCm, wgpu) a kernel is compiled the first
+/// time a batch of its shape runs: on a fresh machine, hundreds of
+/// milliseconds to seconds each, which the requests of a new shape would
+/// wait for. Compiled kernels are kept on disk, so a restart finds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WarmUp {
+    /// One batch of one sample (per answer kind): the model is loaded and
+    /// runs. Enough where nothing is compiled per shape (the CPU backends).
+    #[default]
+    OneBatch,
+    /// Every ASV slot count a batch can take, at sample counts of powers of
+    /// two, and the ASV level's row counts up to `max_batch_asvs`: a few
+    /// hundred small batches (seconds with the kernels on disk; on a fresh
+    /// GPU, the time to compile them).
+    Shapes,
 }
 
 impl Default for ServeConfig {
@@ -80,6 +106,7 @@ impl Default for ServeConfig {
             max_request_samples: 64,
             max_body_bytes: 16 << 20,
             options: Options::default(),
+            warm_up: WarmUp::default(),
         }
     }
 }
@@ -111,7 +138,7 @@ pub(crate) struct Shared {
     pub info: OnceLock<ModelInfo>,
     /// The model's architecture, as JSON (for `/info`).
     pub model_config: OnceLock<serde_json::Value>,
-    /// True once the kernels are compiled (the warm-up batch ran).
+    /// True once the warm-up batches ran ([`WarmUp`]).
     pub ready: AtomicBool,
     /// Requests queued, not yet taken by the model thread.
     pub queued: AtomicUsize,

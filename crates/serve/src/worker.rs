@@ -11,7 +11,7 @@ use aam_infer::{Model, ModelKind, Options, Prediction, SampleReads};
 use aam_models::AttentionBackend;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::Shared;
+use crate::{Shared, WarmUp};
 
 /// Which answer a request wants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,41 +69,27 @@ pub fn run<B: AttentionBackend>(
         .model_config
         .set(serde_json::to_value(model.config()).unwrap_or_default());
     let _ = shared.info.set(info.clone());
-    // One batch of each kind compiles the kernels before /health says ready.
-    let warm = SampleReads {
-        id: "warm-up".into(),
-        reads: vec![(
-            "ACGT".repeat(info.max_bp.div_ceil(4)),
-            info.rarefy_depth.unwrap_or(1) as f64,
-        )],
+    // The kernels compile (on a JIT backend) before /health says ready.
+    let batches = match warm_up(&model, &shared.config) {
+        Ok(batches) => batches,
+        Err(e) => {
+            let _ = fatal.send(format!("the warm-up batch failed: {e}"));
+            return;
+        }
     };
+    shared.ready.store(true, Ordering::Release);
+    tracing::info!(
+        "model {} ready in {:.1}s ({} on {}; {batches} warm-up batch{})",
+        shared.model_name,
+        started.elapsed().as_secs_f64(),
+        shared.backend,
+        shared.device,
+        if batches == 1 { "" } else { "es" }
+    );
     let options = Options {
         batch_size: 1,
         ..shared.config.options.clone()
     };
-    let warmed = model
-        .embed(std::slice::from_ref(&warm), &options)
-        .and_then(|_| {
-            if info.kind == ModelKind::Encoder {
-                Ok(())
-            } else {
-                model
-                    .predict(std::slice::from_ref(&warm), &options)
-                    .map(|_| ())
-            }
-        });
-    if let Err(e) = warmed {
-        let _ = fatal.send(format!("the warm-up batch failed: {e}"));
-        return;
-    }
-    shared.ready.store(true, Ordering::Release);
-    tracing::info!(
-        "model {} ready in {:.1}s ({} on {})",
-        shared.model_name,
-        started.elapsed().as_secs_f64(),
-        shared.backend,
-        shared.device
-    );
 
     let budget = shared.config.max_batch_asvs;
     let mut held: Option<Job> = None;
@@ -137,6 +123,124 @@ pub fn run<B: AttentionBackend>(
         }
         answer(&model, &shared, &options, kind, batch);
     }
+}
+
+/// Runs the warm-up batches `config.warm_up` asks for, of each kind the
+/// model answers; returns how many ran.
+fn warm_up<B: AttentionBackend>(
+    model: &Model<B>,
+    config: &crate::ServeConfig,
+) -> aam_infer::Result<usize> {
+    let info = model.info();
+    let shapes = match config.warm_up {
+        WarmUp::OneBatch => vec![WarmUpBatch {
+            largest: 1,
+            samples: 1,
+            others: 1,
+        }],
+        WarmUp::Shapes => warm_up_shapes(&model.slot_counts(), config.max_batch_asvs),
+    };
+    if config.warm_up == WarmUp::Shapes {
+        tracing::info!(
+            "warming up on {} batch shapes (ASV slots {}..={}, up to {} ASVs a batch): on a fresh machine this compiles the kernels, once",
+            shapes.len(),
+            model.slot_counts().first().copied().unwrap_or(0),
+            info.token_limit,
+            config.max_batch_asvs
+        );
+    }
+    // Counts as they are: rarefaction would drop the warm-up's ASVs.
+    let options = Options {
+        rarefy: false,
+        ..config.options.clone()
+    };
+    for shape in &shapes {
+        let samples = shape.samples(info.max_bp);
+        let options = Options {
+            batch_size: samples.len(),
+            ..options.clone()
+        };
+        model.embed(&samples, &options)?;
+        if info.kind != ModelKind::Encoder {
+            model.predict(&samples, &options)?;
+        }
+    }
+    Ok(shapes.len())
+}
+
+/// One warm-up batch: a sample of `largest` ASVs (which sets the batch's
+/// ASV slots) and `samples - 1` more of `others` ASVs each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WarmUpBatch {
+    pub largest: usize,
+    pub samples: usize,
+    pub others: usize,
+}
+
+impl WarmUpBatch {
+    /// The batch's samples: distinct made-up sequences of `max_bp`
+    /// nucleotides, one read each.
+    fn samples(&self, max_bp: usize) -> Vec<SampleReads> {
+        let sequence = |i: usize| -> String {
+            // A different sequence per ASV of a sample (an LCG's bits).
+            let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (0..max_bp)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    b"ACGT"[(x >> 62) as usize] as char
+                })
+                .collect()
+        };
+        (0..self.samples)
+            .map(|s| SampleReads {
+                id: format!("warm-up-{s}"),
+                reads: (0..if s == 0 { self.largest } else { self.others })
+                    .map(|i| (sequence(i), 1.0))
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+/// The batch shapes [`WarmUp::Shapes`] runs, within `budget` ASVs a batch:
+/// - for each slot count a batch can take (`slots`), batches of 1, 2, 4, ...
+///   samples, one of them filling the slots and the others one ASV each:
+///   the sample level's shapes (samples × slots) at little cost;
+/// - batches of 1, 2, 4, ... samples of the smallest slot count, full:
+///   the ASV level's row counts (all the batch's nucleotides) up to the
+///   budget.
+///
+/// The kernels keyed by a shape (the sample-level attention by its slots,
+/// the reductions' tuning by size buckets of powers of two) are then
+/// compiled before the first request, and requests of other sizes reuse
+/// them.
+pub(crate) fn warm_up_shapes(slots: &[usize], budget: usize) -> Vec<WarmUpBatch> {
+    let mut shapes = Vec::new();
+    for &largest in slots {
+        let mut samples = 1;
+        while samples * largest <= budget.max(largest) {
+            shapes.push(WarmUpBatch {
+                largest,
+                samples,
+                others: 1,
+            });
+            samples *= 2;
+        }
+    }
+    if let Some(&full) = slots.first() {
+        let mut samples = 2;
+        while samples * full <= budget {
+            shapes.push(WarmUpBatch {
+                largest: full,
+                samples,
+                others: full,
+            });
+            samples *= 2;
+        }
+    }
+    shapes
 }
 
 /// Runs one merged device batch and replies to each of its requests.
@@ -206,5 +310,50 @@ impl Answer {
             Answer::Embeddings(v) => Answer::Embeddings(v.split_off(at)),
             Answer::Predictions(v) => Answer::Predictions(v.split_off(at)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every slot count at sample counts of powers of two within the budget,
+    /// then full batches of the smallest slot count up to the budget.
+    #[test]
+    fn warm_up_shapes_cover_every_slot_count_within_the_budget() {
+        let shapes = warm_up_shapes(&[32, 64, 96], 256);
+        let of = |largest, others| -> Vec<usize> {
+            shapes
+                .iter()
+                .filter(|b| b.largest == largest && b.others == others)
+                .map(|b| b.samples)
+                .collect()
+        };
+        assert_eq!(of(32, 1), [1, 2, 4, 8]);
+        assert_eq!(of(64, 1), [1, 2, 4]);
+        assert_eq!(of(96, 1), [1, 2]);
+        assert_eq!(of(32, 32), [2, 4, 8]);
+        assert_eq!(shapes.len(), 12);
+        for b in &shapes {
+            assert!(b.largest + (b.samples - 1) * b.others <= 256, "{b:?}");
+        }
+        // A slot count over the budget still gets its one-sample batch.
+        assert_eq!(warm_up_shapes(&[512], 256).len(), 1);
+    }
+
+    #[test]
+    fn warm_up_samples_have_distinct_sequences_of_max_bp() {
+        let batch = WarmUpBatch {
+            largest: 40,
+            samples: 3,
+            others: 2,
+        };
+        let samples = batch.samples(150);
+        assert_eq!(samples.len(), 3);
+        assert_eq!(samples[0].reads.len(), 40);
+        assert_eq!(samples[2].reads.len(), 2);
+        let distinct: HashSet<&str> = samples[0].reads.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(distinct.len(), 40);
+        assert!(samples[0].reads.iter().all(|(s, _)| s.len() == 150));
     }
 }
