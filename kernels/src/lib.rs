@@ -67,7 +67,9 @@
 //!   (three of Burn's autotune candidates are wrong at shapes their bucket
 //!   admits; `dense_matmul_candidates`), or, with [`MatmulTuning::Autotune`],
 //!   CubeCL's tuner times the list; `matmul/tma_tiling.rs`: CubeCL's TMA
-//!   double-buffered matmul with a stage shape chosen here.
+//!   double-buffered matmul with a stage shape chosen here;
+//!   `matmul/any_rows.rs`: every kernel launched with its row and inner
+//!   bounds checks on, so one compiled kernel serves every batch size.
 //! - `backward.rs`: the trait for `Autodiff<B>`: saved statistics, gradients.
 //! - `fusion.rs`: the trait for Burn's fusion backend `Fusion<B>`: the
 //!   kernels as custom operations of the lazy fusion stream.

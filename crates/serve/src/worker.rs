@@ -154,8 +154,12 @@ fn warm_up<B: AttentionBackend>(
         rarefy: false,
         ..config.options.clone()
     };
+    // Sequences of the model's length, or of the longest a request may send.
+    let length = options
+        .max_sequence_length
+        .map_or(info.max_bp, |most| most.min(info.max_bp));
     for shape in &shapes {
-        let samples = shape.samples(info.max_bp);
+        let samples = shape.samples(length);
         let options = Options {
             batch_size: samples.len(),
             ..options.clone()
@@ -178,13 +182,13 @@ pub(crate) struct WarmUpBatch {
 }
 
 impl WarmUpBatch {
-    /// The batch's samples: distinct made-up sequences of `max_bp`
+    /// The batch's samples: distinct made-up sequences of `length`
     /// nucleotides, one read each.
-    fn samples(&self, max_bp: usize) -> Vec<SampleReads> {
+    fn samples(&self, length: usize) -> Vec<SampleReads> {
         let sequence = |i: usize| -> String {
             // A different sequence per ASV of a sample (an LCG's bits).
             let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            (0..max_bp)
+            (0..length)
                 .map(|_| {
                     x = x
                         .wrapping_mul(6364136223846793005)
@@ -208,7 +212,7 @@ impl WarmUpBatch {
 /// - for each slot count a batch can take (`slots`), batches of 1, 2, 4, ...
 ///   samples, one of them filling the slots and the others one ASV each:
 ///   the sample level's shapes (samples × slots) at little cost;
-/// - batches of 1, 2, 4, ... samples of the smallest slot count, full:
+/// - batches of 2, 4, 8, ... samples of the smallest slot count, full:
 ///   the ASV level's row counts (all the batch's nucleotides) up to the
 ///   budget.
 ///

@@ -249,7 +249,9 @@ fn tuned_matmul<R: CubeRuntime>(lhs: CubeTensor<R>, rhs: CubeTensor<R>) -> CubeT
 /// `out = lhs·rhs` on one CubeCL matmul kernel, no autotune: an error where
 /// that kernel cannot run on the device or operands (CubeCL's own check,
 /// before any launch). Operands of one float type, rank 2 or batched rank 3,
-/// in any strides CubeCL's matmul takes (transposed views included).
+/// in any strides CubeCL's matmul takes (transposed views included). The
+/// kernels the dense layers use run with their row and inner-size bounds
+/// checks on (`any_rows.rs`): one compiled kernel for every row count.
 pub fn launch_matmul<R: CubeRuntime>(
     kernel: &DenseKernel,
     lhs: &CubeTensor<R>,
