@@ -2425,6 +2425,94 @@ fn request_json(samples: &[aam_data::SampleReads], pairs: bool) -> String {
     format!("{{\"samples\": [{}]}}", samples.join(", "))
 }
 
+/// A model with a categorical input (`age_group`, with conditional output
+/// scaling) served: `/predict` with each sample's metadata in the request
+/// equals `aam-rs predict --metadata`; without it, 422 naming the column;
+/// `/embed` needs none.
+#[test]
+fn serve_predicts_from_the_requests_metadata() {
+    let tmp = tempfile::tempdir().unwrap();
+    let map = tmp.path().join("labelled_map.txt");
+    let text = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
+    let mut lines = text.lines();
+    let mut labelled = format!("{}\tage_group\n", lines.next().unwrap());
+    let mut groups = BTreeMap::new();
+    for line in lines.filter(|l| !l.is_empty()) {
+        let age: f64 = line.split('\t').nth(2).unwrap().parse().unwrap();
+        let group = if age < 40.0 { "young" } else { "old" };
+        groups.insert(line.split('\t').next().unwrap().to_string(), group);
+        labelled.push_str(&format!("{line}\t{group}\n"));
+    }
+    std::fs::write(&map, labelled).unwrap();
+    let tr = tmp.path().join("train");
+    let mut a = tiny_train(&tr, 1, &map, "age");
+    a.extend(args(&[
+        "--categorical-columns",
+        "age_group",
+        "--conditional-output-scaling",
+        "age_group",
+    ]));
+    run_ok(&a);
+    let model = tr.join("checkpoints/best.safetensors");
+    let predict_tsv = tmp.path().join("p.tsv");
+    let mut a = args(&["predict", "--model"]);
+    a.extend([
+        s(&model),
+        "--table".into(),
+        s(&demo("demo.biom")),
+        "--metadata".into(),
+        s(&map),
+        "--output".into(),
+        s(&predict_tsv),
+    ]);
+    run_ok(&a);
+    let cli = numeric_predictions(&predict_tsv);
+
+    let (server, addr, _) = start_server(&model, &[]);
+    let table = aam_data::BiomTable::read(demo("demo.biom")).unwrap();
+    let samples = aam_data::SampleReads::from_table(&table);
+    let with_metadata = |chunk: &[aam_data::SampleReads]| -> String {
+        // Counts as pairs: a `Value`'s objects sort their keys, and the
+        // ASVs' order is their slot order.
+        let mut body: Value = serde_json::from_str(&request_json(chunk, true)).unwrap();
+        for (sample, s) in body["samples"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .zip(chunk)
+        {
+            sample["metadata"] = serde_json::json!({"age_group": groups[&s.id]});
+        }
+        body.to_string()
+    };
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(1.0);
+    for chunk in samples.chunks(16) {
+        let (status, body) = http(&addr, "POST", "/predict", &with_metadata(chunk));
+        assert_eq!(status, 200, "{body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        for p in answer["predictions"].as_array().unwrap() {
+            let id = p["id"].as_str().unwrap();
+            let served = p["prediction"].as_f64().unwrap();
+            assert!(
+                close(served, cli[id]),
+                "{id}: served {served}, aam-rs predict {}",
+                cli[id]
+            );
+        }
+    }
+    let (status, body) = http(
+        &addr,
+        "POST",
+        "/predict",
+        &request_json(&samples[..4], false),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert!(body.contains("age_group"), "{body}");
+    let (status, body) = http(&addr, "POST", "/embed", &request_json(&samples[..4], false));
+    assert_eq!(status, 200, "{body}");
+    drop(server);
+}
+
 /// Kills the server when a test fails before stopping it.
 struct Server(std::process::Child);
 

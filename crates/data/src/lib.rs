@@ -89,7 +89,7 @@ pub use normalize::{
     MIN_STD,
 };
 pub use rarefy::{rarefy_sample, Rarefied};
-pub use samples_json::{parse_samples_json, SamplesJsonError};
+pub use samples_json::{parse_samples_json, SamplesDocument, SamplesJsonError};
 pub use split::{train_val_split, Split};
 pub use summary::{summarize, Summary, SummaryOptions};
 pub use tokenize::TokenCache;

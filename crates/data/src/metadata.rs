@@ -192,6 +192,85 @@ impl Metadata {
         })
     }
 
+    /// A table built in memory (a service's request): `rows` of a sample ID
+    /// and, per column of `columns`, a value or `None`; values that read as
+    /// missing in a file (`NA`, empty, ...) are missing here too. `source`
+    /// names it in errors; a sample ID given twice is an error.
+    pub fn from_rows(
+        source: PathBuf,
+        id_column: String,
+        columns: Vec<String>,
+        rows: Vec<(String, Vec<Option<String>>)>,
+    ) -> Result<Self> {
+        let mut table = Self {
+            source,
+            id_column,
+            columns,
+            ids: Vec::with_capacity(rows.len()),
+            lines: Vec::with_capacity(rows.len()),
+            cells: Vec::new(),
+            index: HashMap::new(),
+        };
+        for (k, (id, mut values)) in rows.into_iter().enumerate() {
+            if let Some(&first) = table.index.get(&id) {
+                return Err(Error::DuplicateSample {
+                    path: table.source,
+                    id,
+                    first_line: table.lines[first],
+                    line: k + 1,
+                });
+            }
+            values.resize(table.columns.len(), None);
+            table.cells.extend(
+                values
+                    .into_iter()
+                    .map(|v| v.filter(|v| !is_missing(v.trim()))),
+            );
+            table.index.insert(id.clone(), table.ids.len());
+            table.ids.push(id);
+            table.lines.push(k + 1);
+        }
+        Ok(table)
+    }
+
+    /// The rows of `tables` in one table, in order: every column of any of
+    /// them (in first-seen order), missing where a table lacks it. The ID
+    /// column and source are the first table's. A sample in two tables is an
+    /// error.
+    pub fn concat(tables: &[&Metadata]) -> Result<Self> {
+        let mut columns: Vec<String> = Vec::new();
+        for table in tables {
+            for c in &table.columns {
+                if !columns.contains(c) {
+                    columns.push(c.clone());
+                }
+            }
+        }
+        let rows = tables
+            .iter()
+            .flat_map(|table| {
+                let at: Vec<Option<usize>> = columns
+                    .iter()
+                    .map(|c| table.columns.iter().position(|x| x == c))
+                    .collect();
+                (0..table.len()).map(move |row| {
+                    let values = at
+                        .iter()
+                        .map(|c| c.and_then(|c| table.value(row, c)).map(str::to_string))
+                        .collect();
+                    (table.ids[row].clone(), values)
+                })
+            })
+            .collect();
+        let first = tables.first();
+        Self::from_rows(
+            first.map_or_else(PathBuf::new, |t| t.source.clone()),
+            first.map_or_else(|| "sample_id".into(), |t| t.id_column.clone()),
+            columns,
+            rows,
+        )
+    }
+
     /// The file read.
     pub fn source(&self) -> &Path {
         &self.source

@@ -144,13 +144,19 @@ impl ModelInfo {
         })
     }
 
-    /// Checks `samples` as [`Model::embed`] and [`Model::predict`] would,
-    /// without a model or device, and strictly: a sample too shallow for
-    /// the rarefaction depth is an error here (they would leave it out).
-    /// A service checks each request with it before queueing it.
-    pub fn check(&self, samples: &[SampleReads], options: &Options) -> Result<()> {
-        check_options(self, samples, options, true)?;
-        Dataset::from_samples(samples, self.max_bp, None)?;
+    /// Checks `samples` as [`Model::predict`] (`predicting`) or
+    /// [`Model::embed`] would, without a model or device, and strictly: a
+    /// sample too shallow for the rarefaction depth is an error here (they
+    /// would leave it out). A service checks each request with it before
+    /// queueing it.
+    pub fn check(
+        &self,
+        samples: &[SampleReads],
+        options: &Options,
+        predicting: bool,
+    ) -> Result<()> {
+        check_options(self, samples, options, predicting)?;
+        Dataset::from_samples(samples, self.max_bp, options.metadata.clone())?;
         if let Some(depth) = self.rarefy_depth.filter(|_| options.rarefy) {
             for sample in samples {
                 let reads: f64 = sample.reads.iter().map(|r| r.1).sum();

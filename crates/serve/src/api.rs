@@ -105,12 +105,19 @@ async fn run(
             ),
         )
     })?;
-    let samples = aam_data::parse_samples_json(&body).map_err(|e| {
+    let document = aam_data::parse_samples_json(&body).map_err(|e| {
         Refusal::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("invalid request body: {e}"),
         )
     })?;
+    let samples = document.samples;
+    // Embeddings read no metadata; predictions of a model with categorical
+    // inputs need it.
+    let metadata = document
+        .metadata
+        .filter(|_| kind == JobKind::Predict)
+        .map(Arc::new);
     let config = &shared.config;
     if samples.is_empty() {
         return Err(Refusal::new(
@@ -141,7 +148,11 @@ async fn run(
             ),
         ));
     }
-    info.check(&samples, &config.options)
+    let options = aam_infer::Options {
+        metadata: metadata.clone(),
+        ..config.options.clone()
+    };
+    info.check(&samples, &options, kind == JobKind::Predict)
         .map_err(|e| Refusal::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
     let ids: Vec<String> = samples.iter().map(|s| s.id.clone()).collect();
     let (reply, answer) = tokio::sync::oneshot::channel();
@@ -149,6 +160,7 @@ async fn run(
     let job = Job {
         kind,
         samples,
+        metadata,
         asvs,
         queued_at: start,
         reply,

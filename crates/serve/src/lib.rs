@@ -2,7 +2,9 @@
 //!
 //! **Job.** Answer `POST /embed` (sample embeddings) and `POST /predict`
 //! (predictions in the target's units) for samples sent as
-//! `{"samples": [{"id": "S1", "counts": {"TACG...": 12, ...}}]}`, with
+//! `{"samples": [{"id": "S1", "counts": {"TACG...": 12, ...}}]}` (and, for
+//! models with categorical inputs, `"metadata": {"column": "value"}` per
+//! sample), with
 //! `GET /health`, `GET /info` and `GET /metrics` (Prometheus) beside them.
 //! The numbers are [`aam_infer`]'s, so they equal `aam-rs embed` and
 //! `aam-rs predict` on the same samples.

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use aam_data::Metadata;
 use aam_infer::{Model, ModelKind, Options, Prediction, SampleReads};
 use aam_models::AttentionBackend;
 use tokio::sync::{mpsc, oneshot};
@@ -26,6 +27,9 @@ pub enum JobKind {
 pub struct Job {
     pub kind: JobKind,
     pub samples: Vec<SampleReads>,
+    /// Its samples' metadata (`/predict` of a model with categorical
+    /// inputs), one row per sample.
+    pub metadata: Option<Arc<Metadata>>,
     /// Its ASVs as the budget counts them (at most `token_limit` per sample).
     pub asvs: usize,
     pub queued_at: Instant,
@@ -57,14 +61,6 @@ pub fn run<B: AttentionBackend>(
         }
     };
     let info = model.info().clone();
-    if !info.metadata_columns.is_empty() {
-        let _ = fatal.send(format!(
-            "{}: the model's predictions read the metadata columns {:?}, which `serve` does not take yet; use `aam-rs predict --metadata`",
-            path.display(),
-            info.metadata_columns
-        ));
-        return;
-    }
     let _ = shared
         .model_config
         .set(serde_json::to_value(model.config()).unwrap_or_default());
@@ -154,6 +150,21 @@ fn warm_up<B: AttentionBackend>(
         rarefy: false,
         ..config.options.clone()
     };
+    // A model with categorical inputs predicts from metadata: all missing.
+    let most = shapes.iter().map(|s| s.samples).max().unwrap_or(1);
+    let metadata = (!info.metadata_columns.is_empty())
+        .then(|| {
+            Metadata::from_rows(
+                "the warm-up batches".into(),
+                "sample_id".into(),
+                info.metadata_columns.clone(),
+                (0..most)
+                    .map(|s| (WarmUpBatch::id(s), Vec::new()))
+                    .collect(),
+            )
+        })
+        .transpose()?
+        .map(Arc::new);
     // Sequences of the model's length, or of the longest a request may send.
     let length = options
         .max_sequence_length
@@ -166,6 +177,10 @@ fn warm_up<B: AttentionBackend>(
         };
         model.embed(&samples, &options)?;
         if info.kind != ModelKind::Encoder {
+            let options = Options {
+                metadata: metadata.clone(),
+                ..options
+            };
             model.predict(&samples, &options)?;
         }
     }
@@ -182,6 +197,11 @@ pub(crate) struct WarmUpBatch {
 }
 
 impl WarmUpBatch {
+    /// The ID of a batch's `s`-th sample.
+    fn id(s: usize) -> String {
+        format!("warm-up-{s}")
+    }
+
     /// The batch's samples: distinct made-up sequences of `length`
     /// nucleotides, one read each.
     fn samples(&self, length: usize) -> Vec<SampleReads> {
@@ -199,7 +219,7 @@ impl WarmUpBatch {
         };
         (0..self.samples)
             .map(|s| SampleReads {
-                id: format!("warm-up-{s}"),
+                id: Self::id(s),
                 reads: (0..if s == 0 { self.largest } else { self.others })
                     .map(|i| (sequence(i), 1.0))
                     .collect(),
@@ -261,14 +281,30 @@ fn answer<B: AttentionBackend>(
             .metrics
             .queue_seconds(start.duration_since(job.queued_at).as_secs_f64());
     }
-    // The samples move into one list; each request keeps its count.
+    // The samples (and their metadata) move into one list; each request
+    // keeps its count.
     let counts: Vec<usize> = batch.iter().map(|j| j.samples.len()).collect();
+    let tables: Vec<&Metadata> = batch.iter().filter_map(|j| j.metadata.as_deref()).collect();
+    let metadata = match tables.as_slice() {
+        [] => None,
+        [one] => Some(Arc::new((*one).clone())),
+        all => match Metadata::concat(all) {
+            Ok(merged) => Some(Arc::new(merged)),
+            Err(e) => {
+                for job in batch {
+                    let _ = job.reply.send(Err(e.to_string()));
+                }
+                return;
+            }
+        },
+    };
     let samples: Vec<SampleReads> = batch
         .iter_mut()
         .flat_map(|j| std::mem::take(&mut j.samples))
         .collect();
     let options = Options {
         batch_size: samples.len(),
+        metadata,
         ..options.clone()
     };
     let result = match kind {
