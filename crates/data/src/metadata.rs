@@ -379,6 +379,43 @@ mod tests {
         Metadata::from_bytes(text.as_bytes(), Path::new("meta.tsv"))
     }
 
+    /// Tables built in memory: missing spellings read as missing; `concat`
+    /// keeps the rows in order under every column of either table; a sample
+    /// in both is an error.
+    #[test]
+    fn rows_in_memory_and_their_concatenation() {
+        let a = Metadata::from_rows(
+            "a".into(),
+            "sample_id".into(),
+            vec!["site".into(), "age".into()],
+            vec![
+                ("s1".into(), vec![Some("tongue".into()), Some("NA".into())]),
+                ("s2".into(), vec![Some("gut".into())]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(a.value(0, 1), None);
+        assert_eq!(a.value(1, 1), None);
+        let b = Metadata::from_rows(
+            "b".into(),
+            "sample_id".into(),
+            vec!["smoker".into(), "site".into()],
+            vec![("s3".into(), vec![Some("yes".into()), Some("skin".into())])],
+        )
+        .unwrap();
+        let ab = Metadata::concat(&[&a, &b]).unwrap();
+        assert_eq!(ab.sample_ids(), ["s1", "s2", "s3"]);
+        assert_eq!(ab.columns(), ["site", "age", "smoker"]);
+        assert_eq!(ab.value(2, 0), Some("skin"));
+        assert_eq!(ab.value(2, 2), Some("yes"));
+        assert_eq!(ab.value(0, 2), None);
+        assert_eq!(ab.row("s2"), Some(1));
+        assert!(matches!(
+            Metadata::concat(&[&a, &a]),
+            Err(Error::DuplicateSample { .. })
+        ));
+    }
+
     #[test]
     fn first_column_is_the_id_whatever_its_name() {
         for header in ["#SampleID", "sample_name", "sample_id", "id", ""] {
