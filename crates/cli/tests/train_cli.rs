@@ -98,6 +98,29 @@ fn tiny(command: &str, out: &Path, epochs: usize) -> Vec<String> {
 }
 
 /// `tiny("train", ...)` predicting `column` of `metadata`.
+/// The demo's metadata with an `age_group` column (`young` below `cut`
+/// years, else `old`), written to `dir/labelled_map.txt`; returns the path
+/// and each sample's group.
+fn age_group_map(dir: &Path, cut: f64) -> (PathBuf, BTreeMap<String, String>) {
+    let map = dir.join("labelled_map.txt");
+    let text = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
+    let mut lines = text.lines();
+    let mut labelled = format!("{}\tage_group\n", lines.next().unwrap());
+    let mut groups = BTreeMap::new();
+    for line in lines.filter(|l| !l.is_empty()) {
+        let cells: Vec<&str> = line.split('\t').collect();
+        let group = if cells[2].parse::<f64>().unwrap() < cut {
+            "young"
+        } else {
+            "old"
+        };
+        groups.insert(cells[0].to_string(), group.to_string());
+        labelled.push_str(&format!("{line}\t{group}\n"));
+    }
+    std::fs::write(&map, labelled).unwrap();
+    (map, groups)
+}
+
 fn tiny_train(out: &Path, epochs: usize, metadata: &Path, column: &str) -> Vec<String> {
     let mut a = tiny("train", out, epochs);
     a.extend([
@@ -970,16 +993,7 @@ fn reference_options_run_end_to_end() {
 
     // Categorical inputs with loss weights, conditional output scaling and
     // validation averaged over random ASV draws.
-    let map = tmp.path().join("labelled_map.txt");
-    let text = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
-    let mut lines = text.lines();
-    let mut labelled = format!("{}\tage_group\n", lines.next().unwrap());
-    for line in lines.filter(|l| !l.is_empty()) {
-        let age: f64 = line.split('\t').nth(2).unwrap().parse().unwrap();
-        let group = if age < 40.0 { "young" } else { "old" };
-        labelled.push_str(&format!("{line}\t{group}\n"));
-    }
-    std::fs::write(&map, labelled).unwrap();
+    let (map, _) = age_group_map(tmp.path(), 40.0);
     let passes = |n: &str, dir: &Path| {
         let mut a = tiny_train(dir, 1, &map, "age");
         a.extend(args(&[
@@ -1128,22 +1142,7 @@ fn reference_options_run_end_to_end() {
 fn classifier_trains_and_predicts_labels() {
     let tmp = tempfile::tempdir().unwrap();
     // demo_map has no categorical column: label ages (balanced at 30: 33 young, 31 old).
-    let map = tmp.path().join("labelled_map.txt");
-    let text = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
-    let mut lines = text.lines();
-    let mut labelled = format!("{}\tage_group\n", lines.next().unwrap());
-    let mut labels = BTreeMap::new();
-    for line in lines.filter(|l| !l.is_empty()) {
-        let cells: Vec<&str> = line.split('\t').collect();
-        let label = if cells[2].parse::<f64>().unwrap() < 30.0 {
-            "young"
-        } else {
-            "old"
-        };
-        labels.insert(cells[0].to_string(), label.to_string());
-        labelled.push_str(&format!("{line}\t{label}\n"));
-    }
-    std::fs::write(&map, labelled).unwrap();
+    let (map, labels) = age_group_map(tmp.path(), 30.0);
     let classes: BTreeSet<String> = labels.values().cloned().collect();
     assert_eq!(classes.len(), 2);
 
@@ -2432,18 +2431,7 @@ fn request_json(samples: &[aam_data::SampleReads], pairs: bool) -> String {
 #[test]
 fn serve_predicts_from_the_requests_metadata() {
     let tmp = tempfile::tempdir().unwrap();
-    let map = tmp.path().join("labelled_map.txt");
-    let text = std::fs::read_to_string(demo("demo_map.txt")).unwrap();
-    let mut lines = text.lines();
-    let mut labelled = format!("{}\tage_group\n", lines.next().unwrap());
-    let mut groups = BTreeMap::new();
-    for line in lines.filter(|l| !l.is_empty()) {
-        let age: f64 = line.split('\t').nth(2).unwrap().parse().unwrap();
-        let group = if age < 40.0 { "young" } else { "old" };
-        groups.insert(line.split('\t').next().unwrap().to_string(), group);
-        labelled.push_str(&format!("{line}\t{group}\n"));
-    }
-    std::fs::write(&map, labelled).unwrap();
+    let (map, groups) = age_group_map(tmp.path(), 40.0);
     let tr = tmp.path().join("train");
     let mut a = tiny_train(&tr, 1, &map, "age");
     a.extend(args(&[
