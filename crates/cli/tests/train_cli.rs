@@ -2473,20 +2473,8 @@ fn serve_predicts_from_the_requests_metadata() {
         }
         body.to_string()
     };
-    let close = |a: f64, b: f64| (a - b).abs() <= 1e-6 * a.abs().max(1.0);
     for chunk in samples.chunks(16) {
-        let (status, body) = http(&addr, "POST", "/predict", &with_metadata(chunk));
-        assert_eq!(status, 200, "{body}");
-        let answer: Value = serde_json::from_str(&body).unwrap();
-        for p in answer["predictions"].as_array().unwrap() {
-            let id = p["id"].as_str().unwrap();
-            let served = p["prediction"].as_f64().unwrap();
-            assert!(
-                close(served, cli[id]),
-                "{id}: served {served}, aam-rs predict {}",
-                cli[id]
-            );
-        }
+        predictions_equal(&addr, &with_metadata(chunk), &cli);
     }
     let (status, body) = http(
         &addr,
@@ -2499,6 +2487,23 @@ fn serve_predicts_from_the_requests_metadata() {
     let (status, body) = http(&addr, "POST", "/embed", &request_json(&samples[..4], false));
     assert_eq!(status, 200, "{body}");
     drop(server);
+}
+
+/// `POST /predict` with `body` answers 200, each prediction within 1e-6 of
+/// `cli`'s (`aam-rs predict`'s) for its sample.
+fn predictions_equal(addr: &str, body: &str, cli: &BTreeMap<String, f64>) {
+    let (status, body) = http(addr, "POST", "/predict", body);
+    assert_eq!(status, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    for p in answer["predictions"].as_array().unwrap() {
+        let id = p["id"].as_str().unwrap();
+        let served = p["prediction"].as_f64().unwrap();
+        assert!(
+            (served - cli[id]).abs() <= 1e-6 * served.abs().max(1.0),
+            "{id}: served {served}, aam-rs predict {}",
+            cli[id]
+        );
+    }
 }
 
 /// Kills the server when a test fails before stopping it.
@@ -2635,18 +2640,7 @@ fn serve_answers_like_the_cli() {
                 "{id}: served {served:?}, aam-rs embed {cli:?}"
             );
         }
-        let (status, body) = http(&addr, "POST", "/predict", &request_json(chunk, k % 2 == 0));
-        assert_eq!(status, 200, "{body}");
-        let answer: Value = serde_json::from_str(&body).unwrap();
-        for p in answer["predictions"].as_array().unwrap() {
-            let id = p["id"].as_str().unwrap();
-            let served = p["prediction"].as_f64().unwrap();
-            assert!(
-                close(served, cli_predictions[id]),
-                "{id}: served {served}, aam-rs predict {}",
-                cli_predictions[id]
-            );
-        }
+        predictions_equal(&addr, &request_json(chunk, k % 2 == 0), &cli_predictions);
     }
 
     // Load: 32 clients x 10 requests; every tenth request is bad.
