@@ -128,19 +128,20 @@ fn warm_up<B: AttentionBackend>(
     config: &crate::ServeConfig,
 ) -> aam_infer::Result<usize> {
     let info = model.info();
+    let slots = model.slot_counts();
     let shapes = match config.warm_up {
         WarmUp::OneBatch => vec![WarmUpBatch {
             largest: 1,
             samples: 1,
             others: 1,
         }],
-        WarmUp::Shapes => warm_up_shapes(&model.slot_counts(), config.max_batch_asvs),
+        WarmUp::Shapes => warm_up_shapes(&slots, config.max_batch_asvs),
     };
     if config.warm_up == WarmUp::Shapes {
         tracing::info!(
             "warming up on {} batch shapes (ASV slots {}..={}, up to {} ASVs a batch): on a fresh machine this compiles the kernels, once",
             shapes.len(),
-            model.slot_counts().first().copied().unwrap_or(0),
+            slots.first().copied().unwrap_or(0),
             info.token_limit,
             config.max_batch_asvs
         );
@@ -284,11 +285,11 @@ fn answer<B: AttentionBackend>(
     // The samples (and their metadata) move into one list; each request
     // keeps its count.
     let counts: Vec<usize> = batch.iter().map(|j| j.samples.len()).collect();
-    let tables: Vec<&Metadata> = batch.iter().filter_map(|j| j.metadata.as_deref()).collect();
+    let tables: Vec<&Arc<Metadata>> = batch.iter().filter_map(|j| j.metadata.as_ref()).collect();
     let metadata = match tables.as_slice() {
         [] => None,
-        [one] => Some(Arc::new((*one).clone())),
-        all => match Metadata::concat(all) {
+        [one] => Some(Arc::clone(one)),
+        all => match Metadata::concat(&all.iter().map(|t| &***t).collect::<Vec<_>>()) {
             Ok(merged) => Some(Arc::new(merged)),
             Err(e) => {
                 for job in batch {
