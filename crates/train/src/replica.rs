@@ -288,7 +288,9 @@ impl Workers {
                 };
                 let (reply, weights) = (reply.clone(), weights.clone());
                 let optimizer = optimizer.cloned();
-                scope.spawn(move || {
+                // Named for debuggers, `top -H` and profilers.
+                let thread = std::thread::Builder::new().name(format!("aam-replica-{rank}"));
+                let spawned = thread.spawn_scoped(scope, move || {
                     let guard = PanicGuard {
                         rank,
                         reply: reply.clone(),
@@ -309,9 +311,12 @@ impl Workers {
                     }
                     drop(guard);
                 });
-                send
+                spawned.map(|_| send).map_err(|e| TrainError::Replica {
+                    rank,
+                    reason: format!("starting its thread: {e}"),
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         let workers = Self {
             jobs,
             done,

@@ -1333,6 +1333,10 @@ fn validate<B: AttentionBackend>(
     let mut rows = Vec::new();
     let mut pair_rows = Vec::new();
     let return_nucleotides = run.loss.nuc_penalty > 0.0;
+    // --val-prediction-passes N: this pass is the first of the N.
+    let averaging =
+        run.val_prediction_passes > 1 && run.asv_sampling == aam_data::AsvSampling::Random;
+    let mut passes = PassSums::default();
     for batch in loader.epoch(0) {
         let batch = batch?;
         let (input, targets) = batch_tensors::<B>(&batch, device, classifier, slots);
@@ -1340,6 +1344,9 @@ fn validate<B: AttentionBackend>(
             let _autocast = autocast(run.mixed_precision);
             predict_batch(model, input, return_nucleotides)
         };
+        if let (true, Some(pred)) = (averaging, &predictions.target) {
+            passes.add(pred, &batch, classifier);
+        }
         let parts = run.loss.forward(&predictions, &targets)?;
         record_batch(StepValues::new(&parts, None), None, &mut means, &[]);
         if let Some(logits) = &predictions.nuc_logits {
@@ -1428,10 +1435,9 @@ fn validate<B: AttentionBackend>(
         out.insert("accuracy".into(), classes.accuracy());
         out.insert("f1".into(), classes.f1());
     }
-    let passes = run.val_prediction_passes;
-    if passes > 1 && run.asv_sampling == aam_data::AsvSampling::Random && !rows.is_empty() {
+    if averaging && !rows.is_empty() {
         rows = averaged_predictions(
-            model, loader, run, data, classifier, slots, device, &mut out,
+            passes, model, loader, run, data, classifier, slots, device, &mut out,
         )?;
     }
     Ok((
@@ -1443,14 +1449,48 @@ fn validate<B: AttentionBackend>(
     ))
 }
 
+/// Per dataset position, a sample's target outputs summed over validation
+/// passes (a classifier's class probabilities), and the order in which the
+/// samples were first seen (the TSV's) with their classes.
+#[derive(Default)]
+struct PassSums {
+    sums: BTreeMap<usize, Vec<f64>>,
+    order: Vec<(usize, String, Option<usize>)>,
+}
+
+impl PassSums {
+    /// Adds one batch's outputs.
+    fn add<B: Backend>(&mut self, pred: &TargetPrediction<B>, batch: &Batch, classifier: bool) {
+        let (values, width) = point_predictions(pred, batch.batch_size());
+        for (i, &pos) in batch.positions.iter().enumerate() {
+            let row = &values[i * width..(i + 1) * width];
+            let row: Vec<f64> = if classifier {
+                row.iter().map(|&x| (x as f64).exp()).collect()
+            } else {
+                row.iter().map(|&x| x as f64).collect()
+            };
+            match self.sums.get_mut(&pos) {
+                Some(sum) => sum.iter_mut().zip(&row).for_each(|(s, x)| *s += x),
+                None => {
+                    let truth = batch.targets.as_ref().map(|t| t[i] as usize);
+                    self.order.push((pos, batch.sample_ids[i].clone(), truth));
+                    self.sums.insert(pos, row);
+                }
+            }
+        }
+    }
+}
+
 /// Target predictions averaged over `run.val_prediction_passes` passes of
 /// the validation samples, each with the random ASV draws of its own
-/// epoch stream: the rows for the TSV, and the metrics of `out`
-/// (`mae`, `mse`, `r2`, or `accuracy`, `f1`) recomputed from them. A
-/// regressor's outputs are averaged in the model's (normalised) units and
-/// then denormalised; a classifier's class probabilities are averaged.
+/// epoch stream: `first` holds pass 0 (validation's own), passes 1.. run
+/// here. Returns the rows for the TSV, and recomputes the metrics of `out`
+/// (`mae`, `mse`, `r2`, or `accuracy`, `f1`) from them. A regressor's
+/// outputs are averaged in the model's (normalised) units and then
+/// denormalised; a classifier's class probabilities are averaged.
 #[allow(clippy::too_many_arguments)]
 fn averaged_predictions<B: AttentionBackend>(
+    first: PassSums,
     model: &AamModel<B>,
     loader: &BatchLoader,
     run: &RunConfig,
@@ -1461,41 +1501,21 @@ fn averaged_predictions<B: AttentionBackend>(
     out: &mut BTreeMap<String, f64>,
 ) -> Result<Vec<PredictionRow>> {
     let passes = run.val_prediction_passes;
-    // Per dataset position: the sum over passes of the outputs, and the batch
-    // order of first sight (the TSV's order) with the sample's class.
-    let mut sums: BTreeMap<usize, Vec<f64>> = BTreeMap::new();
-    let mut order: Vec<(usize, String, Option<usize>)> = Vec::new();
-    for pass in 0..passes as u64 {
+    let mut all = first;
+    for pass in 1..passes as u64 {
         for batch in loader.epoch(pass) {
             let batch = batch?;
-            let b = batch.batch_size();
             let (input, _) = batch_tensors::<B>(&batch, device, classifier, slots);
             let predictions = {
                 let _autocast = autocast(run.mixed_precision);
                 predict_batch(model, input, false)
             };
-            let Some(pred) = predictions.target else {
-                continue;
-            };
-            let (values, width) = point_predictions(&pred, b);
-            for (i, &pos) in batch.positions.iter().enumerate() {
-                let row = &values[i * width..(i + 1) * width];
-                let row: Vec<f64> = if classifier {
-                    row.iter().map(|&x| (x as f64).exp()).collect()
-                } else {
-                    row.iter().map(|&x| x as f64).collect()
-                };
-                match sums.get_mut(&pos) {
-                    Some(sum) => sum.iter_mut().zip(&row).for_each(|(s, x)| *s += x),
-                    None => {
-                        let truth = batch.targets.as_ref().map(|t| t[i] as usize);
-                        order.push((pos, batch.sample_ids[i].clone(), truth));
-                        sums.insert(pos, row);
-                    }
-                }
+            if let Some(pred) = predictions.target {
+                all.add(&pred, &batch, classifier);
             }
         }
     }
+    let PassSums { sums, order } = all;
     let mut metrics = RegressionMetrics::default();
     let mut classes = ClassificationMetrics::default();
     let mut rows = Vec::with_capacity(order.len());
