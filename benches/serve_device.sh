@@ -13,7 +13,8 @@
 #   .carry/gpu/cache/             optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
 # Env: REQUESTS (per phase, default 1280), BACKEND (cuda), BINS (the aam-rs builds to run in turn,
 #      default .carry/serve/aam-rs.xz; several, space-separated, for an A/B in one call),
-#      COLD_EACH (1: each build starts from an empty kernel cache, as on a fresh node; none is kept).
+#      COLD_EACH (1: each build starts from an empty kernel cache, as on a fresh node; none is kept),
+#      SERVE_ARGS (more `aam-rs serve` flags, e.g. "--max-batch-asvs=8192").
 # Writes to $OUT: serve-<k>.txt and serve-<k>.json for the k-th of BINS, cache.txz.*.
 set -uo pipefail
 source benches/kernel_cache.sh
@@ -32,6 +33,7 @@ for bin in ${BINS:-.carry/serve/aam-rs.xz}; do
   [ "${COLD_EACH:-0}" = 1 ] && rm -rf target/autotune target/cuda target/hip
   /tmp/bin/serve-bench --aam-rs "/tmp/bin/aam-rs-$k" --model /tmp/serve/model.safetensors \
     --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
-    --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve-$k.json" 2>&1 | tee "$OUT/serve-$k.txt"
+    --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve-$k.json" \
+    $(for a in ${SERVE_ARGS:-}; do printf -- '--serve-arg=%s ' "$a"; done) 2>&1 | tee "$OUT/serve-$k.txt"
 done
 [ "${COLD_EACH:-0}" = 1 ] || save_kernel_cache

@@ -82,6 +82,10 @@ struct Args {
     /// Soak: also write the report lines here (CSV).
     #[arg(long)]
     soak_csv: Option<PathBuf>,
+    /// One more argument of `aam-rs serve` (repeatable), e.g.
+    /// `--serve-arg=--max-batch-asvs=8192`.
+    #[arg(long, allow_hyphen_values = true)]
+    serve_arg: Vec<String>,
 }
 
 fn main() {
@@ -143,6 +147,7 @@ fn main() {
             "--max-concurrent-requests",
             "4096",
         ])
+        .args(&args.serve_arg)
         .env("AAM_LOG", "info")
         .stderr(Stdio::piped())
         .stdout(Stdio::null())

@@ -48,7 +48,7 @@ use std::sync::{Arc, OnceLock};
 
 use aam_infer::{ModelInfo, Options};
 use aam_models::AttentionBackend;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::Semaphore;
 
 use crate::metrics::Metrics;
 use crate::worker::Job;
@@ -146,7 +146,7 @@ pub(crate) struct Shared {
     pub queued: AtomicUsize,
     pub permits: Arc<Semaphore>,
     /// The queue to the model thread; taken (closed) at shutdown.
-    pub jobs: std::sync::Mutex<Option<mpsc::UnboundedSender<Job>>>,
+    pub jobs: std::sync::Mutex<Option<std::sync::mpsc::Sender<Job>>>,
     pub metrics: Metrics,
 }
 
@@ -173,7 +173,7 @@ pub fn serve<B: AttentionBackend>(
             what: "starting the HTTP runtime".into(),
             source,
         })?;
-    let (jobs, queue) = mpsc::unbounded_channel();
+    let (jobs, queue) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared {
         permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
         model_name,
