@@ -407,7 +407,14 @@ mod tests {
         let mut held = None;
         let mut predict = job("p", 1);
         predict.kind = JobKind::Predict;
-        for j in [job("a", 10), job("b", 20), job("c", 80), job("d", 1), job("d", 1), predict] {
+        for j in [
+            job("a", 10),
+            job("b", 20),
+            job("c", 80),
+            job("d", 1),
+            job("d", 1),
+            predict,
+        ] {
             send.send(j).unwrap();
             queued.fetch_add(1, Ordering::AcqRel);
         }
