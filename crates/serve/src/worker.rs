@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -120,11 +120,7 @@ pub(crate) fn next_batch(
     let mut asvs = first.asvs;
     let mut ids: HashSet<String> = first.samples.iter().map(|s| s.id.clone()).collect();
     let mut batch = vec![first];
-    loop {
-        let job = match queue.try_recv() {
-            Ok(job) => job,
-            Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-        };
+    while let Ok(job) = queue.try_recv() {
         queued.fetch_sub(1, Ordering::AcqRel);
         let fits = job.kind == kind
             && asvs + job.asvs <= budget
