@@ -9,10 +9,12 @@
 //! - `half_precision`: the f16/bf16 kernels against the f32 kernel.
 //! - `matmul_kernels`: the dense layers' products against a float64 product.
 //! - `ops`: the one-op kernels (`ops/mod.rs`).
+//! - `layout`: no import cycles among the modules of `kernels/` and `models/`.
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 mod common;
 mod fused_parity;
 mod half_precision;
+mod layout;
 mod matmul_kernels;
 mod ops;

@@ -1,4 +1,4 @@
-//! The dense layers' products on CubeCL ([`AttentionBackend::dense_matmul`]:
+//! The dense layers' products on CubeCL ([`DenseOps::dense_matmul`]:
 //! autotuned over a list of validated kernels, not over all of Burn's
 //! candidates) against a float64 product, at the layouts the dense backward
 //! makes: transposed views on either side, batched parts, and leftover rows
@@ -15,7 +15,7 @@
 //! through Mesa's lavapipe (a CPU Vulkan driver, where the unit kernel runs).
 
 use crate::common::Rng;
-use aam_kernels::AttentionBackend;
+use aam_kernels::DenseOps;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn_cubecl::CubeBackend;

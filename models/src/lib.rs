@@ -40,7 +40,7 @@ pub mod transformer;
 
 #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
 pub use aam_kernels::persist_compiled_kernels;
-pub use aam_kernels::{AdamItem, AdamStep, AttentionBackend};
+pub use aam_kernels::{AdamItem, AdamOps, AdamStep, AttentionBackend, RuntimeOps};
 pub use attention::AttnImplementation;
 pub use error::{ImportError, ModelError};
 pub use model::{AamModel, ModelConfig};

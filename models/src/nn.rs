@@ -269,7 +269,7 @@ impl Activation {
 /// training would then follow a slightly different gradient than the
 /// reference's. Built from `erf` instead, autodiff would keep two extra
 /// copies of the feed-forward activation per layer. The backend op
-/// ([`AttentionBackend::gelu_exact`]) keeps only `x` and differentiates
+/// ([`aam_kernels::GeluOps::gelu_exact`]) keeps only `x` and differentiates
 /// exactly.
 pub fn gelu<B: AttentionBackend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(B::gelu_exact(

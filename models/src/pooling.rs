@@ -45,7 +45,7 @@ impl<B: AttentionBackend> AttentionPooling<B> {
     ///
     /// Steps 2-6 run as one op each way ([`aam_kernels::attention_pool`]:
     /// one kernel that reads `x` once on the CubeCL backends, the
-    /// reference's tensor ops elsewhere; `pool.rs` there says why).
+    /// reference's tensor ops elsewhere; `pool/mod.rs` there says why).
     ///
     /// DEVIATION(§1.4 steps 1 and 6): the reference raises on NaN at three
     /// points; checking needs a device→host read per call, and no NaN can

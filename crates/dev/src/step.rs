@@ -349,7 +349,7 @@ where
         let total: f64 = parts.total.clone().into_scalar().elem();
         phase("2_loss_read");
         ensure!(total.is_finite(), "step {step}: the loss is {total}");
-        if let Some(bytes) = <AB::InnerBackend as AttentionBackend>::memory_in_use(device) {
+        if let Some(bytes) = <AB::InnerBackend as aam_kernels::RuntimeOps>::memory_in_use(device) {
             peak_in_use = Some(peak_in_use.map_or(bytes, |p| p.max(bytes)));
         }
         let grads = parts.total.backward();
@@ -371,7 +371,8 @@ where
             times.push(seconds * 1e3);
             losses.push(total);
         }
-        if let Some(bytes) = <AB::InnerBackend as AttentionBackend>::memory_reserved(device) {
+        if let Some(bytes) = <AB::InnerBackend as aam_kernels::RuntimeOps>::memory_reserved(device)
+        {
             peak = Some(peak.map_or(bytes, |p| p.max(bytes)));
         }
     }

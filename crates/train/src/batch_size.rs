@@ -139,8 +139,8 @@ where
                 format!("synchronising the device: {e:?}"),
             )
         })?;
-        let pool =
-            <AB::InnerBackend as AttentionBackend>::memory_reserved(device).ok_or_else(|| {
+        let pool = <AB::InnerBackend as aam_models::RuntimeOps>::memory_reserved(device)
+            .ok_or_else(|| {
                 TrainError::arg(
                 "auto-batch-size",
                 "this backend reports no device memory pool (the CPU backends); give --batch-size",

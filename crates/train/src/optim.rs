@@ -304,7 +304,7 @@ impl<B: AttentionBackend> Optimizer<B> {
 
     /// Updates each parameter on its own (`true`) or in flat groups (`false`,
     /// the default). The values are the same bit for bit; only the kernels
-    /// differ. Pass `AttentionBackend::fuses_elementwise()` of the backend.
+    /// differ. Pass `RuntimeOps::fuses_elementwise()` of the backend.
     pub fn with_per_parameter_updates(mut self, per_parameter: bool) -> Self {
         if per_parameter != self.per_parameter {
             // The states stay valid either way: a flat group's per-parameter
@@ -338,7 +338,7 @@ impl<B: AttentionBackend> Optimizer<B> {
     /// one kernel already, and the flat groups would only add a copy of every
     /// parameter and gradient into the group (concatenation) and out again.
     /// The Adam steps of all parameters are then one
-    /// [`AttentionBackend::adam_steps`] (one op under fusion), on parameters
+    /// [`aam_models::AdamOps::adam_steps`] (one op under fusion), on parameters
     /// and gradients in their own shapes.
     pub fn step<AB, M>(
         &mut self,
@@ -476,7 +476,7 @@ impl<B: AttentionBackend> Optimizer<B> {
     }
 
     /// Updates each parameter on its own, in its shape: the Adam steps of all
-    /// of them as one [`AttentionBackend::adam_steps`] (one op under fusion),
+    /// of them as one [`aam_models::AdamOps::adam_steps`] (one op under fusion),
     /// SGD's one by one. Returns each parameter's new value.
     fn update_each(
         &mut self,

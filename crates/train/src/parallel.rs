@@ -32,7 +32,7 @@
 //!
 //! **Collectives** (`Group`). On CUDA with one replica per GPU, every sum
 //! is an NCCL all-reduce, one per tensor, queued on each GPU's
-//! communication stream behind its compute (`AttentionBackend::collective_sum`;
+//! communication stream behind its compute (`RuntimeOps::collective_sum`;
 //! under Burn's fusion backend, one custom op per sum); no thread waits for
 //! another. Elsewhere (HIP, wgpu, the CPU backends, and
 //! replicas that share a device) each replica reads its tensors to the host

@@ -49,7 +49,7 @@ fn plan<R: CubeRuntime>(
     AttentionPlan::new(&DeviceInfo::of(&like.client), &shape, kernels)
 }
 
-/// [`crate::AttentionBackend::fused_attention_forward`]: `(out, lse)`.
+/// [`crate::AttentionOps::fused_attention_forward`]: `(out, lse)`.
 pub(crate) fn forward<R, F, I, BT>(
     [q, k, v]: [CubeTensor<R>; 3],
     key_padding_mask: Option<BoolTensor<Cube<R, F, I, BT>>>,
@@ -90,7 +90,7 @@ where
     (out, lse)
 }
 
-/// [`crate::AttentionBackend::fused_attention_backward`]: `(dq, dk, dv)`.
+/// [`crate::AttentionOps::fused_attention_backward`]: `(dq, dk, dv)`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R, F, I, BT>(
     [q, k, v]: [CubeTensor<R>; 3],
@@ -148,7 +148,7 @@ where
     (dq, dk, dv)
 }
 
-/// [`crate::AttentionBackend::packed_attention_forward`]: `(out, lse)`.
+/// [`crate::AttentionOps::packed_attention_forward`]: `(out, lse)`.
 pub(crate) fn packed_forward<R, F, I, BT>(
     qkv: CubeTensor<R>,
     bias: Option<FloatTensor<Cube<R, F, I, BT>>>,
@@ -201,7 +201,7 @@ where
     (out, lse)
 }
 
-/// [`crate::AttentionBackend::packed_attention_backward`]: `dqkv`.
+/// [`crate::AttentionOps::packed_attention_backward`]: `dqkv`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn packed_backward<R, F, I, BT>(
     qkv: CubeTensor<R>,

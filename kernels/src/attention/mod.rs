@@ -46,9 +46,191 @@
 
 use burn::prelude::*;
 use burn::tensor::activation;
+use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
-use crate::{matmul, AttentionBackend};
+use crate::matmul;
+
+mod autodiff;
+#[cfg(feature = "cubecl")]
+mod cube;
+#[cfg(feature = "fusion")]
+mod fusion;
+
+/// Fused masked attention, on split heads or on the packed projection.
+pub trait AttentionOps: Backend {
+    /// Whether [`AttentionOps::fused_masked_attention`] runs a kernel here.
+    fn has_fused_attention() -> bool {
+        false
+    }
+
+    /// Fused masked self-attention on the packed projection `qkv` (torch's
+    /// `in_proj` output: per row the query, key and value, `D = H·Dh` wide
+    /// each, head `h` at columns `h·Dh..(h+1)·Dh` of each), to the
+    /// merged-heads context: one op instead of the split into heads, the
+    /// attention and the merge (`packed.rs` says what that saves a step).
+    ///
+    /// The output of [`AttentionOps::packed_attention_forward`];
+    /// `Autodiff` overrides it with one node whose backward is
+    /// [`AttentionOps::packed_attention_backward`].
+    ///
+    /// `bias`, where given, is the input projection's bias, added to `qkv`
+    /// as the kernels load it (`kernel.rs`, `bias_at`, says why); the
+    /// `Autodiff` node's gradient for it is the column sum of `dqkv`.
+    ///
+    /// # Shapes
+    /// - qkv: `[N, T, 3D]`, D divisible by `heads`, Dh ≤ 128; bias: `[3D]`
+    /// - key_padding_mask: `[N, T]`, `true` = ignore this key
+    /// - output: `[N, T, D]`; rows whose keys are all masked are 0
+    ///
+    /// # Panics
+    /// When [`AttentionOps::has_fused_attention`] is false.
+    fn fused_packed_attention(
+        qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+        kernels: KernelChoice,
+    ) -> FloatTensor<Self> {
+        Self::packed_attention_forward(qkv, bias, key_padding_mask, heads, scale, dropout, kernels)
+            .0
+    }
+
+    /// The packed forward with its saved statistics: `(out [N, T, D], lse
+    /// [N, H, T])`. The default splits the heads and runs
+    /// [`AttentionOps::fused_attention_forward`]; Burn's fusion backend
+    /// makes that one custom op. On the CubeCL backends the row and `mma`
+    /// kernels read the heads of `qkv` in place and write `out` merged
+    /// (strided views and element offsets: no split or merge copies); the
+    /// `cmma` kernels (f16/bf16 where there is no `mma.sync`) take the
+    /// default. `kernels` constrains the plan.
+    fn packed_attention_forward(
+        qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+        kernels: KernelChoice,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        packed::packed_forward_ops::<Self>(
+            qkv,
+            bias,
+            key_padding_mask,
+            heads,
+            scale,
+            dropout,
+            kernels,
+        )
+    }
+
+    /// The packed backward: `dqkv [N, T, 3D]` from the forward's input,
+    /// output (`[N, T, D]`) and `lse`, and the output gradient `dout
+    /// [N, T, D]`. The default runs
+    /// [`AttentionOps::fused_attention_backward`] on the split heads and
+    /// writes the three gradients into `dqkv` in one concatenation; Burn's
+    /// fusion backend makes that one custom op. On the CubeCL backends the
+    /// row, tiled and `mma` kernels read `qkv`, `out` and `dout` in place and
+    /// write dQ, dK and dV straight into their thirds of `dqkv`. `bias` as in the forward (the
+    /// gradient of `qkv + bias` is the same `dqkv`).
+    #[allow(clippy::too_many_arguments)]
+    fn packed_attention_backward(
+        qkv: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        dropout: AttentionDropout,
+        kernels: KernelChoice,
+    ) -> FloatTensor<Self> {
+        packed::packed_backward_ops::<Self>(
+            qkv,
+            bias,
+            key_padding_mask,
+            out,
+            lse,
+            dout,
+            heads,
+            scale,
+            dropout,
+            kernels,
+        )
+    }
+
+    /// Fused masked attention.
+    ///
+    /// # Shapes
+    /// - q: `[N, H, Tq, Dh]`, k / v: `[N, H, Tk, Dh]`, Dh ≤ 128
+    /// - key_padding_mask: `[N, Tk]`, `true` = ignore this key
+    /// - output: `[N, H, Tq, Dh]`; rows whose keys are all masked are 0
+    ///
+    /// The output of [`AttentionOps::fused_attention_forward`]; `Autodiff`
+    /// overrides it to record the backward pass.
+    ///
+    /// # Panics
+    /// When [`AttentionOps::has_fused_attention`] is false.
+    fn fused_masked_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+        kernels: KernelChoice,
+    ) -> FloatTensor<Self> {
+        Self::fused_attention_forward(q, k, v, key_padding_mask, scale, dropout, kernels).0
+    }
+
+    /// The forward kernel with its saved statistics: `(output, lse)`, where
+    /// `lse [N, H, Tq]` (f32) is each row's log-sum-exp of scaled scores.
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        scale: f64,
+        dropout: AttentionDropout,
+        kernels: KernelChoice,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = (q, k, v, key_padding_mask, scale, dropout, kernels);
+        panic!("this backend has no fused attention kernel; use the math path")
+    }
+
+    /// The backward kernels: `(dq, dk, dv)` from the forward's inputs, output
+    /// and `lse`, and the output gradient `dout`.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        key_padding_mask: Option<BoolTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        scale: f64,
+        dropout: AttentionDropout,
+        kernels: KernelChoice,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = (
+            q,
+            k,
+            v,
+            key_padding_mask,
+            out,
+            lse,
+            dout,
+            scale,
+            dropout,
+            kernels,
+        );
+        panic!("this backend has no fused attention kernel; use the math path")
+    }
+}
 
 #[cfg(feature = "cubecl")]
 pub(crate) mod launch;
@@ -116,8 +298,8 @@ impl KernelChoice {
 /// constrains the plan (`KernelChoice::AUTO`: none).
 ///
 /// # Shapes
-/// as [`AttentionBackend::fused_masked_attention`].
-pub fn fused_attention<B: AttentionBackend>(
+/// as [`AttentionOps::fused_masked_attention`].
+pub fn fused_attention<B: AttentionOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -137,14 +319,14 @@ pub fn fused_attention<B: AttentionBackend>(
     )))
 }
 
-/// Runs [`AttentionBackend::fused_packed_attention`] on tensors, with the
+/// Runs [`AttentionOps::fused_packed_attention`] on tensors, with the
 /// scale `1/√Dh`: attention over `qkv + bias` (the bias added as the
 /// kernels load `qkv`).
 ///
 /// # Shapes
 /// - qkv: `[N, T, 3D]`, bias: `[3D]`, key_padding_mask: `[N, T]` (true = ignore)
 /// - output: `[N, T, D]`
-pub fn fused_packed_attention<B: AttentionBackend>(
+pub fn fused_packed_attention<B: AttentionOps>(
     qkv: Tensor<B, 3>,
     bias: Option<Tensor<B, 1>>,
     key_padding_mask: Option<Tensor<B, 2, Bool>>,

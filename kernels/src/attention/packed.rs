@@ -12,14 +12,14 @@
 //! concatenation.
 //!
 //! The functions here are the tensor-op compositions behind the trait's
-//! defaults: any backend with [`AttentionBackend::fused_attention_forward`]
+//! defaults: any backend with [`AttentionOps::fused_attention_forward`]
 //! and its backward gets the packed ops from them.
 
 use burn::prelude::*;
 use burn::tensor::ops::{BoolTensor, FloatTensor};
 use burn::tensor::TensorPrimitive;
 
-use crate::{AttentionBackend, AttentionDropout, KernelChoice};
+use crate::{AttentionDropout, AttentionOps, KernelChoice};
 
 /// `[N, T, D] → [N, H, T, D/H]` (a view).
 fn split_heads<B: Backend>(x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
@@ -68,9 +68,9 @@ fn with_bias<B: Backend>(qkv: FloatTensor<B>, bias: Option<FloatTensor<B>>) -> F
         .tensor()
 }
 
-/// [`AttentionBackend::packed_attention_forward`] from the split-heads
+/// [`AttentionOps::packed_attention_forward`] from the split-heads
 /// kernels: `(out [N, T, D], lse [N, H, T])`.
-pub(crate) fn packed_forward_ops<B: AttentionBackend>(
+pub(crate) fn packed_forward_ops<B: AttentionOps>(
     qkv: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     key_padding_mask: Option<BoolTensor<B>>,
@@ -87,10 +87,10 @@ pub(crate) fn packed_forward_ops<B: AttentionBackend>(
     )
 }
 
-/// [`AttentionBackend::packed_attention_backward`] from the split-heads
+/// [`AttentionOps::packed_attention_backward`] from the split-heads
 /// kernels: `dqkv [N, T, 3D]`, written by one concatenation.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn packed_backward_ops<B: AttentionBackend>(
+pub(crate) fn packed_backward_ops<B: AttentionOps>(
     qkv: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     key_padding_mask: Option<BoolTensor<B>>,

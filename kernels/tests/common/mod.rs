@@ -293,7 +293,7 @@ pub fn check_layout_shapes(seed: u64, kernels: KernelChoice) {
 }
 
 /// The attention dropout's factors `[n, h, tq, tk]` (0 or `1/(1 − p)`),
-/// computed on the host: a replica of `dropout_keep` in `kernel.rs` (one
+/// computed on the host: a replica of `dropout_keep` in `cube.rs` (one
 /// murmur3 finaliser round over the head key, the row and the column), so
 /// that a test can run the math path with the kernels' own mask.
 pub fn dropout_factors(

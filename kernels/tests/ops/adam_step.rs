@@ -1,4 +1,4 @@
-//! The Adam/AdamW kernel (`AttentionBackend::adam_step` on a CubeCL backend,
+//! The Adam/AdamW kernel (`AdamOps::adam_step` on a CubeCL backend,
 //! one op per parameter) against the same step as Burn tensor ops
 //! (`adam_step_ops`), on the same backend and on ndarray, over several steps
 //! whose moments feed the next: AdamW with decoupled decay, Adam with the L2
@@ -10,7 +10,7 @@
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use crate::common::*;
-use aam_kernels::{adam_step_ops, AdamStep, AttentionBackend};
+use aam_kernels::{adam_step_ops, AdamOps, AdamStep};
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 

@@ -1,5 +1,5 @@
 //! The dense layer end to end under autodiff: its backward products on the
-//! validated CubeCL kernels (`AttentionBackend::dense_matmul`, not Burn's
+//! validated CubeCL kernels (`DenseOps::dense_matmul`, not Burn's
 //! autotune) give the CPU's gradients, through the split weight gradient with
 //! its batched parts and leftover rows; and the forward gives the CPU's
 //! output at a shape where CubeCL's autotuned matmul with the transposed

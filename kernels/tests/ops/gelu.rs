@@ -15,12 +15,12 @@
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use crate::common::*;
-use aam_kernels::{AttentionBackend, AttentionDropout};
+use aam_kernels::{AttentionDropout, GeluOps};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorPrimitive;
 
-fn run<Ad: AutodiffBackend + AttentionBackend>(x: &[f32], dy: &[f32]) -> [Vec<f32>; 2] {
+fn run<Ad: AutodiffBackend + GeluOps>(x: &[f32], dy: &[f32]) -> [Vec<f32>; 2] {
     let device = Default::default();
     let n = x.len();
     let x = Tensor::<Ad, 1>::from_data(TensorData::new(x.to_vec(), [n]), &device).require_grad();

@@ -12,7 +12,7 @@
 #![cfg(any(feature = "wgpu", feature = "cuda"))]
 
 use crate::common::*;
-use aam_kernels::{dropout, dropout_add, AttentionBackend, AttentionDropout};
+use aam_kernels::{dropout, dropout_add, AttentionDropout, DropoutOps};
 use burn::prelude::*;
 use burn::tensor::Distribution;
 

@@ -27,7 +27,118 @@
 //! compare the two).
 
 use burn::prelude::*;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::TensorPrimitive;
+
 use burn::tensor::activation;
+
+mod autodiff;
+#[cfg(feature = "cubecl")]
+mod cube;
+#[cfg(feature = "fusion")]
+mod fusion;
+#[cfg(feature = "cubecl")]
+mod kernel;
+
+/// Attention pooling of a row's tokens with a learned query.
+pub trait PoolOps: Backend {
+    /// Attention pooling over each row's tokens (the module doc): the pooled rows
+    /// and each row's log-sum-exp of its scores, for the backward. `valid`
+    /// is 1 at tokens that count and 0 at padding. The default is tensor
+    /// ops; the CubeCL backends run one kernel that reads `x` once, and
+    /// Burn's fusion backend one custom op.
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`
+    /// - pooled: `[N, D]`, lse: `[N]` (f32 on the CubeCL backends)
+    fn attention_pool_with_stats(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (pooled, lse) = attention_pool_ops::<Self>(
+            Tensor::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::from_primitive(TensorPrimitive::Float(query)),
+            Tensor::from_primitive(TensorPrimitive::Float(valid)),
+            scale,
+        );
+        (
+            pooled.into_primitive().tensor(),
+            lse.into_primitive().tensor(),
+        )
+    }
+
+    /// `(dx, dquery)` of [`PoolOps::attention_pool_with_stats`]
+    /// from its inputs, its `lse` and the pooled rows' gradient (the closed
+    /// form of the module doc).
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`, lse: `[N]`, dy: `[N, D]`
+    /// - dx: `[N, T, D]`, dquery: `[D]`
+    fn attention_pool_backward(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let wrap3 = |t| Tensor::<Self, 3>::from_primitive(TensorPrimitive::Float(t));
+        let (dx, dquery) = attention_pool_backward_ops::<Self>(
+            wrap3(x),
+            Tensor::from_primitive(TensorPrimitive::Float(query)),
+            Tensor::from_primitive(TensorPrimitive::Float(valid)),
+            Tensor::from_primitive(TensorPrimitive::Float(lse)),
+            Tensor::from_primitive(TensorPrimitive::Float(dy)),
+            scale,
+        );
+        (
+            dx.into_primitive().tensor(),
+            dquery.into_primitive().tensor(),
+        )
+    }
+
+    /// The pooled rows of [`PoolOps::attention_pool_with_stats`];
+    /// under autodiff one node whose backward is
+    /// [`PoolOps::attention_pool_backward`].
+    ///
+    /// # Shapes
+    /// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]`
+    /// - output: `[N, D]`
+    fn attention_pool(
+        x: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        Self::attention_pool_with_stats(x, query, valid, scale).0
+    }
+}
+
+/// Attention pooling of each row's tokens with a learned query (reference
+/// §1.4; the module doc): scores `x·query·scale`, a softmax over the tokens where
+/// `valid` (uniform weights for a row with none), and the weighted sum,
+/// through [`PoolOps::attention_pool`] (one kernel each way on the
+/// CubeCL backends).
+///
+/// # Shapes
+/// - x: `[N, T, D]`, query: `[D]`, valid: `[N, T]` (true = counts)
+/// - output: `[N, D]`
+pub fn attention_pool<B: PoolOps>(
+    x: Tensor<B, 3>,
+    query: Tensor<B, 1>,
+    valid: Tensor<B, 2, Bool>,
+    scale: f64,
+) -> Tensor<B, 2> {
+    let valid = valid.float().cast(x.dtype());
+    Tensor::from_primitive(TensorPrimitive::Float(B::attention_pool(
+        x.into_primitive().tensor(),
+        query.into_primitive().tensor(),
+        valid.into_primitive().tensor(),
+        scale,
+    )))
+}
 
 /// `(scores, ignore, all_padding)`: `x·query·scale` as the reference masks
 /// it, −∞ at the padding of a row with a valid token (`ignore`) and 0 at

@@ -19,14 +19,14 @@
 //! AAM's pre-norm blocks the input also feeds the residual sum, whose
 //! backward runs first and registers its gradient for the input, and the
 //! node takes that gradient out of Burn's container and has the backward
-//! add it to `dx` as it writes it (`backward.rs`, `input_handle`). Behind a
+//! add it to `dx` as it writes it (`autodiff.rs`, `input_handle`). Behind a
 //! reshape node the two gradients would meet at the input's node instead,
 //! and Burn would add them in a pass of its own (eight a step at the ASV level,
 //! ~0.19 ms each on the H100 at the reference's batch).
 //!
 //! Here as tensor ops, the default of
-//! [`AttentionBackend::layer_norm_with_stats`](crate::AttentionBackend::layer_norm_with_stats)
-//! and [`AttentionBackend::layer_norm_backward`](crate::AttentionBackend::layer_norm_backward);
+//! [`LayerNormOps::layer_norm_with_stats`](crate::LayerNormOps::layer_norm_with_stats)
+//! and [`LayerNormOps::layer_norm_backward`](crate::LayerNormOps::layer_norm_backward);
 //! the CubeCL backends compute the same in kernels (`kernel.rs`: one unit
 //! per row, f32 sums), one op for the host instead of a dozen or two.
 //!
@@ -41,8 +41,129 @@
 //! node memory-bound with a retro-forward would recover that.
 
 use burn::prelude::*;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::TensorPrimitive;
 
 use crate::sum_rows;
+
+mod autodiff;
+#[cfg(feature = "cubecl")]
+mod cube;
+#[cfg(feature = "fusion")]
+mod fusion;
+#[cfg(feature = "cubecl")]
+mod kernel;
+
+/// LayerNorm over the last axis with the closed-form backward.
+pub trait LayerNormOps: Backend {
+    /// LayerNorm over the last axis of rows (biased variance, as
+    /// `torch.nn.LayerNorm`), with optional shift.
+    ///
+    /// A backend extension for its gradient, not its value: `Autodiff<B>`
+    /// overrides it with one node whose backward is the closed form (see
+    /// the module doc), instead of the backward of each op of Burn's decomposed
+    /// `layer_norm`.
+    ///
+    /// # Shapes
+    /// - x: `[..., D]`, gamma / beta: `[D]`
+    /// - output: `[..., D]`
+    fn lean_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        // Burn's op: backends may fuse it.
+        Self::layer_norm(x, gamma, beta, eps)
+    }
+
+    /// LayerNorm over the last axis of rows with the statistics its backward
+    /// needs: `(y, x̂, r)`, `x̂ = (x − mean)·r`, `r = 1/√(var + ε)` (biased
+    /// variance), `y = x̂·γ (+ β)`.
+    ///
+    /// The default is a dozen tensor ops (the module doc); the CubeCL backends run
+    /// one kernel, and Burn's fusion backend one custom op: on a GPU the
+    /// training step is bound by the host's work per op.
+    ///
+    /// # Shapes
+    /// - x: `[M, D]`, gamma / beta: `[D]`
+    /// - y, x̂: `[M, D]`, r: `[M, 1]`
+    fn layer_norm_with_stats(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, normalised, r) = layer_norm_with_stats_ops::<Self>(
+            Tensor::from_primitive(TensorPrimitive::Float(x)),
+            Tensor::from_primitive(TensorPrimitive::Float(gamma)),
+            beta.map(|b| Tensor::from_primitive(TensorPrimitive::Float(b))),
+            eps,
+        );
+        (
+            y.into_primitive().tensor(),
+            normalised.into_primitive().tensor(),
+            r.into_primitive().tensor(),
+        )
+    }
+
+    /// LayerNorm's backward from [`LayerNormOps::layer_norm_with_stats`]'s
+    /// `x̂` and `r`: `(dx, dγ, dβ)` (the closed form of the module doc; dγ and dβ
+    /// summed over the rows in parts), with `dx_add` (the input's gradient
+    /// along its other paths, e.g. a residual connection) added to `dx` in
+    /// the same pass. One kernel launch sequence and one custom op where the
+    /// backend has them, else tensor ops.
+    ///
+    /// # Shapes
+    /// - normalised, dy, dx_add: `[M, D]`, r: `[M, 1]`, gamma: `[D]`
+    /// - dx: `[M, D]`, dγ / dβ: `[D]`
+    fn layer_norm_backward(
+        normalised: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dx_add: Option<FloatTensor<Self>>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dgamma, dbeta) = layer_norm_backward_ops::<Self>(
+            Tensor::from_primitive(TensorPrimitive::Float(normalised)),
+            Tensor::from_primitive(TensorPrimitive::Float(r)),
+            Tensor::from_primitive(TensorPrimitive::Float(gamma)),
+            Tensor::from_primitive(TensorPrimitive::Float(dy)),
+        );
+        let dx = match dx_add {
+            Some(add) => dx + Tensor::from_primitive(TensorPrimitive::Float(add)),
+            None => dx,
+        };
+        (
+            dx.into_primitive().tensor(),
+            dgamma.into_primitive().tensor(),
+            dbeta.into_primitive().tensor(),
+        )
+    }
+}
+
+/// LayerNorm over the last axis, through
+/// [`LayerNormOps::lean_layer_norm`]: Burn's `layer_norm` in value, and
+/// under autodiff one node with the closed-form backward, whose parent is
+/// `x` itself (its rows are taken inside the node), so that it can add
+/// the gradient `x` has from a residual path in the same pass.
+///
+/// # Shapes
+/// - x: `[..., D]`, gamma / beta: `[D]`
+/// - output: `[..., D]`
+pub fn layer_norm<B: LayerNormOps, const R: usize>(
+    x: Tensor<B, R>,
+    gamma: Tensor<B, 1>,
+    beta: Option<Tensor<B, 1>>,
+    eps: f64,
+) -> Tensor<B, R> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::lean_layer_norm(
+        x.into_primitive().tensor(),
+        gamma.into_primitive().tensor(),
+        beta.map(|b| b.into_primitive().tensor()),
+        eps,
+    )))
+}
 
 /// `(x̂, r)`: the normalised rows and each row's reciprocal standard
 /// deviation (biased variance, as `torch.nn.LayerNorm`).

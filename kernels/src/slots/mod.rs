@@ -22,7 +22,53 @@ use burn::prelude::*;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorPrimitive;
 
-use crate::AttentionBackend;
+#[cfg(feature = "cubecl")]
+impl<R, F, I, BT> SlotOps for burn_cubecl::CubeBackend<R, F, I, BT>
+where
+    R: burn_cubecl::CubeRuntime,
+    F: burn_cubecl::FloatElement,
+    I: burn_cubecl::IntElement,
+    BT: burn_cubecl::BoolElement,
+{
+}
+
+mod autodiff;
+#[cfg(feature = "fusion")]
+mod fusion;
+
+/// Rows computed for the non-empty slots only, put back in their slots.
+pub trait SlotOps: Backend {
+    /// Packed rows back in their slots and `fill` in the others
+    /// ([`unpack_rows`]). The default is a concatenation and a gather; under
+    /// autodiff it is one node whose backward is
+    /// [`SlotOps::unpack_rows_backward`], and under fusion one
+    /// custom op each way.
+    ///
+    /// # Shapes
+    /// - packed: `[M, W]`, fill: `[1, W]`
+    /// - output: `[slots, W]`
+    fn unpack_rows(
+        packed: FloatTensor<Self>,
+        fill: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> FloatTensor<Self> {
+        unpack_rows_ops::<Self>(packed, fill, slots)
+    }
+
+    /// [`SlotOps::unpack_rows`]' backward: `(dpacked, dfill)`, the
+    /// gradients of the non-empty slots gathered and those of the empty
+    /// slots summed.
+    ///
+    /// # Shapes
+    /// - dout: `[slots, W]`
+    /// - dpacked: `[M, W]`, dfill: `[1, W]`
+    fn unpack_rows_backward(
+        dout: FloatTensor<Self>,
+        slots: &RowSlots,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        unpack_rows_backward_ops::<Self>(dout, slots)
+    }
+}
 
 /// Which of `slots` slots hold a packed row: `non_empty[r]` is the slot of
 /// row `r`, ascending. Cheap to clone (the list is shared).
@@ -105,7 +151,7 @@ fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-/// [`AttentionBackend::unpack_rows`] as tensor ops: a gather from `packed`
+/// [`SlotOps::unpack_rows`] as tensor ops: a gather from `packed`
 /// with the fill row appended.
 pub(crate) fn unpack_rows_ops<B: Backend>(
     packed: FloatTensor<B>,
@@ -123,7 +169,7 @@ pub(crate) fn unpack_rows_ops<B: Backend>(
         .tensor()
 }
 
-/// [`AttentionBackend::unpack_rows_backward`] as tensor ops: `dpacked` the
+/// [`SlotOps::unpack_rows_backward`] as tensor ops: `dpacked` the
 /// gather of the non-empty slots' gradients, `dfill` the sum of the empty
 /// slots' (zeros without any).
 pub(crate) fn unpack_rows_backward_ops<B: Backend>(
@@ -153,13 +199,13 @@ pub(crate) fn unpack_rows_backward_ops<B: Backend>(
 }
 
 /// Puts packed rows back in their slots, `fill` in the others, through
-/// [`AttentionBackend::unpack_rows`] (under autodiff one node, whose
+/// [`SlotOps::unpack_rows`] (under autodiff one node, whose
 /// backward gathers).
 ///
 /// # Shapes
 /// - packed: `[M, W]` (`M = slots.rows()`), fill: `[1, W]`
 /// - output: `[slots.slots(), W]`
-pub fn unpack_rows<B: AttentionBackend>(
+pub fn unpack_rows<B: SlotOps>(
     packed: Tensor<B, 2>,
     fill: Tensor<B, 2>,
     slots: &RowSlots,

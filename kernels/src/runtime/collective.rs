@@ -51,7 +51,7 @@ pub(crate) fn all_reduce_sum<B: DistributedBackend>(
     Some(sums)
 }
 
-/// [`crate::AttentionBackend::collective_sum`] of a CubeCL backend.
+/// [`crate::RuntimeOps::collective_sum`] of a CubeCL backend.
 pub(crate) fn cube_sum<R, F, I, BT>(
     tensors: Vec<FloatTensor<CubeBackend<R, F, I, BT>>>,
     devices: &[burn::tensor::Device<CubeBackend<R, F, I, BT>>],
