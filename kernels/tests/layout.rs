@@ -64,7 +64,12 @@ fn edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let mods = modules(src);
     let longest = |base: &[&str], path: &[&str]| -> Option<String> {
         (1..=path.len()).rev().find_map(|n| {
-            let name = base.iter().chain(&path[..n]).copied().collect::<Vec<_>>().join("::");
+            let name = base
+                .iter()
+                .chain(&path[..n])
+                .copied()
+                .collect::<Vec<_>>()
+                .join("::");
             mods.contains_key(&name).then_some(name)
         })
     };
@@ -77,7 +82,8 @@ fn edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
                 .filter_map(|p| longest(&[], &p))
                 .chain(paths_after(&code, "super::").filter_map(|p| longest(parent, &p)))
                 .filter(|dep| {
-                    let related = |a: &str, b: &str| b.is_empty() || a.starts_with(&format!("{b}::"));
+                    let related =
+                        |a: &str, b: &str| b.is_empty() || a.starts_with(&format!("{b}::"));
                     dep != name && !related(dep, name) && !related(name, dep)
                 })
                 .collect();
@@ -120,9 +126,17 @@ fn no_module_imports_form_a_cycle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     for src in [root.join("src"), root.join("../models/src")] {
         let edges = edges(&src);
-        assert!(edges.len() > 10, "{}: modules found: {edges:?}", src.display());
+        assert!(
+            edges.len() > 10,
+            "{}: modules found: {edges:?}",
+            src.display()
+        );
         if let Some(cycle) = cycle(&edges) {
-            panic!("{}: modules import each other: {}", src.display(), cycle.join(" -> "));
+            panic!(
+                "{}: modules import each other: {}",
+                src.display(),
+                cycle.join(" -> ")
+            );
         }
     }
 }
