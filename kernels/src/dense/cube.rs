@@ -13,8 +13,7 @@ use cubecl::{CubeCount, CubeDim};
 use super::kernel::{
     column_partial_sums, gradient_column_partials, sum_partials, SUM_PARTIALS_COLUMNS,
 };
-use crate::launch::{dropout_args, empty, one_unit_each};
-use crate::launch::{dropout_elements_count, row_bias};
+use crate::launch::{dropout_args, dropout_elements_count, empty, one_unit_each, row_bias};
 use crate::{AttentionDropout, DenseOps};
 
 impl<R, F, I, BT> DenseOps for CubeBackend<R, F, I, BT>

@@ -9,8 +9,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use super::kernel::{gelu_backward_elements, gelu_elements};
 use crate::dense::cube::gradient_column_sums;
-use crate::launch::{dropout_args, empty};
-use crate::launch::{dropout_elements_count, elementwise_launch, row_bias};
+use crate::launch::{dropout_args, dropout_elements_count, elementwise_launch, empty, row_bias};
 use crate::{AttentionDropout, GeluOps};
 
 impl<R, F, I, BT> GeluOps for CubeBackend<R, F, I, BT>

@@ -10,8 +10,7 @@ use cubecl::CubeCount;
 
 use super::kernel::{layer_norm_backward_rows, layer_norm_backward_rows_sums, layer_norm_rows};
 use crate::dense::cube::{column_sums, sum_partials_launch};
-use crate::launch::empty;
-use crate::launch::row_groups;
+use crate::launch::{empty, row_groups};
 use crate::LayerNormOps;
 
 impl<R, F, I, BT> LayerNormOps for CubeBackend<R, F, I, BT>

@@ -162,6 +162,14 @@ pub(crate) fn unpack_rows_ops<B: Backend>(
     if slots.all_filled() {
         return packed.into_primitive().tensor();
     }
+    if slots.rows() == 0 {
+        // Every slot takes `fill`; no concatenation with a tensor of no rows
+        // (CUDA refuses to launch a kernel over nothing).
+        return float::<B, 2>(fill)
+            .repeat_dim(0, slots.slots())
+            .into_primitive()
+            .tensor();
+    }
     let device = packed.device();
     Tensor::cat(vec![packed, float::<B, 2>(fill)], 0)
         .select(0, index::<B>(slots.source(), &device))
@@ -189,6 +197,9 @@ pub(crate) fn unpack_rows_backward_ops<B: Backend>(
     };
     let dpacked = if slots.all_filled() {
         dout
+    } else if slots.rows() == 0 {
+        // No packed rows: an empty gradient, made without a kernel launch.
+        Tensor::<B, 2>::empty([0, width], &device)
     } else {
         dout.select(0, index::<B>(slots.non_empty().to_vec(), &device))
     };
