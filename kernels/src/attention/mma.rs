@@ -3,7 +3,7 @@
 //! as split TF32 ("3xTF32", [`attention_forward_mma`]) and f16/bf16 as they
 //! are ([`attention_forward_mma_half`]). CUDA only. No Burn imports here.
 //!
-//! Why: the CUDA-core forwards (`kernel.rs`, `tiled.rs`) are bound by issue
+//! Why: the CUDA-core forwards (`rows.rs`, `tiled.rs`) are bound by issue
 //! slots at 64 multiply-adds a (query, key) pair (1.50 ms at the ASV shape on
 //! the H100, 0.63x PyTorch's `mem_efficient`). Tensor cores do those
 //! products, but f32 needs the operands split: `x = hi + lo` with `hi` the
@@ -57,7 +57,7 @@
 //! for f16/bf16 `mma_backward.rs`'s on these layouts, or `cmma`) follows
 //! it. Chunks (and streamed blocks) whose keys are all masked are skipped.
 //! Kernels compile per key count, which the caller rounds up (keys past the
-//! call's are masked: `MmaForward` in `forward.rs`).
+//! call's are masked: `MmaForward` in `plan.rs`).
 
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;

@@ -15,7 +15,7 @@
 //! once a kernel: a tensor's strides are a global read each). The views
 //! are `Tensor<Vector<F, N>>` (staging: `N` = 8 where offsets, strides and
 //! the buffer's start allow, else 4 or 2; `row_vector_width` in
-//! `forward.rs`) and `Tensor<Pair<F>>` (a plane's own rows and results).
+//! `launch.rs`) and `Tensor<Pair<F>>` (a plane's own rows and results).
 //! [`read_quad`] reads four elements as f32 for the f32 kernels (the split
 //! TF32 forward's staging, `tiled.rs`'s backward). No Burn imports here.
 

@@ -75,7 +75,7 @@ pub trait AttentionOps: Backend {
     /// [`AttentionOps::packed_attention_backward`].
     ///
     /// `bias`, where given, is the input projection's bias, added to `qkv`
-    /// as the kernels load it (`kernel.rs`, `bias_at`, says why); the
+    /// as the kernels load it (`crate::cube`, `bias_at`, says why); the
     /// `Autodiff` node's gradient for it is the column sum of `dqkv`.
     ///
     /// # Shapes

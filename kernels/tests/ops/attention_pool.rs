@@ -1,5 +1,5 @@
 //! Attention pooling's kernels (the CubeCL side of
-//! `AttentionBackend::{attention_pool_with_stats, attention_pool_backward}`)
+//! `PoolOps::{attention_pool_with_stats, attention_pool_backward}`)
 //! against the tensor ops on ndarray, through autodiff as the model uses
 //! them (`aam_kernels::attention_pool`): the pooled rows and the gradients of
 //! the states and the query, for rows with every token valid, some, one and

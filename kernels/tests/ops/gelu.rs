@@ -1,4 +1,4 @@
-//! The exact-GELU kernels (`AttentionBackend::{gelu_exact,
+//! The exact-GELU kernels (`GeluOps::{gelu_exact,
 //! gelu_exact_backward}` on a CubeCL backend) against the tensor-op versions
 //! on ndarray, through autodiff as the feed-forward layer uses them: value and
 //! input gradient of `gelu_exact` under autodiff, over a range that covers both

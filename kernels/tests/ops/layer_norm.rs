@@ -1,6 +1,6 @@
 //! LayerNorm's forward and backward kernels and the column-sum kernel (the
-//! CubeCL side of `AttentionBackend::{layer_norm_with_stats,
-//! layer_norm_backward, column_sum}`) against the tensor-op versions on
+//! CubeCL side of `LayerNormOps::{layer_norm_with_stats,
+//! layer_norm_backward}` and `DenseOps::column_sum`) against the tensor-op versions on
 //! ndarray, through autodiff as the model uses them: `aam_kernels::layer_norm`
 //! (value and the gradients of x, γ, β) and `aam_kernels::dense` (whose bias
 //! gradient is the column sum), at row counts below, at and past the parts
