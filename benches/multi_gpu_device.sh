@@ -3,14 +3,15 @@
 #
 #   speed     aam-rs pretrain on the full oral2550 at the reference's per-GPU batch (8), default
 #             model, f32 and bf16: on GPU 0 (batch 8), and on all N GPUs (batch 8N) with
-#             --unifrac-pairs global and local. Samples/s of the last epoch (the first compiles
+#             --unifrac-pairs global and local, in one process (MODES threads: a thread per
+#             GPU) and in N processes (MODES procs: --world-size N, one GPU each, NCCL). Samples/s of the last epoch (the first compiles
 #             kernels), the scaling efficiency (N GPUs / (N x 1 GPU)), and each GPU's peak memory
 #             (nvidia-smi, sampled every 200 ms: the same measure for both tools).
 #   reference the reference's step, same model and batch per GPU: torch DataParallel
 #             (../shared/bench/pt_data_parallel_bench.py, carried as .carry/bench/) and DDP over
 #             NCCL (benches/pt_ddp_bench.py via torchrun), each on 1 and N GPUs.
 #   parity    the demo, dropout and masking off, global batch 16, 2 epochs (6 steps), SGD:
-#             --devices 0 against --devices 0,1 (UniFrac pairs global): epoch losses and the
+#             --devices 0 against --devices 0,1 and against N processes (UniFrac pairs global): epoch losses and the
 #             final weights. (SGD, as in crates/train/tests/data_parallel.rs: Adam turns the
 #             rounding noise of the gradients that are exactly zero into steps of ±lr.)
 #   curves    oral2550, dropout and masking on, 3 epochs, global batch 8N: 1 GPU against N GPUs,
@@ -23,7 +24,9 @@
 #   .carry/bench/pt_data_parallel_bench.py   from ../shared/bench
 #   .ref/aam               the reference's Python package (git archive of jbk708/aam's aam/)
 #   .carry/gpu/cache/      optional: CubeCL's compiled kernels (benches/kernel_cache.sh)
-# Env: PARTS (default "reference speed parity curves"), PRECISIONS (--mixed-precision values,
+# Env: PARTS (default "reference speed parity curves"), MODES (default "threads procs"),
+#      PAIRS (default "global local"), EXTRA (more flags for every speed run, e.g.
+#      "--time-phases host"), PRECISIONS (--mixed-precision values,
 #      default "none bf16"), EPOCHS (speed runs, default 2), CURVE_EPOCHS (default 3),
 #      WIDE (per-GPU batch of one more bf16 pair of speed runs, default 32; 0: none).
 # Writes to $OUT: summary.txt; runs.tar.xz holding each run's <name>.log, <name>.csv
@@ -53,14 +56,33 @@ with_memory() {
   return $rc
 }
 
-# aam-rs pretrain on oral2550: name, devices, global batch, precision, epochs, extra flags.
+# "$@" (an aam-rs command) as NGPU processes, one per GPU (--world-size, --rank, --devices
+# <rank>, a rendezvous on this host); process 0's output on stdout, the others' in
+# $RUNS/$PROCS_NAME.rank<r>.log. Returns the first non-zero exit status.
+PORT=29555
+procs() {
+  PORT=$((PORT + 1))
+  local pids=() r rc=0
+  for r in $(seq 1 $((NGPU - 1))); do
+    "$@" --world-size "$NGPU" --rank "$r" --devices "$r" --rendezvous "127.0.0.1:$PORT" \
+      > "$RUNS/$PROCS_NAME.rank$r.log" 2>&1 &
+    pids+=($!)
+  done
+  "$@" --world-size "$NGPU" --rank 0 --devices 0 --rendezvous "127.0.0.1:$PORT"; rc=$?
+  for p in "${pids[@]}"; do wait "$p" || [ $rc -ne 0 ] || rc=$?; done
+  return $rc
+}
+
+# aam-rs pretrain on oral2550: name, devices (`procs`: one process per GPU), global batch,
+# precision, epochs, extra flags.
 pretrain() {
   local name=$1 devices=$2 batch=$3 precision=$4 epochs=$5; shift 5
-  local start=$SECONDS
-  with_memory "$name" timeout 300 /tmp/bin/aam-rs pretrain --backend cuda \
+  local start=$SECONDS launch=() dev=(--devices "$devices")
+  if [ "$devices" = procs ]; then launch=(procs); dev=(); PROCS_NAME=$name; fi
+  with_memory "$name" "${launch[@]}" timeout 300 /tmp/bin/aam-rs pretrain --backend cuda \
     --table .carry/oral2550/oral_2550.biom --unifrac-matrix .carry/oral2550/unifrac.unweighted.h5 \
     --rarefy-depth 1000 --epochs "$epochs" --warmup-steps 100 --num-workers 8 \
-    --batch-size "$batch" --mixed-precision "$precision" --devices "$devices" "$@" \
+    --batch-size "$batch" --mixed-precision "$precision" "${dev[@]}" "$@" ${EXTRA:-} \
     --output-dir "/tmp/run_$name" > "$RUNS/$name.log" 2>&1
   local rc=$?
   cp "/tmp/run_$name/metrics.csv" "$RUNS/$name.csv" 2>/dev/null
@@ -87,10 +109,13 @@ if [[ " $PARTS " == *" speed "* ]]; then
   for precision in ${PRECISIONS:-none bf16}; do
     pretrain "one_$precision" 0 8 "$precision" "${EPOCHS:-2}" --dropout 0 --nuc-mask-ratio 0
     ONE=$RATE
-    for pairs in global local; do
-      pretrain "all_${pairs}_$precision" "$ALL" $((8 * NGPU)) "$precision" "${EPOCHS:-2}" \
-        --dropout 0 --nuc-mask-ratio 0 --unifrac-pairs "$pairs"
-      echo "  scaling efficiency ($pairs, $precision, $NGPU GPUs): $(ratio "$RATE" "$ONE" "$NGPU")" | tee -a "$SUMMARY"
+    for mode in ${MODES:-threads procs}; do
+      devices=$ALL; [ "$mode" = procs ] && devices=procs
+      for pairs in ${PAIRS:-global local}; do
+        pretrain "${mode}_${pairs}_$precision" "$devices" $((8 * NGPU)) "$precision" "${EPOCHS:-2}" \
+          --dropout 0 --nuc-mask-ratio 0 --unifrac-pairs "$pairs"
+        echo "  scaling efficiency ($mode, $pairs, $precision, $NGPU GPUs): $(ratio "$RATE" "$ONE" "$NGPU")" | tee -a "$SUMMARY"
+      done
     done
   done
   if [ "${WIDE:-32}" -gt 0 ]; then
@@ -103,16 +128,19 @@ fi
 
 if [[ " $PARTS " == *" parity "* ]]; then
   echo "## parity: demo, global batch 16, dropout and masking off, SGD, 2 epochs" | tee -a "$SUMMARY"
-  for run in parity_one:0 "parity_all:$ALL"; do
+  for run in parity_one:0 "parity_all:$ALL" parity_procs:procs; do
     name=${run%%:*}; devices=${run#*:}
-    timeout 300 /tmp/bin/aam-rs pretrain --backend cuda --table crates/data/demo/demo.biom \
+    launch=(); dev=(--devices "$devices")
+    if [ "$devices" = procs ]; then launch=(procs); dev=(); PROCS_NAME=$name; fi
+    "${launch[@]}" timeout 300 /tmp/bin/aam-rs pretrain --backend cuda --table crates/data/demo/demo.biom \
       --unifrac-matrix crates/data/demo/unifrac.unweighted.h5 --rarefy-depth 1000 --epochs 2 --batch-size 16 \
-      --dropout 0 --nuc-mask-ratio 0 --optimizer sgd --lr 0.05 --devices "$devices" \
+      --dropout 0 --nuc-mask-ratio 0 --optimizer sgd --lr 0.05 "${dev[@]}" \
       --output-dir "/tmp/run_$name" > "$RUNS/$name.log" 2>&1
     echo "$name --devices $devices rc=$?" | tee -a "$SUMMARY"
     cp "/tmp/run_$name/metrics.csv" "$RUNS/$name.csv" 2>/dev/null
   done
   python3 benches/compare_runs.py /tmp/run_parity_one /tmp/run_parity_all | tee -a "$SUMMARY"
+  python3 benches/compare_runs.py /tmp/run_parity_one /tmp/run_parity_procs | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" curves "* ]]; then

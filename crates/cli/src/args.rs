@@ -388,6 +388,46 @@ pub struct ParallelArgs {
     /// the reference neither), so nothing changes.
     #[arg(long)]
     pub sync_batchnorm: bool,
+    /// Processes of a run across processes or nodes (one per node with
+    /// --devices all, or one per GPU), each training its replicas on its
+    /// --devices and summing with the others through NCCL (CUDA). Under
+    /// SLURM with more than one task: SLURM_NTASKS (`--world-size 1` opts out).
+    #[arg(long, value_name = "N")]
+    pub world_size: Option<usize>,
+    /// This process's rank, 0..N (under SLURM: SLURM_PROCID).
+    #[arg(long, value_name = "R")]
+    pub rank: Option<usize>,
+    /// `host:port` where process 0 listens for the others (under SLURM: the
+    /// first host of the job's node list, port 20000 + job ID mod 20000).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub rendezvous: Option<String>,
+    /// Seconds a process waits for the others at the rendezvous.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600)]
+    pub rendezvous_timeout: u64,
+}
+
+/// The first host of a SLURM node list (`gpu[01-04,07],cpu1` gives `gpu01`).
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let mut depth = 0;
+    let first: String = list
+        .chars()
+        .take_while(|&c| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                ',' if depth == 0 => return false,
+                _ => {}
+            }
+            true
+        })
+        .collect();
+    match first.split_once('[') {
+        None => (!first.is_empty()).then_some(first),
+        Some((prefix, ranges)) => {
+            let start: String = ranges.chars().take_while(|c| c.is_ascii_digit()).collect();
+            (!start.is_empty()).then(|| format!("{prefix}{start}"))
+        }
+    }
 }
 
 impl ParallelArgs {
@@ -406,6 +446,59 @@ impl ParallelArgs {
             );
         }
         notes
+    }
+
+    /// Where this process stands among a run's processes: the flags, else
+    /// SLURM's variables (`env` reads one) where the job has several tasks.
+    pub fn world(&self, env: impl Fn(&str) -> Option<String>) -> Result<aam_train::world::World> {
+        let timeout = std::time::Duration::from_secs(self.rendezvous_timeout);
+        let slurm = |name: &str| -> Result<Option<usize>> {
+            env(name)
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|_| anyhow::anyhow!("SLURM's {name}={v} is not a number"))
+                })
+                .transpose()
+        };
+        let size = match self.world_size {
+            Some(n) => n,
+            None => slurm("SLURM_NTASKS")?.unwrap_or(1),
+        };
+        if size <= 1 {
+            return Ok(aam_train::world::World::single());
+        }
+        let rank = match self
+            .rank
+            .map(Ok)
+            .or_else(|| slurm("SLURM_PROCID").transpose())
+        {
+            Some(r) => r?,
+            None => anyhow::bail!("--world-size {size} needs --rank (or SLURM_PROCID)"),
+        };
+        let rendezvous = match &self.rendezvous {
+            Some(r) => r.clone(),
+            None => {
+                let host = env("SLURM_JOB_NODELIST")
+                    .or_else(|| env("SLURM_NODELIST"))
+                    .and_then(|l| first_slurm_host(&l));
+                let port = 20000 + slurm("SLURM_JOB_ID")?.unwrap_or(9400) % 20000;
+                match host {
+                    Some(host) => format!("{host}:{port}"),
+                    None => anyhow::bail!(
+                        "--world-size {size} needs --rendezvous HOST:PORT (or SLURM_JOB_NODELIST)"
+                    ),
+                }
+            }
+        };
+        let world = aam_train::world::World {
+            rank,
+            size,
+            rendezvous,
+            timeout,
+        };
+        world.check()?;
+        Ok(world)
     }
 
     /// The device list, with the reference's switches read as `all`.

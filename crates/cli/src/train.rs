@@ -887,18 +887,22 @@ fn start(
     }
     run.mixed_precision = r.precision.mixed_precision;
     run.unifrac_pairs = r.parallel.unifrac_pairs;
-    std::fs::create_dir_all(&r.output_dir)
-        .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
-    let log = r.output_dir.join("training.log");
-    aam_cli::log_to_file(&log).with_context(|| format!("opening {}", log.display()))?;
-    let (train_file, val_file) = match run.task {
-        Task::Pretrain => ("train_sample_ids.txt", "val_sample_ids.txt"),
-        Task::Train => ("train_samples.txt", "val_samples.txt"),
-    };
-    write_ids(&r.output_dir.join(train_file), &info.train_ids)?;
-    write_ids(&r.output_dir.join(val_file), &info.validation_ids)?;
-    if let Some(c) = &resume {
-        carry_best(c, &r.output_dir)?;
+    // Across processes only process 0 writes the run's files.
+    let world = r.parallel.world(|k| std::env::var(k).ok())?;
+    if world.writes() {
+        std::fs::create_dir_all(&r.output_dir)
+            .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
+        let log = r.output_dir.join("training.log");
+        aam_cli::log_to_file(&log).with_context(|| format!("opening {}", log.display()))?;
+        let (train_file, val_file) = match run.task {
+            Task::Pretrain => ("train_sample_ids.txt", "val_sample_ids.txt"),
+            Task::Train => ("train_samples.txt", "val_samples.txt"),
+        };
+        write_ids(&r.output_dir.join(train_file), &info.train_ids)?;
+        write_ids(&r.output_dir.join(val_file), &info.validation_ids)?;
+        if let Some(c) = &resume {
+            carry_best(c, &r.output_dir)?;
+        }
     }
     let data = TrainData {
         dataset: prepared.dataset,
@@ -1122,8 +1126,10 @@ where
         .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
     let mut progress = Progress::new(run.epochs, stop.clone());
+    let world = r.parallel.world(|k| std::env::var(k).ok())?;
     let summary = fit::<AB>(
         devices,
+        &world,
         model_config,
         model,
         run,
@@ -1141,6 +1147,9 @@ where
             step: summary.steps,
         }
         .into());
+    }
+    if !world.writes() {
+        return Ok(());
     }
     export_torch(&r.output_dir, task, &summary)?;
     crate::plot::loss_curves(&r.output_dir, &summary.history)?;

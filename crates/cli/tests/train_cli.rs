@@ -1317,6 +1317,21 @@ fn bad_input_names_the_flag() {
         "{log}"
     );
     assert_eq!(metrics(&tmp.path().join("dp")).1.len(), 1);
+    // Processes: the CPU backends have no NCCL; a rank is needed.
+    let stderr = run_err(&dp(&[
+        "--world-size",
+        "2",
+        "--rank",
+        "0",
+        "--rendezvous",
+        "127.0.0.1:1",
+    ]));
+    assert!(
+        stderr.contains("--world-size") && stderr.contains("NCCL"),
+        "{stderr}"
+    );
+    let stderr = run_err(&dp(&["--world-size", "2", "--rendezvous", "127.0.0.1:1"]));
+    assert!(stderr.contains("--rank"), "{stderr}");
 
     // A missing table: the path, once.
     let mut a = tiny("pretrain", &tmp.path().join("missing"), 1);
@@ -2763,4 +2778,68 @@ fn serve_answers_like_the_cli() {
     let log = log.join().unwrap();
     assert!(status.success(), "serve exited with {status}:\n{log}");
     assert!(log.contains("shutting down"), "{log}");
+}
+
+/// A run's processes take their ranks from the flags, else from SLURM's
+/// variables when the job has several tasks; the rendezvous defaults to the
+/// job's first node.
+#[test]
+fn processes_take_their_ranks_from_the_flags_or_slurm() {
+    use aam_cli::args::{first_slurm_host, ParallelArgs};
+    use clap::Parser;
+
+    assert_eq!(first_slurm_host("node7").as_deref(), Some("node7"));
+    assert_eq!(
+        first_slurm_host("gpu[03-04,07],cpu1").as_deref(),
+        Some("gpu03")
+    );
+    assert_eq!(first_slurm_host("a1,b[2-3]").as_deref(), Some("a1"));
+    assert_eq!(first_slurm_host(""), None);
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        parallel: ParallelArgs,
+    }
+    let world = |flags: &[&str], env: &[(&str, &str)]| {
+        let mut argv = vec!["aam-rs"];
+        argv.extend(flags);
+        let parsed = Flags::try_parse_from(argv).unwrap();
+        let env: BTreeMap<String, String> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        parsed.parallel.world(|k| env.get(k).cloned())
+    };
+    let slurm = [
+        ("SLURM_NTASKS", "4"),
+        ("SLURM_PROCID", "2"),
+        ("SLURM_JOB_NODELIST", "gpu[03-04]"),
+        ("SLURM_JOB_ID", "123456"),
+    ];
+    let w = world(&[], &slurm).unwrap();
+    assert_eq!((w.rank, w.size), (2, 4));
+    assert_eq!(w.rendezvous, "gpu03:23456");
+    // Flags win; --world-size 1 opts out of SLURM's tasks.
+    let w = world(&["--rank", "1", "--rendezvous", "head:1234"], &slurm).unwrap();
+    assert_eq!((w.rank, w.size, w.rendezvous.as_str()), (1, 4, "head:1234"));
+    assert_eq!(world(&["--world-size", "1"], &slurm).unwrap().size, 1);
+    // No SLURM, no flags: one process.
+    assert_eq!(world(&[], &[]).unwrap().size, 1);
+    // A rank outside the run, a run without a rendezvous.
+    let err = world(
+        &["--world-size", "2", "--rank", "2", "--rendezvous", "h:1"],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rank") && err.contains('2'), "{err}");
+    let err = world(&["--world-size", "2", "--rank", "1"], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--rendezvous"), "{err}");
+    let err = world(&[], &[("SLURM_NTASKS", "two")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("SLURM_NTASKS"), "{err}");
 }

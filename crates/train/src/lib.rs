@@ -58,5 +58,6 @@ pub mod run;
 pub mod schedule;
 pub mod tensorboard;
 pub mod torch;
+pub mod world;
 
 pub use error::{Result, TrainError};

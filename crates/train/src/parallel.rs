@@ -397,17 +397,54 @@ impl HostExchange {
 
 /// One replica's handle on the others: sums of tensors over the replicas,
 /// on the devices where the runtime has collectives (NCCL on CUDA), else
-/// through the host ([`HostExchange`]).
+/// through the host ([`HostExchange`]); over a process group where the
+/// replicas are in several processes ([`crate::world`]).
 pub(crate) struct Group<B: Backend> {
+    /// The replica's rank among all replicas of the run (its shard).
     pub(crate) rank: usize,
-    /// Every replica's device, by rank.
+    /// Its index among this process's replicas.
+    pub(crate) local: usize,
+    /// All replicas of the run, in every process.
+    pub(crate) replicas: usize,
+    /// This process's replicas' devices, by local index.
     pub(crate) devices: Arc<Vec<B::Device>>,
+    /// The sums of this process's replicas on the host.
     pub(crate) host: Arc<HostExchange>,
+    /// Whether the replicas sum over a process group (several processes).
+    pub(crate) processes: bool,
+    /// Across processes: the parameters (summed over the steps) whose
+    /// gradient this replica had and another had not, or the reverse, still
+    /// on the device ([`Group::check_agreement`]).
+    pub(crate) disagreements: Option<Tensor<B, 1>>,
 }
 
 impl<B: AttentionBackend> Group<B> {
     pub(crate) fn replicas(&self) -> usize {
-        self.devices.len()
+        self.replicas
+    }
+
+    pub(crate) fn device(&self) -> &B::Device {
+        &self.devices[self.local]
+    }
+
+    /// The sum over the replicas of their `part`s (of one length): through
+    /// the host in one process, over the process group across processes.
+    pub(crate) fn host_sum(&self, part: Vec<f32>) -> Result<Arc<Vec<f32>>> {
+        if !self.processes {
+            return self.host.sum(self.local, part);
+        }
+        let n = part.len();
+        let t = Tensor::<B, 1>::from_data(TensorData::new(part, [n]), self.device());
+        let sum = self.sum(vec![t.into_primitive().tensor()])?.remove(0);
+        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(sum))
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map(Arc::new)
+            .map_err(|e| TrainError::Replica {
+                rank: self.rank,
+                reason: format!("reading a sum: {e:?}"),
+            })
     }
 
     /// Each tensor (on this replica's device) summed over the replicas, in
@@ -417,12 +454,20 @@ impl<B: AttentionBackend> Group<B> {
         if self.replicas() < 2 || tensors.is_empty() {
             return Ok(tensors);
         }
+        if self.processes {
+            return B::process_group_sum(tensors, self.device()).ok_or_else(|| {
+                TrainError::Replica {
+                    rank: self.rank,
+                    reason: "its device joined no process group".into(),
+                }
+            });
+        }
         if B::has_collectives() {
             if let Some(sums) = B::collective_sum(tensors.clone(), &self.devices) {
                 return Ok(sums);
             }
         }
-        let device = &self.devices[self.rank];
+        let device = self.device();
         let like: Vec<(Shape, DType)> = tensors.iter().map(|t| (t.shape(), t.dtype())).collect();
         let flat: Vec<Tensor<B, 1>> = tensors
             .into_iter()
@@ -443,7 +488,7 @@ impl<B: AttentionBackend> Group<B> {
                 rank: self.rank,
                 reason: format!("reading its values for a sum: {e:?}"),
             })?;
-        let sum = self.host.sum(self.rank, host)?;
+        let sum = self.host.sum(self.local, host)?;
         let sum = Tensor::<B, 1>::from_data(TensorData::new(sum.to_vec(), [sum.len()]), device);
         let mut offset = 0;
         Ok(like
@@ -462,7 +507,7 @@ impl<B: AttentionBackend> Group<B> {
     /// order where summed on the host). Which parameters have gradients is
     /// agreed through the host first: the device sums must match.
     pub(crate) fn sum_gradients(
-        &self,
+        &mut self,
         buffer: &mut GradientBuffer<B>,
         parameters: &[(String, Vec<usize>)],
     ) -> Result<()> {
@@ -473,8 +518,11 @@ impl<B: AttentionBackend> Group<B> {
             .iter()
             .map(|(key, _)| f32::from(u8::from(buffer.get(key).is_some())))
             .collect();
-        let anyone = self.host.sum(self.rank, have)?;
-        let device = &self.devices[self.rank];
+        if self.processes {
+            return self.sum_gradients_across_processes(buffer, parameters, have);
+        }
+        let anyone = self.host_sum(have)?;
+        let device = self.device();
         let keys: Vec<&(String, Vec<usize>)> = parameters
             .iter()
             .zip(anyone.iter())
@@ -495,6 +543,71 @@ impl<B: AttentionBackend> Group<B> {
                 .zip(sums)
                 .collect(),
         );
+        Ok(())
+    }
+
+    /// [`Group::sum_gradients`] across processes, without a host read (which
+    /// would drain each GPU's queue mid-step): every parameter's gradient is
+    /// summed (zeros where this replica has none), with the replicas'
+    /// `have` flags beside them, and this replica keeps the parameters it
+    /// has a gradient for. Which parameters have gradients follows from the
+    /// model and the loss, so the replicas agree; that they did is checked
+    /// on the device and read at the epoch's end ([`Group::check_agreement`]).
+    fn sum_gradients_across_processes(
+        &mut self,
+        buffer: &mut GradientBuffer<B>,
+        parameters: &[(String, Vec<usize>)],
+        have: Vec<f32>,
+    ) -> Result<()> {
+        let device = self.device().clone();
+        let mut tensors: Vec<FloatTensor<B>> = parameters
+            .iter()
+            .map(|(key, shape)| match buffer.get(key) {
+                Some(g) => g.clone(),
+                None => B::float_zeros(Shape::from(shape.clone()), &device, FloatDType::F32),
+            })
+            .collect();
+        let n = have.len();
+        let own = Tensor::<B, 1>::from_data(TensorData::new(have.clone(), [n]), &device);
+        tensors.push(own.clone().into_primitive().tensor());
+        let mut sums = self.sum(tensors)?;
+        let all = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(
+            sums.pop().expect("the have flags"),
+        ));
+        let disagreements = (all - own * self.replicas as f64).abs().sum();
+        self.disagreements = Some(match self.disagreements.take() {
+            Some(d) => d + disagreements,
+            None => disagreements,
+        });
+        *buffer = GradientBuffer::from_map(
+            parameters
+                .iter()
+                .zip(have)
+                .zip(sums)
+                .filter(|((_, h), _)| *h > 0.0)
+                .map(|(((key, _), _), g)| (key.clone(), g))
+                .collect(),
+        );
+        Ok(())
+    }
+
+    /// Across processes: an error if, in a step since the last check, the
+    /// replicas did not all have gradients for the same parameters (their
+    /// optimiser steps then differed). Reads one number from the device.
+    pub(crate) fn check_agreement(&mut self) -> Result<()> {
+        let Some(d) = self.disagreements.take() else {
+            return Ok(());
+        };
+        let d: f32 = d.into_scalar().elem();
+        if d != 0.0 {
+            return Err(TrainError::Replica {
+                rank: self.rank,
+                reason: "the replicas had gradients for different parameters in a step (a \
+                         parameter unused in some shards): their weights differ now; train \
+                         this model in one process (--devices)"
+                    .into(),
+            });
+        }
         Ok(())
     }
 }
@@ -629,10 +742,14 @@ mod tests {
                     .into_iter()
                     .enumerate()
                     .map(|(rank, (scale, bias))| {
-                        let group = Group::<B> {
+                        let mut group = Group::<B> {
                             rank,
+                            local: rank,
+                            replicas: 3,
                             devices: devices.clone(),
                             host: host.clone(),
+                            processes: false,
+                            disagreements: None,
                         };
                         let (parameters, buffer) = (&parameters, &buffer);
                         s.spawn(move || {

@@ -24,6 +24,7 @@ use aam_models::model::{AamModel, ModelConfig, StateTensor};
 use aam_models::{autocast, set_attention_dropout_seed, AttentionBackend};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorPrimitive;
 
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
@@ -105,7 +106,7 @@ where
         group: Group<AB::InnerBackend>,
     ) -> Self {
         Self {
-            device: group.devices[group.rank].clone(),
+            device: group.device().clone(),
             model: Some(model),
             optimizer,
             buffer: GradientBuffer::default(),
@@ -155,7 +156,7 @@ where
         let mut forward = shard_forward(ctx, model, &self.device, shard, None)?;
         let offer = forward.offer.take().expect("several replicas offer");
         let exchanged = Exchanged::exchange(&self.group, offer.embeddings, offer.nuc_positions)?;
-        shard_backward(
+        let values = shard_backward(
             ctx,
             model,
             &self.device,
@@ -164,7 +165,30 @@ where
             Some(exchanged),
             &mut self.buffer,
             None,
-        )
+        )?;
+        if !self.group.processes {
+            return Ok(values);
+        }
+        // Across processes every replica ends with the batch's values (the
+        // process that logs has not the others' on its host).
+        let StepValues {
+            names,
+            values,
+            accuracy,
+        } = values;
+        let with_accuracy = accuracy.is_some();
+        let mut parts = vec![values.into_primitive().tensor()];
+        parts.extend(accuracy.map(|a| a.into_primitive().tensor()));
+        let mut sums = self
+            .group
+            .sum(parts)?
+            .into_iter()
+            .map(|t| Tensor::from_primitive(TensorPrimitive::Float(t)));
+        Ok(StepValues {
+            names,
+            values: sums.next().expect("summed"),
+            accuracy: if with_accuracy { sums.next() } else { None },
+        })
     }
 
     /// Sums the replicas' accumulated gradients ([`Group::sum_gradients`]).
@@ -252,8 +276,19 @@ pub(crate) fn host_values<B: Backend>(values: StepValues<B>) -> Vec<f64> {
         .expect("f64")
 }
 
-/// The worker replicas (ranks 1..N) of a data-parallel run, each on its own
-/// thread of a scope that outlives them.
+/// Where this process's replicas stand among all of the run's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ranks {
+    /// The global rank of this process's first replica.
+    pub(crate) first: usize,
+    /// All replicas of the run.
+    pub(crate) replicas: usize,
+    /// Whether they sum over a process group.
+    pub(crate) processes: bool,
+}
+
+/// This process's worker replicas (local ranks 1..L) of a data-parallel run,
+/// each on its own thread of a scope that outlives them.
 pub(crate) struct Workers {
     jobs: Vec<Sender<Job>>,
     done: Receiver<(usize, Result<Done>)>,
@@ -265,11 +300,13 @@ impl Workers {
     /// replica from `weights` (replica 0's) and, on resume, the optimiser
     /// state `optimizer` (tensors, steps); returns once every replica is
     /// built (the first error where one could not be).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn spawn<'scope, 'env, AB>(
         scope: &'scope Scope<'scope, 'env>,
         setup: &'env Setup<'env>,
         devices: &Arc<Vec<AB::Device>>,
         host: &Arc<HostExchange>,
+        ranks: Ranks,
         weights: &Arc<HashMap<String, StateTensor>>,
         optimizer: Option<&Arc<OptimizerState>>,
     ) -> Result<Self>
@@ -279,12 +316,17 @@ impl Workers {
     {
         let (reply, done) = channel();
         let jobs = (1..devices.len())
-            .map(|rank| {
+            .map(|local| {
                 let (send, jobs) = channel::<Job>();
+                let rank = ranks.first + local;
                 let group = Group {
                     rank,
+                    local,
+                    replicas: ranks.replicas,
                     devices: devices.clone(),
                     host: host.clone(),
+                    processes: ranks.processes,
+                    disagreements: None,
                 };
                 let (reply, weights) = (reply.clone(), weights.clone());
                 let optimizer = optimizer.cloned();
@@ -293,6 +335,7 @@ impl Workers {
                 let spawned = thread.spawn_scoped(scope, move || {
                     let guard = PanicGuard {
                         rank,
+                        local,
                         reply: reply.clone(),
                         host: group.host.clone(),
                     };
@@ -300,13 +343,13 @@ impl Workers {
                         worker_replica::<AB>(setup, group, &weights, optimizer.as_deref());
                     match replica {
                         Ok(replica) => {
-                            if reply.send((rank, Ok(Done::Ok))).is_ok() {
+                            if reply.send((local, Ok(Done::Ok))).is_ok() {
                                 serve(setup, replica, jobs, &reply);
                             }
                         }
                         Err(e) => {
                             guard.host.abort();
-                            let _ = reply.send((rank, Err(e)));
+                            let _ = reply.send((local, Err(e)));
                         }
                     }
                     drop(guard);
@@ -344,11 +387,11 @@ impl Workers {
     pub(crate) fn wait(&self) -> Result<Vec<Done>> {
         let mut answers: Vec<Option<Result<Done>>> = (0..self.jobs.len()).map(|_| None).collect();
         for _ in 0..self.jobs.len() {
-            let (rank, answer) = self.done.recv().map_err(|_| TrainError::Replica {
+            let (local, answer) = self.done.recv().map_err(|_| TrainError::Replica {
                 rank: 0,
                 reason: "the worker replicas stopped".into(),
             })?;
-            answers[rank - 1] = Some(answer);
+            answers[local - 1] = Some(answer);
         }
         answers
             .into_iter()
@@ -370,6 +413,7 @@ impl Drop for Workers {
 /// wait for it (the scope then re-raises the panic).
 struct PanicGuard {
     rank: usize,
+    local: usize,
     reply: Sender<(usize, Result<Done>)>,
     host: Arc<HostExchange>,
 }
@@ -379,7 +423,7 @@ impl Drop for PanicGuard {
         if std::thread::panicking() {
             self.host.abort();
             let _ = self.reply.send((
-                self.rank,
+                self.local,
                 Err(TrainError::Replica {
                     rank: self.rank,
                     reason: "its thread panicked".into(),
@@ -400,7 +444,7 @@ where
     AB: AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
 {
-    let device = group.devices[group.rank].clone();
+    let device = group.device().clone();
     let mut model = setup.model_config.init::<AB>(&device)?;
     model
         .load_state_dict(
@@ -430,7 +474,7 @@ fn serve<AB>(
     AB: AutodiffBackend + AttentionBackend,
     AB::InnerBackend: AttentionBackend,
 {
-    let rank = replica.group.rank;
+    let (rank, local) = (replica.group.rank, replica.group.local);
     let replicas = replica.group.replicas();
     // The last pass's values, until they are read (after the step).
     let mut unread = None;
@@ -479,7 +523,7 @@ fn serve<AB>(
         if answer.is_err() {
             replica.group.host.abort();
         }
-        if reply.send((rank, answer)).is_err() {
+        if reply.send((local, answer)).is_err() {
             break;
         }
     }

@@ -43,9 +43,12 @@ use crate::loss::{
 use crate::metrics::{ClassificationMetrics, Means, RegressionMetrics};
 use crate::optim::{LossScaler, Optimizer};
 use crate::parallel::{check_shards, Group, HostExchange, Shares, UnifracPairs};
-use crate::replica::{Clip, Done, Job, Replica, Setup, Shard, StepPlan, StepValues, Workers};
+use crate::replica::{
+    Clip, Done, Job, Ranks, Replica, Setup, Shard, StepPlan, StepValues, Workers,
+};
 use crate::schedule::Scheduler;
 use crate::tensorboard::{self, EventWriter};
+use crate::world::{fingerprint, rendezvous, World};
 
 /// The samples of a run.
 #[derive(Clone, Debug)]
@@ -578,6 +581,7 @@ impl StepProfiler {
 #[allow(clippy::too_many_arguments)]
 pub fn fit<AB>(
     devices: &[AB::Device],
+    world: &World,
     model_config: ModelConfig,
     model: AamModel<AB>,
     mut run: RunConfig,
@@ -591,13 +595,24 @@ where
     AB::InnerBackend: AttentionBackend,
 {
     run.validate()?;
-    let mut logged = Logged::new(out_dir, observer);
-    let observer: &mut dyn Observer = &mut logged;
+    world.check()?;
+    let writes = world.writes();
+    let mut logged;
+    let observer: &mut dyn Observer = if writes {
+        logged = Logged::new(out_dir, observer);
+        &mut logged
+    } else {
+        observer
+    };
     let device = devices
         .first()
         .ok_or_else(|| TrainError::arg("devices", "names no device"))?;
-    if devices.len() > 1 {
-        check_shards(run.batch_size, devices.len())?;
+    // Every replica of the run, in every process; this process's come from
+    // global rank `first`.
+    let replicas = world.size * devices.len();
+    let first = world.rank * devices.len();
+    if replicas > 1 {
+        check_shards(run.batch_size, replicas)?;
     }
     if data.train.len() < run.batch_size {
         return Err(TrainError::arg(
@@ -669,6 +684,23 @@ where
         return_nucleotides: run.loss.nuc_penalty > 0.0,
         parameters: model.state_dict_shapes(&model_config),
     };
+    let processes = world.size > 1;
+    if processes {
+        // Every process starts from the same weights (the same seed, or the
+        // same checkpoint): the fingerprint checks it.
+        let mut print = serde_json::to_vec(&run).unwrap_or_default();
+        print.extend(data.info.train_ids.join("\n").as_bytes());
+        for (key, t) in model.state_dict(&model_config) {
+            print.extend(key.as_bytes());
+            print.extend(t.values.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        join_processes::<AB::InnerBackend>(world, devices, first, replicas, fingerprint(&print))?;
+    }
+    let ranks = Ranks {
+        first,
+        replicas,
+        processes,
+    };
     let shared_devices = Arc::new(devices.to_vec());
     let host = Arc::new(HostExchange::new(devices.len()));
     // The worker replicas start from replica 0's weights, read once.
@@ -684,9 +716,13 @@ where
         model,
         optimizer,
         Group {
-            rank: 0,
+            rank: first,
+            local: 0,
+            replicas,
             devices: shared_devices.clone(),
             host: host.clone(),
+            processes,
+            disagreements: None,
         },
     );
     std::thread::scope(|scope| {
@@ -698,6 +734,7 @@ where
                     &setup,
                     &shared_devices,
                     &host,
+                    ranks,
                     weights,
                     resumed_optimizer.as_ref(),
                 )
@@ -705,6 +742,8 @@ where
             .transpose()?;
         let mut trainer = Trainer {
             devices,
+            ranks,
+            writes,
             setup: &setup,
             data: &data,
             out_dir,
@@ -725,6 +764,7 @@ where
             if cfg!(debug_assertions) {
                 trainer.check_replicas_agree()?;
             }
+            trainer.lead.group.check_agreement()?;
             // Validation on the first replica (eval mode: the inner backend has no autodiff).
             let (validation, val_rows) = match &val_loader {
                 Some(loader) => {
@@ -763,6 +803,63 @@ where
             steps: trainer.progress.global_step,
         })
     })
+}
+
+/// Meets the run's other processes ([`crate::world`]) and makes this
+/// process's replicas (on `devices`, global ranks from `first`) ranks of the
+/// process group of all `replicas`.
+fn join_processes<B: AttentionBackend>(
+    world: &World,
+    devices: &[B::Device],
+    first: usize,
+    replicas: usize,
+    print: u64,
+) -> Result<()> {
+    use burn::tensor::backend::DeviceOps;
+    let mut ids: Vec<_> = devices.iter().map(DeviceOps::id).collect();
+    ids.sort();
+    ids.dedup();
+    if ids.len() != devices.len() {
+        return Err(TrainError::arg(
+            "devices",
+            "repeats a device: across processes each device holds one replica (NCCL has one rank per GPU)",
+        ));
+    }
+    if !B::has_collectives() {
+        return Err(TrainError::arg(
+            "world-size",
+            "data parallel across processes needs a backend with NCCL (cuda); \
+             this backend trains on the devices of one process (--devices)",
+        ));
+    }
+    let id = rendezvous(world, devices.len(), print, || {
+        B::process_group_id()
+            .ok_or_else(|| {
+                TrainError::arg(
+                    "world-size",
+                    "data parallel across processes needs a backend with NCCL (cuda); \
+                     this backend trains on the devices of one process (--devices)",
+                )
+            })?
+            .map_err(|e| TrainError::arg("world-size", format!("NCCL: {e}")))
+    })?;
+    for (k, device) in devices.iter().enumerate() {
+        if !B::join_process_group(device, id, first + k, replicas) {
+            return Err(TrainError::arg(
+                "world-size",
+                "data parallel across processes needs a backend with NCCL (cuda)",
+            ));
+        }
+    }
+    tracing::info!(
+        "process {} of {}: replicas {}..{} of {} (NCCL)",
+        world.rank,
+        world.size,
+        first,
+        first + devices.len(),
+        replicas
+    );
+    Ok(())
 }
 
 /// The training and (when there are validation samples) validation loaders.
@@ -816,8 +913,13 @@ struct EpochTraining {
 /// The state a run carries from batch to batch: optimiser, schedule and
 /// progress counters (everything a checkpoint stores besides the weights).
 struct Trainer<'a, AB: AutodiffBackend> {
-    /// One per replica; the first holds the run's checkpoints and validation.
+    /// One per replica of this process; the first holds the run's
+    /// checkpoints and validation.
     devices: &'a [AB::Device],
+    /// Where this process's replicas stand among the run's.
+    ranks: Ranks,
+    /// Whether this process writes the run's files (process 0).
+    writes: bool,
     setup: &'a Setup<'a>,
     data: &'a TrainData,
     out_dir: &'a Path,
@@ -1001,7 +1103,9 @@ where
             }
         }
         let seconds = started.elapsed().as_secs_f64();
-        timer.epoch_end(epoch, &self.out_dir.join(files::MEMORY_PROFILE))?;
+        if self.writes {
+            timer.epoch_end(epoch, &self.out_dir.join(files::MEMORY_PROFILE))?;
+        }
         let mut means = means.finish();
         if run.skip_nonfinite_batches {
             means.insert("skipped_batches".into(), skipped as f64);
@@ -1026,6 +1130,9 @@ where
     /// Writes the run's state as it stands (replica 0's weights and
     /// optimiser, schedule, progress) to each of `paths`.
     fn write_checkpoint(&self, paths: &[&Path]) -> Result<()> {
+        if !self.writes {
+            return Ok(());
+        }
         let (optim_tensors, optimizer_steps) = self.lead.optimizer.state_tensors();
         let meta = CheckpointMeta {
             format: FORMAT_VERSION,
@@ -1065,6 +1172,10 @@ where
 
     /// Keeps the workers' shares of the batch's values among their answers.
     fn keep_values(&mut self, done: Vec<Done>) {
+        if self.ranks.processes {
+            // Replica 0's values are the run's already (summed across processes).
+            return;
+        }
         self.others.extend(done.into_iter().filter_map(|d| match d {
             Done::Values(v) => Some(v),
             _ => None,
@@ -1095,7 +1206,8 @@ where
         read_now: bool,
         timer: &mut StepProfiler,
     ) -> Result<StepValues<AB::InnerBackend>> {
-        let n = self.devices.len();
+        let n = self.ranks.replicas;
+        let first = self.ranks.first;
         let setup = self.setup;
         let loss_scale = self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
         let ctx = setup.context(loss_scale, n);
@@ -1119,17 +1231,20 @@ where
             UnifracPairs::Local => None,
         };
         let shared_unifrac = global_unifrac.map(|u| Arc::new(u.to_vec()));
+        // This process's shards: global ranks first..first+L.
+        let mut shards = shards.split_off(first);
+        shards.truncate(self.devices.len());
         let mut theirs = shards.split_off(1).into_iter();
         let lead_shard = Shard {
-            rank: 0,
+            rank: first,
             batch: &shards[0],
-            shares: shares[0],
+            shares: shares[first],
             global_unifrac,
         };
         let (values, done) = self.on_every_replica(
-            |rank| Job::Pass {
+            |local| Job::Pass {
                 batch: theirs.next().expect("one shard per worker"),
-                shares: shares[rank],
+                shares: shares[first + local],
                 global_unifrac: shared_unifrac.clone(),
                 stream,
                 loss_scale,
@@ -1278,6 +1393,9 @@ where
 
         let out = |rel: &str| self.out_dir.join(rel);
         let (last, best) = (out(files::LAST), out(files::BEST));
+        if !self.writes {
+            return Ok((record, improved));
+        }
         if improved {
             self.write_checkpoint(&[&last, &best])?;
             if !val_rows.targets.is_empty() {

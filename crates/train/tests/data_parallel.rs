@@ -13,6 +13,7 @@ use aam_train::checkpoint::{read_checkpoint, Checkpoint};
 use aam_train::config::RunConfig;
 use aam_train::parallel::UnifracPairs;
 use aam_train::run::{files, fit, Observer, Silent};
+use aam_train::world::World;
 use burn::backend::ndarray::NdArrayDevice;
 
 use crate::resume::{data, model_config, run_config, StopAfter, AB};
@@ -67,6 +68,7 @@ fn train(
     };
     fit::<AB>(
         &devices,
+        &World::single(),
         config,
         model,
         run,

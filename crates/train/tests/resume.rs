@@ -17,6 +17,7 @@ use aam_train::loss::LossConfig;
 use aam_train::optim::OptimizerConfig;
 use aam_train::run::{files, fit, FitSummary, Observer, Silent, TrainData};
 use aam_train::schedule::{SchedulerConfig, SchedulerKind};
+use aam_train::world::World;
 use burn::backend::{Autodiff, NdArray};
 
 pub(crate) type AB = Autodiff<NdArray<f32>>;
@@ -146,6 +147,7 @@ fn train_with(
     };
     fit::<AB>(
         &[device],
+        &World::single(),
         config,
         model,
         RunConfig {
@@ -311,6 +313,7 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     };
     let err = fit::<AB>(
         &[device],
+        &World::single(),
         model_config(),
         ckpt.model::<AB>(&device).unwrap(),
         run_config(),
@@ -342,6 +345,7 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     let skipping = dir.path().join("skipping");
     let summary = fit::<AB>(
         &[device],
+        &World::single(),
         model_config(),
         ckpt.model::<AB>(&device).unwrap(),
         RunConfig {

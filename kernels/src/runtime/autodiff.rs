@@ -21,4 +21,12 @@ impl<B: AttentionBackend, C: CheckpointStrategy> RuntimeOps for Autodiff<B, C> {
     fn has_collectives() -> bool {
         B::has_collectives()
     }
+
+    fn process_group_id() -> Option<Result<[u8; 128], String>> {
+        B::process_group_id()
+    }
+
+    fn join_process_group(device: &Self::Device, id: [u8; 128], rank: usize, ranks: usize) -> bool {
+        B::join_process_group(device, id, rank, ranks)
+    }
 }

@@ -8,9 +8,19 @@
 //! wgpu and the CPU backends return `None` and the trainer sums through the
 //! host. NCCL has one rank per GPU, so replicas that share a device take the
 //! host path too.
+//!
+//! **Process groups.** Replicas in several processes (nodes) sum through one
+//! NCCL communicator whose ranks are the run's replicas: rank 0 makes the
+//! unique id, the trainer's rendezvous hands it to every process, and each
+//! replica registers its rank with CubeCL under a device list of its own
+//! (its device and [`PROCESS_GROUP_MARK`]), which every later all-reduce on
+//! that list then uses. Registering a rank is the patch in
+//! `vendor/cubecl-cuda` (upstream forms communicators within one process).
 
 use burn::tensor::backend::distributed::{DistributedBackend, ReduceOperation};
-use burn::tensor::backend::DeviceOps;
+use std::sync::Mutex;
+
+use burn::tensor::backend::{DeviceId, DeviceOps};
 use burn::tensor::ops::FloatTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::server::ServerCommunication;
@@ -31,23 +41,29 @@ pub(crate) fn runtime_has_collectives<R: CubeRuntime>() -> bool {
     <<R as cubecl::Runtime>::Server as ServerCommunication>::SERVER_COMM_ENABLED
 }
 
-/// All-reduces (sum) each tensor over `devices` with backend `B`'s
-/// collectives, then waits (on the device, not the host) for them.
+/// All-reduces (sum) each tensor over the communicator that `ids` name with
+/// backend `B`'s collectives, then makes later compute wait for them (on the
+/// device, not the host): with `sync_collective` for an in-process
+/// communicator, while a process group's all-reduce has the compute stream
+/// wait for it already (the patch in `vendor/cubecl-cuda`).
 pub(crate) fn all_reduce_sum<B: DistributedBackend>(
     tensors: Vec<FloatTensor<B>>,
-    devices: &[B::Device],
+    ids: Vec<DeviceId>,
+    sync: bool,
 ) -> Option<Vec<FloatTensor<B>>> {
-    let ids = distinct_ids(devices)?;
     let device = B::float_device(tensors.first()?);
     let sums = tensors
         .into_iter()
         .map(|t| {
-            // SAFETY: every sum is resolved by the `sync_collective` below,
-            // before any of them is returned.
+            // SAFETY: every sum is resolved before any of them is returned:
+            // by the `sync_collective` below, or (a process group) by the
+            // compute stream's wait inside the all-reduce.
             unsafe { B::all_reduce(t, ReduceOperation::Sum, ids.clone()).assume_resolved() }
         })
         .collect();
-    B::sync_collective(&device);
+    if sync {
+        B::sync_collective(&device);
+    }
     Some(sums)
 }
 
@@ -65,5 +81,52 @@ where
     if !runtime_has_collectives::<R>() {
         return None;
     }
-    all_reduce_sum::<CubeBackend<R, F, I, BT>>(tensors, devices)
+    all_reduce_sum::<CubeBackend<R, F, I, BT>>(tensors, distinct_ids(devices)?, true)
+}
+
+/// The type id of the second device in a process group's device list: no
+/// runtime has it, so the list names no in-process communicator.
+pub(crate) const PROCESS_GROUP_MARK: u16 = u16::MAX;
+
+/// The devices of this process whose replica joined a process group.
+static JOINED: Mutex<Vec<DeviceId>> = Mutex::new(Vec::new());
+
+/// The device list that names the process group of `device`'s replica.
+fn process_group_ids<D: DeviceOps>(device: &D) -> Vec<DeviceId> {
+    vec![device.id(), DeviceId::new(PROCESS_GROUP_MARK, 0)]
+}
+
+/// Whether `device`'s replica joined a process group.
+pub(crate) fn in_process_group<D: DeviceOps>(device: &D) -> bool {
+    JOINED
+        .lock()
+        .is_ok_and(|joined| joined.contains(&device.id()))
+}
+
+/// [`crate::RuntimeOps::join_process_group`] on CubeCL runtime `R`.
+pub(crate) fn join_process_group<R: CubeRuntime>(
+    device: &R::Device,
+    id: [u8; 128],
+    rank: usize,
+    ranks: usize,
+) -> bool {
+    if !runtime_has_collectives::<R>() {
+        return false;
+    }
+    cubecl::cuda::register_process_group(process_group_ids(device), id, rank, ranks);
+    if let Ok(mut joined) = JOINED.lock() {
+        joined.push(device.id());
+    }
+    true
+}
+
+/// [`crate::RuntimeOps::process_group_sum`] with backend `B`'s collectives.
+pub(crate) fn process_group_sum<B: DistributedBackend>(
+    tensors: Vec<FloatTensor<B>>,
+    device: &B::Device,
+) -> Option<Vec<FloatTensor<B>>> {
+    if !in_process_group(device) {
+        return None;
+    }
+    all_reduce_sum::<B>(tensors, process_group_ids(device), false)
 }

@@ -27,6 +27,25 @@ where
         crate::runtime::collective::cube_sum::<R, F, I, BT>(tensors, devices)
     }
 
+    #[cfg(feature = "cuda")]
+    fn process_group_id() -> Option<Result<[u8; 128], String>> {
+        crate::runtime::collective::runtime_has_collectives::<R>()
+            .then(cubecl::cuda::nccl_unique_id)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn join_process_group(device: &Self::Device, id: [u8; 128], rank: usize, ranks: usize) -> bool {
+        crate::runtime::collective::join_process_group::<R>(device, id, rank, ranks)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn process_group_sum(
+        tensors: Vec<FloatTensor<Self>>,
+        device: &Self::Device,
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        crate::runtime::collective::process_group_sum::<CubeBackend<R, F, I, BT>>(tensors, device)
+    }
+
     fn memory_reserved(device: &Self::Device) -> Option<u64> {
         R::client(device)
             .memory_usage()

@@ -25,6 +25,36 @@ impl<B: FusionBackend + AttentionBackend> RuntimeOps for Fusion<B> {
         B::has_collectives()
     }
 
+    fn process_group_id() -> Option<Result<[u8; 128], String>> {
+        B::process_group_id()
+    }
+
+    fn join_process_group(device: &Self::Device, id: [u8; 128], rank: usize, ranks: usize) -> bool {
+        B::join_process_group(device, id, rank, ranks)
+    }
+
+    /// One custom op for the whole sum, as [`RuntimeOps::collective_sum`].
+    #[cfg(feature = "cuda")]
+    fn process_group_sum(
+        tensors: Vec<FloatTensor<Self>>,
+        device: &Self::Device,
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        if !crate::runtime::collective::in_process_group(device) || tensors.is_empty() {
+            return None;
+        }
+        let like = tensors.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
+        let device = device.clone();
+        Some(float_op::<B>(
+            "aam_process_group_sum",
+            tensors,
+            like,
+            move |inputs| {
+                B::process_group_sum(inputs, &device)
+                    .expect("the inner backend's device joined a process group")
+            },
+        ))
+    }
+
     #[cfg(feature = "cuda")]
     fn collective_sum(
         tensors: Vec<FloatTensor<Self>>,

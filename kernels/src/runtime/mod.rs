@@ -1,6 +1,6 @@
 //! What a backend's runtime offers besides ops ([`RuntimeOps`]): whether
 //! chains of element-wise ops fuse, the memory pool's figures, sums across
-//! devices (NCCL on CUDA, `collective.rs`); and the on-disk cache of
+//! devices and across processes (NCCL on CUDA, `collective.rs`); and the on-disk cache of
 //! compiled kernels.
 
 use burn::prelude::*;
@@ -57,6 +57,35 @@ pub trait RuntimeOps: Backend {
         devices: &[Self::Device],
     ) -> Option<Vec<FloatTensor<Self>>> {
         let _ = (tensors, devices);
+        None
+    }
+
+    /// A new id for a process group (NCCL's unique id, 128 bytes), where the
+    /// runtime has collectives across processes (CUDA): rank 0 of a
+    /// multi-process run makes it and hands it to the other ranks.
+    fn process_group_id() -> Option<Result<[u8; 128], String>> {
+        None
+    }
+
+    /// Makes the replica on `device` rank `rank` of the `ranks` replicas of
+    /// process group `id` (ranks in other processes, on other nodes).
+    /// Returns `false` where the runtime has no such collectives. The
+    /// communicator forms at the group's first sum, which waits until every
+    /// rank has come. One replica per device in each process.
+    fn join_process_group(device: &Self::Device, id: [u8; 128], rank: usize, ranks: usize) -> bool {
+        let _ = (device, id, rank, ranks);
+        false
+    }
+
+    /// Sums each of `tensors` (on `device`) over the ranks of the process
+    /// group that `device`'s replica joined ([`RuntimeOps::join_process_group`]),
+    /// like [`RuntimeOps::collective_sum`]: every rank calls with tensors of
+    /// the same shapes, in the same order. `None` where there is no group.
+    fn process_group_sum(
+        tensors: Vec<FloatTensor<Self>>,
+        device: &Self::Device,
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        let _ = (tensors, device);
         None
     }
 }
