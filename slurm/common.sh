@@ -45,6 +45,7 @@ aam_require() {
 }
 
 # Copies an input from the shared filesystem to node-local scratch; prints the copy's path.
+# With AAM_ALL_NODES=1 (pretrain_multi.sh) the copy is made on every node of the job (sbcast).
 aam_stage() {
   if [ ! -f "$1" ]; then
     echo "input not found: $1" >&2
@@ -53,7 +54,12 @@ aam_stage() {
   # A folder each, so that two inputs of the same name do not overwrite each other.
   local dir
   dir=$(mktemp -d "$JOB_SCRATCH/input.XXXXXX")
-  cp "$1" "$dir/" && echo "$dir/$(basename "$1")"
+  if [ "${AAM_ALL_NODES:-0}" = 1 ]; then
+    srun --ntasks-per-node=1 mkdir -p "$dir" >&2 && sbcast -f "$1" "$dir/$(basename "$1")" >&2 \
+      && echo "$dir/$(basename "$1")"
+  else
+    cp "$1" "$dir/" && echo "$dir/$(basename "$1")"
+  fi
 }
 
 # The UniFrac input of pretrain and train, staged: `--unifrac-matrix` from AAM_MATRIX, else
@@ -82,23 +88,49 @@ aam_pretrain() {
     --resume-from auto ${AAM_ARGS:-}
 }
 
+# The body of pretrain_multi.sh: one aam-rs process per node (srun, one task per node), each
+# training on AAM_DEVICES (default: $1) of its node; the processes take their ranks and the
+# rendezvous (the job's first node) from SLURM's variables, and sum through NCCL. The scratch
+# folder, the staged inputs and the GPU check are on every node.
+aam_pretrain_multi() {
+  aam_require AAM_TABLE AAM_OUT
+  aam_init
+  AAM_ALL_NODES=1
+  srun --ntasks-per-node=1 mkdir -p "$JOB_SCRATCH"
+  trap 'srun --ntasks-per-node=1 rm -rf "$JOB_SCRATCH"' EXIT
+  if [ -f "$JOB_SCRATCH/cubecl.toml" ]; then
+    sbcast -f "$JOB_SCRATCH/cubecl.toml" "$JOB_SCRATCH/cubecl.toml"
+  fi
+  local table
+  table=$(aam_stage "$AAM_TABLE")
+  aam_unifrac_args
+  AAM_GATE_LAUNCH="srun --ntasks-per-node=1" aam_gate
+  # shellcheck disable=SC2086 # AAM_ARGS holds several flags
+  AAM_LAUNCH="srun --kill-on-bad-exit=1" aam_run pretrain --backend "$AAM_BACKEND" \
+    --devices "${AAM_DEVICES:-$1}" --table "$table" "${UNIFRAC_ARGS[@]}" --output-dir "$AAM_OUT" \
+    --checkpoint-every-steps "${AAM_CHECKPOINT_EVERY:-500}" --resume-from auto ${AAM_ARGS:-}
+}
+
 # Stops the job before training when this node's GPU computes attention wrong (AAM_DIAGNOSE=0
-# skips the check).
+# skips the check). AAM_GATE_LAUNCH runs the check on every node (srun).
 aam_gate() {
   [ "${AAM_DIAGNOSE:-1}" = 0 ] && return 0
-  if ! "$AAM_RS" diagnose attention --backend "$AAM_BACKEND" --quick; then
+  # shellcheck disable=SC2086 # a launcher and its flags
+  if ! ${AAM_GATE_LAUNCH:-} "$AAM_RS" diagnose attention --backend "$AAM_BACKEND" --quick; then
     echo "attention is computed wrong on $(hostname) (${AAM_BACKEND}): not training here" >&2
     exit 1
   fi
 }
 
-# Runs `aam-rs "$@"`. SLURM's warning before the time limit (#SBATCH --signal=B:USR1@...) and
-# a SIGTERM reach aam-rs, which writes a checkpoint and exits with status 75. After the warning
-# the job requeues itself, and its next start resumes (--resume-from auto); after a SIGTERM
-# (scancel, preemption) it ends, and SLURM requeues it if the preemption says so.
+# Runs `aam-rs "$@"` (through AAM_LAUNCH, e.g. srun, when set). SLURM's warning before the time
+# limit (#SBATCH --signal=B:USR1@...) and a SIGTERM reach aam-rs (srun forwards them to its
+# tasks), which writes a checkpoint and exits with status 75. After the warning the job requeues
+# itself, and its next start resumes (--resume-from auto); after a SIGTERM (scancel, preemption)
+# it ends, and SLURM requeues it if the preemption says so.
 aam_run() {
   local pid rc requeue=0
-  "$AAM_RS" "$@" &
+  # shellcheck disable=SC2086 # a launcher and its flags
+  ${AAM_LAUNCH:-} "$AAM_RS" "$@" &
   pid=$!
   trap 'requeue=1; kill -USR1 "$pid" 2>/dev/null' USR1
   trap 'kill -TERM "$pid" 2>/dev/null' TERM

@@ -13,7 +13,8 @@
 //! format ([`torch`]); data-parallel steps over several devices
 //! ([`parallel`]: one replica per device, each on its own thread, gradients
 //! summed by NCCL on CUDA or through the host, UniFrac pairs across the whole
-//! global batch); and [`gradcheck`], which compares a
+//! global batch) and over several processes and nodes ([`world`]: ranks, the
+//! rendezvous, one NCCL communicator over every replica); and [`gradcheck`], which compares a
 //! backend's training step with the CPU's on the same weights and batch.
 //!
 //! **How a run goes.** A front end (the `aam-rs` binary) turns flags into a

@@ -50,6 +50,7 @@ impl Setup<'_> {
             setup: self,
             loss_scale,
             replicas,
+            stop: false,
         }
     }
 }
@@ -171,13 +172,23 @@ where
         }
         // Across processes every replica ends with the batch's values (the
         // process that logs has not the others' on its host).
+        // So does a request to stop (a signal to any process): every
+        // process then stops at the same step.
         let StepValues {
             names,
             values,
             accuracy,
+            stop: _,
         } = values;
         let with_accuracy = accuracy.is_some();
-        let mut parts = vec![values.into_primitive().tensor()];
+        let stop = Tensor::<AB::InnerBackend, 1>::from_floats(
+            [f32::from(u8::from(ctx.stop))],
+            &self.device,
+        );
+        let mut parts = vec![
+            values.into_primitive().tensor(),
+            stop.into_primitive().tensor(),
+        ];
         parts.extend(accuracy.map(|a| a.into_primitive().tensor()));
         let mut sums = self
             .group
@@ -187,6 +198,7 @@ where
         Ok(StepValues {
             names,
             values: sums.next().expect("summed"),
+            stop: sums.next(),
             accuracy: if with_accuracy { sums.next() } else { None },
         })
     }
@@ -537,6 +549,8 @@ pub(crate) struct StepValues<B: Backend> {
     pub(crate) values: Tensor<B, 1>,
     /// Nucleotide hits and scored positions `[2]`.
     pub(crate) accuracy: Option<Tensor<B, 1>>,
+    /// Across processes: how many processes asked to stop `[1]`.
+    pub(crate) stop: Option<Tensor<B, 1>>,
 }
 
 impl<B: Backend> StepValues<B> {
@@ -561,6 +575,7 @@ impl<B: Backend> StepValues<B> {
             names,
             values: Tensor::cat(values, 0),
             accuracy: accuracy.map(|(hits, n)| Tensor::cat(vec![hits, n], 0)),
+            stop: None,
         }
     }
 }
@@ -572,6 +587,7 @@ impl<AB: AutodiffBackend> StepValues<AB> {
             names: self.names,
             values: self.values.inner(),
             accuracy: self.accuracy.map(Tensor::inner),
+            stop: self.stop.map(Tensor::inner),
         }
     }
 }
@@ -581,6 +597,9 @@ pub(crate) struct PassContext<'a> {
     pub(crate) setup: &'a Setup<'a>,
     pub(crate) loss_scale: f64,
     pub(crate) replicas: usize,
+    /// Across processes: whether this process asks every process to stop
+    /// at this step (its replica 0 says so in the step's sum).
+    pub(crate) stop: bool,
 }
 
 /// One replica's part of a step: its shard of the batch and what it shares.

@@ -366,34 +366,36 @@ pub fn is_categorical_param(key: &str) -> bool {
 
 /// Reads a batch's losses (and nucleotide accuracy counts, and the gradient
 /// norm) in one device read, adds the other replicas' shares (`others`,
-/// [`crate::replica::host_values`]), and adds them to `means`. Returns the
-/// total and the values that are not finite (`name value`; none when all
-/// are).
+/// [`crate::replica::host_values`]), and adds them to `means`.
 fn record_batch<B: Backend>(
     values: StepValues<B>,
     grad_norm: Option<Tensor<B, 1>>,
     means: &mut Means,
     others: &[Vec<f64>],
-) -> (f64, Vec<String>) {
+) -> BatchRecord {
     let StepValues {
         mut names,
         values,
         accuracy,
+        stop,
     } = values;
     let with_accuracy = accuracy.is_some();
+    let with_stop = stop.is_some();
     let mut all = vec![values];
     if let Some(norm) = grad_norm {
         names.push("grad_norm");
         all.push(norm);
     }
-    // The accuracy counts (hits, scored) go last.
+    // The accuracy counts (hits, scored) go last, then the stop requests.
     all.extend(accuracy);
+    all.extend(stop);
     let values = Tensor::cat(all, 0);
     let mut host: Vec<f64> = values
         .into_data()
         .convert::<f64>()
         .to_vec::<f64>()
         .expect("f64");
+    let stop = with_stop && host.pop().is_some_and(|s| s > 0.0);
     // Another replica's share: its losses, then its accuracy counts (no
     // gradient norm: that is the summed gradients', the same everywhere).
     for other in others {
@@ -431,7 +433,21 @@ fn record_batch<B: Backend>(
         .filter(|(_, v)| !v.is_finite())
         .map(|(name, v)| format!("{name} {v}"))
         .collect();
-    (host[0], non_finite)
+    BatchRecord {
+        total: host[0],
+        non_finite,
+        stop,
+    }
+}
+
+/// What [`record_batch`] read.
+struct BatchRecord {
+    /// The batch's total loss.
+    total: f64,
+    /// The values that are not finite (`name value`).
+    non_finite: Vec<String>,
+    /// Across processes: whether a process asked every process to stop.
+    stop: bool,
 }
 
 /// Where a training step spends its time and device memory.
@@ -785,7 +801,9 @@ where
                 stopped_early = true;
                 break;
             }
-            if asked_to_stop || observer.interrupted() {
+            // Across processes only a step's sums decide (a signal during
+            // validation is acted on at the next step, by every process).
+            if asked_to_stop || (!processes && observer.interrupted()) {
                 interrupted = true;
                 break;
             }
@@ -967,6 +985,9 @@ where
             };
         let mut timer = StepProfiler::new(run.memory_profile, run.time_phases);
         let mut interrupted = false;
+        // Across processes: a process asked every process to stop (read from
+        // a step's sums, so that all stop at the same step).
+        let mut stop_asked = false;
         for (k, batch) in (first..).zip(loader.epoch_from(epoch as u64, first)) {
             let batch = batch?;
             let stream = mix(run.seed, self.progress.micro_step);
@@ -978,7 +999,8 @@ where
             // before a step, else after theirs.
             let read_now = !stepped || run.skip_nonfinite_batches;
             self.others.clear();
-            let values = self.forward_backward(&batch, stream, read_now, &mut timer)?;
+            let asks = self.ranks.processes && observer.interrupted();
+            let values = self.forward_backward(&batch, stream, read_now, asks, &mut timer)?;
             // The replicas' gradients are summed before anything reads them.
             if stepped {
                 let setup = self.setup;
@@ -991,8 +1013,9 @@ where
             let mut read_early = None;
             if run.skip_nonfinite_batches {
                 let mut batch_means = Means::default();
-                let (total, mut bad) =
-                    record_batch(values.clone(), None, &mut batch_means, &self.others);
+                let record = record_batch(values.clone(), None, &mut batch_means, &self.others);
+                stop_asked |= record.stop;
+                let (total, mut bad) = (record.total, record.non_finite);
                 // (fp16's scaled gradients overflow by design: the loss scaler
                 // skips those steps and lowers the scale.)
                 let scaled = self.progress.loss_scaler.is_some();
@@ -1035,7 +1058,11 @@ where
             // after everything is queued. A non-finite loss stops the run before
             // any checkpoint is written from the weights it produced.
             let (total, non_finite) = match read_early {
-                None => record_batch(values, grad_norm, &mut means, &self.others),
+                None => {
+                    let record = record_batch(values, grad_norm, &mut means, &self.others);
+                    stop_asked |= record.stop;
+                    (record.total, record.non_finite)
+                }
                 Some((total, batch_means)) => {
                     means.merge(batch_means);
                     if let Some(norm) = grad_norm {
@@ -1073,7 +1100,11 @@ where
                 stepped,
             });
             if stepped {
-                interrupted = observer.interrupted();
+                interrupted = if self.ranks.processes {
+                    stop_asked
+                } else {
+                    observer.interrupted()
+                };
                 let due = run
                     .checkpoint_every_steps
                     .is_some_and(|n| self.progress.global_step % n.max(1) == 0);
@@ -1198,19 +1229,22 @@ where
     /// from `stream`): on one device the whole batch; on several, each
     /// replica its shard, at once on their threads (see [`crate::replica`]).
     /// Returns the batch's losses, summed over the replicas, on the first
-    /// device.
+    /// device. `stop`: across processes, whether this process asks every
+    /// process to stop (summed with the losses).
     fn forward_backward(
         &mut self,
         batch: &Batch,
         stream: u64,
         read_now: bool,
+        stop: bool,
         timer: &mut StepProfiler,
     ) -> Result<StepValues<AB::InnerBackend>> {
         let n = self.ranks.replicas;
         let first = self.ranks.first;
         let setup = self.setup;
         let loss_scale = self.progress.loss_scaler.as_ref().map_or(1.0, |s| s.scale);
-        let ctx = setup.context(loss_scale, n);
+        let mut ctx = setup.context(loss_scale, n);
+        ctx.stop = stop;
         if n == 1 {
             let shard = Shard {
                 rank: 0,

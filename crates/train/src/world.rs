@@ -136,10 +136,15 @@ fn serve(world: &World, replicas: usize, fingerprint: u64, id: [u8; 128]) -> Res
                         .filter(|&r| !seen[r])
                         .map(|r| r.to_string())
                         .collect();
+                    let who = if missing.len() == 1 {
+                        "process"
+                    } else {
+                        "processes"
+                    };
                     return Err(rendezvous_error(
                         world,
                         format!(
-                            "processes {} did not come within {} s",
+                            "{who} {} did not come within {} s",
                             missing.join(", "),
                             world.timeout.as_secs()
                         ),
