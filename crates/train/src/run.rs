@@ -48,7 +48,7 @@ use crate::replica::{
 };
 use crate::schedule::Scheduler;
 use crate::tensorboard::{self, EventWriter};
-use crate::world::{fingerprint, rendezvous, World};
+use crate::world::{fingerprint, rendezvous, Links, World};
 
 /// The samples of a run.
 #[derive(Clone, Debug)]
@@ -701,6 +701,7 @@ where
         parameters: model.state_dict_shapes(&model_config),
     };
     let processes = world.size > 1;
+    let mut links = None;
     if processes {
         // Every process starts from the same weights (the same seed, or the
         // same checkpoint): the fingerprint checks it.
@@ -710,7 +711,24 @@ where
             print.extend(key.as_bytes());
             print.extend(t.values.iter().flat_map(|v| v.to_le_bytes()));
         }
-        join_processes::<AB::InnerBackend>(world, devices, first, replicas, fingerprint(&print))?;
+        let joined = join_processes::<AB::InnerBackend>(
+            world,
+            devices,
+            first,
+            replicas,
+            fingerprint(&print),
+        )?;
+        // A process lost mid-run would leave the others waiting in a sum
+        // forever (an NCCL collective has no timeout): stop instead.
+        let rank = world.rank;
+        joined.watch(move |lost| {
+            tracing::error!(
+                "process {lost} of the run stopped (its log says why); process {rank} cannot \
+                 go on without it and exits"
+            );
+            std::process::exit(1);
+        })?;
+        links = Some(joined);
     }
     let ranks = Ranks {
         first,
@@ -811,6 +829,10 @@ where
                 break;
             }
         }
+        // The run's last sum is done: the other processes may end now.
+        if let Some(links) = links.as_mut() {
+            links.finish();
+        }
         Ok(FitSummary {
             history: trainer.progress.history,
             best: trainer.progress.best,
@@ -832,7 +854,7 @@ fn join_processes<B: AttentionBackend>(
     first: usize,
     replicas: usize,
     print: u64,
-) -> Result<()> {
+) -> Result<Links> {
     use burn::tensor::backend::DeviceOps;
     let mut ids: Vec<_> = devices.iter().map(DeviceOps::id).collect();
     ids.sort();
@@ -850,7 +872,7 @@ fn join_processes<B: AttentionBackend>(
              this backend trains on the devices of one process (--devices)",
         ));
     }
-    let id = rendezvous(world, devices.len(), print, || {
+    let (id, links) = rendezvous(world, devices.len(), print, || {
         B::process_group_id()
             .ok_or_else(|| {
                 TrainError::arg(
@@ -877,7 +899,7 @@ fn join_processes<B: AttentionBackend>(
         first + devices.len(),
         replicas
     );
-    Ok(())
+    Ok(links)
 }
 
 /// The training and (when there are validation samples) validation loaders.

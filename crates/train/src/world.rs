@@ -18,9 +18,23 @@
 //! unique id, made by process 0's runtime. Process 0 refuses a process whose
 //! rank repeats or whose run differs, and says why to it. The rendezvous
 //! carries these few bytes once; the sums themselves go through NCCL.
+//!
+//! **A process that stops.** The rendezvous's connections stay open while
+//! the run lasts ([`Links`]): when a process ends (killed, crashed, or
+//! stopped by an error that only it met, such as a full disk on process 0),
+//! its connections close, and the processes it was connected to (process 0
+//! watches every other, each other watches process 0) learn it at once.
+//! A process that completes its part says so first ([`Links::finish`]);
+//! otherwise, unless the others are ending too (they met the same error
+//! within a few seconds), they cannot go on: the next sum would wait
+//! for the lost process forever (an NCCL collective has no timeout), so
+//! [`Links::watch`]'s caller stops the process (the trainer exits with an
+//! error naming the lost process; process 0's end then stops the others).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Result, TrainError};
@@ -94,25 +108,122 @@ fn rendezvous_error(world: &World, reason: impl Into<String>) -> TrainError {
     )
 }
 
+/// The byte a process sends on its links when its part of the run is done.
+const FINISHED: u8 = 0x42;
+
+/// This process's connections to the run's other processes (process 0: to
+/// every other; the others: to process 0), open while the run lasts.
+#[derive(Debug)]
+pub struct Links {
+    links: Vec<(usize, TcpStream)>,
+    /// Set once this process needs the others no more (its last sum is
+    /// done, or it is stopping): its watchers then stay quiet.
+    closing: Arc<AtomicBool>,
+    /// How long a watcher waits, after a linked process ended, for this
+    /// process to end too (a failure that every process meets at the same
+    /// step, such as a non-finite loss) before reporting the loss.
+    grace: Duration,
+}
+
+impl Links {
+    /// Watches each linked process on a thread of its own: `lost(rank)` runs
+    /// when one ends (its link closes) before finishing its part of the run
+    /// ([`Links::finish`]) while this process still needs it.
+    pub fn watch(&self, lost: impl Fn(usize) + Send + Sync + 'static) -> Result<()> {
+        let lost = Arc::new(lost);
+        for (rank, stream) in &self.links {
+            let (rank, lost, closing, grace) =
+                (*rank, lost.clone(), self.closing.clone(), self.grace);
+            let mut stream = stream.try_clone().map_err(|e| TrainError::Replica {
+                rank,
+                reason: format!("watching its link: {e}"),
+            })?;
+            let _ = stream.set_read_timeout(None);
+            std::thread::Builder::new()
+                .name(format!("aam-link-{rank}"))
+                .spawn(move || {
+                    // Nothing is sent on a link after the rendezvous but the
+                    // end of the run: a read returns then, or when the other
+                    // end closes.
+                    let mut byte = [0u8; 1];
+                    let finished = matches!(stream.read(&mut byte), Ok(1) if byte[0] == FINISHED);
+                    if finished || closing.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    std::thread::sleep(grace);
+                    if !closing.load(Ordering::SeqCst) {
+                        lost(rank);
+                    }
+                })
+                .map_err(|e| TrainError::Replica {
+                    rank,
+                    reason: format!("starting the thread that watches it: {e}"),
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Says that this process's part of the run is done (the run's last sum
+    /// is): the others are told, and their ends are no longer reported.
+    pub fn finish(&mut self) {
+        self.closing.store(true, Ordering::SeqCst);
+        for (_, stream) in &mut self.links {
+            let _ = stream.write_all(&[FINISHED]);
+        }
+    }
+
+    /// Closes the links while the others still need this process, as a
+    /// crash would.
+    #[cfg(test)]
+    fn sever(mut self) {
+        for (_, stream) in self.links.drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        self.closing.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Links {
+    /// Closes the links (without [`Links::finish`] first, the others learn
+    /// that this process stopped before the run's end).
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::SeqCst);
+        for (_, stream) in &self.links {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
 /// Meets the other processes at `world.rendezvous`: process 0 makes the
 /// communicator id with `make_id` and hands it to every other process,
-/// which returns it. `replicas` (this process's) and `fingerprint` (of the
-/// run) must be the same in every process.
+/// which returns it, with the links to the other processes. `replicas`
+/// (this process's) and `fingerprint` (of the run) must be the same in
+/// every process.
 pub fn rendezvous(
     world: &World,
     replicas: usize,
     fingerprint: u64,
     make_id: impl FnOnce() -> Result<[u8; 128]>,
-) -> Result<[u8; 128]> {
+) -> Result<([u8; 128], Links)> {
     world.check()?;
-    if world.rank == 0 {
-        serve(world, replicas, fingerprint, make_id()?)
+    let (id, links) = if world.rank == 0 {
+        serve(world, replicas, fingerprint, make_id()?)?
     } else {
-        join(world, replicas, fingerprint)
-    }
+        join(world, replicas, fingerprint)?
+    };
+    Ok((
+        id,
+        Links {
+            links,
+            closing: Arc::new(AtomicBool::new(false)),
+            grace: Duration::from_secs(5),
+        },
+    ))
 }
 
-fn serve(world: &World, replicas: usize, fingerprint: u64, id: [u8; 128]) -> Result<[u8; 128]> {
+type Linked = ([u8; 128], Vec<(usize, TcpStream)>);
+
+fn serve(world: &World, replicas: usize, fingerprint: u64, id: [u8; 128]) -> Result<Linked> {
     let port = world
         .rendezvous
         .rsplit_once(':')
@@ -126,6 +237,7 @@ fn serve(world: &World, replicas: usize, fingerprint: u64, id: [u8; 128]) -> Res
     let deadline = Instant::now() + world.timeout;
     let mut seen = vec![false; world.size];
     seen[0] = true;
+    let mut links = Vec::with_capacity(world.size - 1);
     let mut waiting = world.size - 1;
     while waiting > 0 {
         let (mut stream, peer) = match listener.accept() {
@@ -201,13 +313,14 @@ fn serve(world: &World, replicas: usize, fingerprint: u64, id: [u8; 128]) -> Res
                 })?;
                 seen[rank] = true;
                 waiting -= 1;
+                links.push((rank, stream));
             }
         }
     }
-    Ok(id)
+    Ok((id, links))
 }
 
-fn join(world: &World, replicas: usize, fingerprint: u64) -> Result<[u8; 128]> {
+fn join(world: &World, replicas: usize, fingerprint: u64) -> Result<Linked> {
     let deadline = Instant::now() + world.timeout;
     let addresses: Vec<SocketAddr> = loop {
         // The host may not resolve yet on a fresh node: retry like a refused connection.
@@ -245,17 +358,24 @@ fn join(world: &World, replicas: usize, fingerprint: u64) -> Result<[u8; 128]> {
     stream
         .write_all(&hello)
         .map_err(|e| rendezvous_error(world, e.to_string()))?;
-    let mut reply = Vec::new();
-    stream
-        .read_to_end(&mut reply)
-        .map_err(|e| rendezvous_error(world, e.to_string()))?;
-    match reply.split_first() {
-        Some((0, id)) if id.len() == 128 => Ok(id.try_into().expect("128 bytes")),
-        Some((1, reason)) => Err(rendezvous_error(
-            world,
-            format!("process 0 refused: {}", String::from_utf8_lossy(reason)),
-        )),
-        _ => Err(rendezvous_error(world, "process 0 closed the connection")),
+    // The answer: 0 and the id (the link then stays open), or 1 and why not.
+    let closed = |_| rendezvous_error(world, "process 0 closed the connection");
+    let mut status = [0u8; 1];
+    stream.read_exact(&mut status).map_err(closed)?;
+    match status[0] {
+        0 => {
+            let mut id = [0u8; 128];
+            stream.read_exact(&mut id).map_err(closed)?;
+            Ok((id, vec![(0, stream)]))
+        }
+        _ => {
+            let mut reason = Vec::new();
+            let _ = stream.read_to_end(&mut reason);
+            Err(rendezvous_error(
+                world,
+                format!("process 0 refused: {}", String::from_utf8_lossy(&reason)),
+            ))
+        }
     }
 }
 
@@ -293,7 +413,7 @@ mod tests {
     fn processes_meet_and_share_the_id() {
         let port = free_port();
         let id = [7u8; 128];
-        let ids: Vec<Result<[u8; 128]>> = std::thread::scope(|s| {
+        let ids: Vec<Result<([u8; 128], Links)>> = std::thread::scope(|s| {
             let others: Vec<_> = (1..3)
                 .map(|r| s.spawn(move || rendezvous(&world(r, 3, port), 2, 42, || unreachable!())))
                 .collect();
@@ -304,8 +424,59 @@ mod tests {
             all
         });
         for got in ids {
-            assert_eq!(got.unwrap(), id);
+            assert_eq!(got.unwrap().0, id);
         }
+    }
+
+    /// A process that ends while the others still need it is reported to
+    /// process 0, and process 0's end to the others; a process that
+    /// finished its part is not.
+    #[test]
+    fn a_lost_process_is_reported_and_a_finished_one_is_not() {
+        use std::sync::mpsc::channel;
+        let port = free_port();
+        let mut links: Vec<Links> = std::thread::scope(|s| {
+            let others: Vec<_> = (1..3)
+                .map(|r| s.spawn(move || rendezvous(&world(r, 3, port), 1, 0, || unreachable!())))
+                .collect();
+            let lead = rendezvous(&world(0, 3, port), 1, 0, || Ok([1; 128]));
+            let mut all = vec![lead.unwrap().1];
+            all.extend(others.into_iter().map(|h| h.join().unwrap().unwrap().1));
+            all
+        });
+        let (tx, rx) = channel();
+        for (me, l) in links.iter_mut().enumerate() {
+            l.grace = Duration::from_millis(300);
+            let tx = tx.clone();
+            l.watch(move |lost| {
+                let _ = tx.send((me, lost));
+            })
+            .unwrap();
+        }
+        // Process 2 crashes: process 0 learns it (process 1 is not linked to it).
+        links.pop().unwrap().sever();
+        let got = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(got, (0, 2));
+        // Process 1 finishes its part and ends; process 0 goes on, then ends
+        // too: nobody is reported.
+        let mut one = links.pop().unwrap();
+        one.finish();
+        drop(one);
+        assert!(rx.recv_timeout(Duration::from_millis(800)).is_err());
+        drop(links.pop());
+        assert!(rx.recv_timeout(Duration::from_millis(800)).is_err());
+        // Process 0 crashing is reported to the others.
+        let port = free_port();
+        let (lead, mut other) = std::thread::scope(|s| {
+            let other = s.spawn(move || rendezvous(&world(1, 2, port), 1, 0, || unreachable!()));
+            let lead = rendezvous(&world(0, 2, port), 1, 0, || Ok([1; 128]));
+            (lead.unwrap().1, other.join().unwrap().unwrap().1)
+        });
+        other.grace = Duration::from_millis(100);
+        let (tx, rx) = channel();
+        other.watch(move |lost| tx.send(lost).unwrap()).unwrap();
+        lead.sever();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)).unwrap(), 0);
     }
 
     /// A process of another run (fingerprint) is refused, and told why.
