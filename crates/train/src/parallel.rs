@@ -41,6 +41,13 @@
 //! first (a parameter may have none on a shard), so every replica sums the
 //! same tensors in the same order.
 //!
+//! Across processes ([`crate::world`]) every replica is a rank of one NCCL
+//! communicator over all of them, and every sum goes through it
+//! (`RuntimeOps::process_group_sum`); which gradients exist is then not
+//! agreed through the host (a read would drain each GPU's queue mid-step):
+//! every parameter is summed, with each replica's flags beside them, and
+//! the flags' agreement is read at the epoch's end.
+//!
 //! Point-to-point moves between GPUs (`to_device`, an NCCL send and receive
 //! in CubeCL 0.10) are not used: without `CUDA_LAUNCH_BLOCKING` they failed
 //! with `CUDA_ERROR_ILLEGAL_ADDRESS` in f32 runs on two H200s (2026-11-29).
@@ -427,26 +434,6 @@ impl<B: AttentionBackend> Group<B> {
         &self.devices[self.local]
     }
 
-    /// The sum over the replicas of their `part`s (of one length): through
-    /// the host in one process, over the process group across processes.
-    pub(crate) fn host_sum(&self, part: Vec<f32>) -> Result<Arc<Vec<f32>>> {
-        if !self.processes {
-            return self.host.sum(self.local, part);
-        }
-        let n = part.len();
-        let t = Tensor::<B, 1>::from_data(TensorData::new(part, [n]), self.device());
-        let sum = self.sum(vec![t.into_primitive().tensor()])?.remove(0);
-        Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(sum))
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .map(Arc::new)
-            .map_err(|e| TrainError::Replica {
-                rank: self.rank,
-                reason: format!("reading a sum: {e:?}"),
-            })
-    }
-
     /// Each tensor (on this replica's device) summed over the replicas, in
     /// its shape and dtype. Every replica calls with the same shapes in the
     /// same order.
@@ -521,7 +508,7 @@ impl<B: AttentionBackend> Group<B> {
         if self.processes {
             return self.sum_gradients_across_processes(buffer, parameters, have);
         }
-        let anyone = self.host_sum(have)?;
+        let anyone = self.host.sum(self.local, have)?;
         let device = self.device();
         let keys: Vec<&(String, Vec<usize>)> = parameters
             .iter()

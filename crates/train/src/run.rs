@@ -593,7 +593,10 @@ impl StepProfiler {
 /// `model` lives on `devices[0]`. More devices (a device may repeat) train
 /// data parallel, one replica each on an equal shard of every batch
 /// ([`crate::parallel`]); checkpoints, validation and logs come from the
-/// first, and are the same files whatever the number of devices.
+/// first, and are the same files whatever the number of devices. `world`
+/// places this process among the run's processes ([`crate::world`]; one:
+/// [`World::single`]): their replicas form one group, and only process 0
+/// writes files.
 #[allow(clippy::too_many_arguments)]
 pub fn fit<AB>(
     devices: &[AB::Device],
