@@ -1015,10 +1015,12 @@ fn fit_on<B: AttentionBackend>(
 /// `--target-effective-batch-size`, the accumulation steps) by the largest
 /// batch under the memory cap of a CUDA or ROCm device; elsewhere a note
 /// says that `--batch-size` is kept.
+#[allow(clippy::too_many_arguments)]
 fn search_batch_size<AB>(
     devices: &[AB::Device],
     r: &RunArgs,
     search: BatchSizeSearch,
+    model: &AamModel<AB>,
     model_config: &ModelConfig,
     run: &mut RunConfig,
     data: &TrainData,
@@ -1052,6 +1054,7 @@ where
     };
     let started = std::time::Instant::now();
     let found = aam_train::batch_size::largest_batch::<AB>(
+        model,
         model_config,
         run,
         data,
@@ -1114,7 +1117,7 @@ where
     };
     let mut run = run;
     if let (Some(search), None) = (r.batch_size_search, &resume) {
-        search_batch_size::<AB>(devices, r, search, &model_config, &mut run, &data)?;
+        search_batch_size::<AB>(devices, r, search, &model, &model_config, &mut run, &data)?;
     }
     let task = run.task;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);

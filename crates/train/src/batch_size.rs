@@ -61,12 +61,14 @@ pub struct Found {
 }
 
 /// The largest even batch size in [2, 256] (and at most the training
-/// samples) whose training step on `device` needs at most
-/// `max_memory_fraction` of `total_bytes`; see the module doc.
+/// samples) whose training step of `model` (the run's, on `device`) needs at
+/// most `max_memory_fraction` of `total_bytes`; see the module doc. The
+/// steps leave the model's weights as they were.
 ///
 /// Fails where the backend reports no memory pool (the CPU backends), and
 /// where even a batch of 2 needs more than the cap.
 pub fn largest_batch<AB>(
+    model: &AamModel<AB>,
     model_config: &ModelConfig,
     run: &RunConfig,
     data: &TrainData,
@@ -100,8 +102,6 @@ where
     heaviest.sort_by_key(|&s| Reverse(data.dataset.sample(s).0.len()));
     heaviest.truncate(largest);
 
-    AB::seed(device, run.seed);
-    let model: AamModel<AB> = model_config.init::<AB>(device)?;
     let parameters: u64 = model
         .state_dict_shapes(model_config)
         .iter()
@@ -128,7 +128,7 @@ where
         let (input, targets) = batch_tensors::<AB>(&batch, device, classifier, slots);
         let predictions = {
             let _autocast = autocast(run.mixed_precision);
-            predict_batch(&model, input, run.loss.nuc_penalty > 0.0)
+            predict_batch(model, input, run.loss.nuc_penalty > 0.0)
         };
         let parts = run.loss.forward(&predictions, &targets)?;
         let grads = parts.total.backward();
@@ -209,7 +209,6 @@ where
             high = mid;
         }
     }
-    drop(model);
     AB::memory_cleanup(device);
     Ok(Found {
         batch_size: low,

@@ -190,6 +190,9 @@ pub(crate) fn unpack_rows_backward_ops<B: Backend>(
     let empty = slots.empty();
     let dfill = if empty.is_empty() {
         Tensor::<B, 2>::zeros([1, width], &device)
+    } else if slots.rows() == 0 {
+        // Every slot is empty: the sum of all, without a gather.
+        dout.clone().sum_dim(0)
     } else {
         dout.clone()
             .select(0, index::<B>(empty, &device))
