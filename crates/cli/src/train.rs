@@ -1036,10 +1036,11 @@ where
         );
         Ok(())
     };
-    if devices.len() > 1 {
+    let processes = r.parallel.world(|k| std::env::var(k).ok())?.size;
+    if devices.len() > 1 || processes > 1 {
         return keep(format!(
             "not searched for {} replicas (as the reference, which skips it for data-parallel runs)",
-            devices.len()
+            devices.len() * processes
         ));
     }
     let index = match r.parallel.list() {
