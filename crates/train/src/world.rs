@@ -14,9 +14,10 @@
 //! **Rendezvous.** Process 0 listens on the rendezvous address's port; every
 //! other process connects (retrying until the timeout: process 0 may start
 //! last), says its rank, its number of replicas and a fingerprint of the run
-//! (configuration and training samples), and receives the communicator's
-//! unique id, made by process 0's runtime. Process 0 refuses a process whose
-//! rank repeats or whose run differs, and says why to it. The rendezvous
+//! (configuration, training samples, initial weights), and receives the
+//! communicator's unique id, made by process 0's runtime. Process 0 refuses
+//! a process whose rank repeats, whose device count or whose run differs,
+//! and says why to it. The rendezvous
 //! carries these few bytes once; the sums themselves go through NCCL.
 //!
 //! **A process that stops.** The rendezvous's connections stay open while
