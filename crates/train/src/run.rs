@@ -729,7 +729,11 @@ where
                 "process {lost} of the run stopped (its log says why); process {rank} cannot \
                  go on without it and exits"
             );
-            std::process::exit(1);
+            // Not `std::process::exit`: its exit handlers (the CUDA
+            // runtime's) wait for the collective that waits for the lost
+            // process, and never return (2x H200, 2026-11-30).
+            // SAFETY: `_exit` ends the process at once; nothing of it is used after.
+            unsafe { libc::_exit(1) }
         })?;
         links = Some(joined);
     }
