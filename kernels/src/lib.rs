@@ -53,7 +53,7 @@
 //! | `pool/`      | [`PoolOps`]        | [`attention_pool`] |
 //! | `slots/`     | [`SlotOps`]        | [`unpack_rows`] |
 //! | `adam/`      | [`AdamOps`]        | [`adam_step_ops`] (the optimiser calls the trait) |
-//! | `runtime/`   | [`RuntimeOps`]     | the kernel cache; collectives (NCCL on CUDA) |
+//! | `runtime/`   | [`RuntimeOps`]     | the kernel cache; collectives (NCCL on CUDA, in one process and across processes) |
 //! | `matmul/`    |                    | the dense layers' matmul kernels and their plan (CubeCL) |
 //!
 //! Shared by the ops: `cube.rs` (`#[cube]` helpers: the tile element, fast
