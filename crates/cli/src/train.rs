@@ -21,6 +21,7 @@ use aam_train::optim::OptimizerConfig;
 use aam_train::prepare::{Prepared, TargetSpec};
 use aam_train::run::{fit, TrainData};
 use aam_train::schedule::SchedulerConfig;
+use aam_train::world::World;
 use anyhow::{bail, ensure, Context, Result};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
@@ -887,7 +888,8 @@ fn start(
     }
     run.mixed_precision = r.precision.mixed_precision;
     run.unifrac_pairs = r.parallel.unifrac_pairs;
-    // Across processes only process 0 writes the run's files.
+    // Across processes only process 0 writes the run's files. SLURM tells a
+    // task its rank through its environment: read here, once.
     let world = r.parallel.world(|k| std::env::var(k).ok())?;
     if world.writes() {
         std::fs::create_dir_all(&r.output_dir)
@@ -913,7 +915,16 @@ fn start(
     aam_cli::with_backend!(r.backend, |B, device| {
         match r.backend.devices_like(&device, &r.parallel.list()) {
             Err(err) => Err(err),
-            Ok(devices) => fit_on::<B>(&devices, &r, model_config, run, data, resume, pretrained),
+            Ok(devices) => fit_on::<B>(
+                &devices,
+                &world,
+                &r,
+                model_config,
+                run,
+                data,
+                resume,
+                pretrained,
+            ),
         }
     })
 }
@@ -966,8 +977,10 @@ fn carry_best(resume: &Checkpoint, out_dir: &Path) -> Result<()> {
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn fit_on<B: AttentionBackend>(
     devices: &[B::Device],
+    world: &World,
     r: &RunArgs,
     model_config: ModelConfig,
     run: RunConfig,
@@ -999,6 +1012,7 @@ fn fit_on<B: AttentionBackend>(
         );
         fit_with::<Autodiff<B, BalancedCheckpointing>>(
             devices,
+            world,
             r,
             model_config,
             run,
@@ -1007,7 +1021,16 @@ fn fit_on<B: AttentionBackend>(
             pretrained,
         )
     } else {
-        fit_with::<Autodiff<B>>(devices, r, model_config, run, data, resume, pretrained)
+        fit_with::<Autodiff<B>>(
+            devices,
+            world,
+            r,
+            model_config,
+            run,
+            data,
+            resume,
+            pretrained,
+        )
     }
 }
 
@@ -1018,6 +1041,7 @@ fn fit_on<B: AttentionBackend>(
 #[allow(clippy::too_many_arguments)]
 fn search_batch_size<AB>(
     devices: &[AB::Device],
+    world: &World,
     r: &RunArgs,
     search: BatchSizeSearch,
     model: &AamModel<AB>,
@@ -1036,11 +1060,10 @@ where
         );
         Ok(())
     };
-    let processes = r.parallel.world(|k| std::env::var(k).ok())?.size;
-    if devices.len() > 1 || processes > 1 {
+    if devices.len() > 1 || world.size > 1 {
         return keep(format!(
             "not searched for {} replicas (as the reference, which skips it for data-parallel runs)",
-            devices.len() * processes
+            devices.len() * world.size
         ));
     }
     let index = match r.parallel.list() {
@@ -1088,8 +1111,10 @@ where
 
 /// Trains with autodiff backend `AB` (its checkpointing strategy decides
 /// what the backward pass recomputes).
+#[allow(clippy::too_many_arguments)]
 fn fit_with<AB>(
     devices: &[AB::Device],
+    world: &World,
     r: &RunArgs,
     model_config: ModelConfig,
     run: RunConfig,
@@ -1118,7 +1143,16 @@ where
     };
     let mut run = run;
     if let (Some(search), None) = (r.batch_size_search, &resume) {
-        search_batch_size::<AB>(devices, r, search, &model, &model_config, &mut run, &data)?;
+        search_batch_size::<AB>(
+            devices,
+            world,
+            r,
+            search,
+            &model,
+            &model_config,
+            &mut run,
+            &data,
+        )?;
     }
     let task = run.task;
     let classifier = matches!(&model_config, ModelConfig::SequencePredictor(c) if c.is_classifier);
@@ -1130,10 +1164,9 @@ where
         .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
     let mut progress = Progress::new(run.epochs, stop.clone());
-    let world = r.parallel.world(|k| std::env::var(k).ok())?;
     let summary = fit::<AB>(
         devices,
-        &world,
+        world,
         model_config,
         model,
         run,

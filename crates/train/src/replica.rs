@@ -181,10 +181,12 @@ where
             stop: _,
         } = values;
         let with_accuracy = accuracy.is_some();
-        let stop = Tensor::<AB::InnerBackend, 1>::from_floats(
-            [f32::from(u8::from(ctx.stop))],
-            &self.device,
-        );
+        // Made on the device (no upload in every step).
+        let stop = if ctx.stop {
+            Tensor::<AB::InnerBackend, 1>::ones([1], &self.device)
+        } else {
+            Tensor::<AB::InnerBackend, 1>::zeros([1], &self.device)
+        };
         let mut parts = vec![
             values.into_primitive().tensor(),
             stop.into_primitive().tensor(),

@@ -872,30 +872,24 @@ fn join_processes<B: AttentionBackend>(
             "repeats a device: across processes each device holds one replica (NCCL has one rank per GPU)",
         ));
     }
-    if !B::has_collectives() {
-        return Err(TrainError::arg(
+    let no_nccl = || {
+        TrainError::arg(
             "world-size",
             "data parallel across processes needs a backend with NCCL (cuda); \
              this backend trains on the devices of one process (--devices)",
-        ));
+        )
+    };
+    if !B::has_collectives() {
+        return Err(no_nccl());
     }
     let (id, links) = rendezvous(world, devices.len(), print, || {
         B::process_group_id()
-            .ok_or_else(|| {
-                TrainError::arg(
-                    "world-size",
-                    "data parallel across processes needs a backend with NCCL (cuda); \
-                     this backend trains on the devices of one process (--devices)",
-                )
-            })?
+            .ok_or_else(no_nccl)?
             .map_err(|e| TrainError::arg("world-size", format!("NCCL: {e}")))
     })?;
     for (k, device) in devices.iter().enumerate() {
         if !B::join_process_group(device, id, first + k, replicas) {
-            return Err(TrainError::arg(
-                "world-size",
-                "data parallel across processes needs a backend with NCCL (cuda)",
-            ));
+            return Err(no_nccl());
         }
     }
     tracing::info!(

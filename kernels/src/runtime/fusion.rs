@@ -42,12 +42,10 @@ impl<B: FusionBackend + AttentionBackend> RuntimeOps for Fusion<B> {
         if !crate::runtime::collective::in_process_group(device) || tensors.is_empty() {
             return None;
         }
-        let like = tensors.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
         let device = device.clone();
-        Some(float_op::<B>(
+        Some(sum_op::<B>(
             "aam_process_group_sum",
             tensors,
-            like,
             move |inputs| {
                 B::process_group_sum(inputs, &device)
                     .expect("the inner backend's device joined a process group")
@@ -74,16 +72,23 @@ impl<B: FusionBackend + AttentionBackend> RuntimeOps for Fusion<B> {
         // (Laying the tensors end to end in one buffer and summing that
         // inside this op gave wrong sums: the two-GPU run's weights left
         // the one-GPU run's.)
-        let like = tensors.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
         let devices = devices.to_vec();
-        Some(float_op::<B>(
-            "aam_all_reduce_sum",
-            tensors,
-            like,
-            move |inputs| {
-                B::collective_sum(inputs, &devices)
-                    .expect("the inner backend has collectives on distinct devices")
-            },
-        ))
+        Some(sum_op::<B>("aam_all_reduce_sum", tensors, move |inputs| {
+            B::collective_sum(inputs, &devices)
+                .expect("the inner backend has collectives on distinct devices")
+        }))
     }
+}
+
+/// A sum of `tensors` across devices as one custom op: `sum` runs on the
+/// inner backend's tensors, in stream order, and returns them in their
+/// shapes and dtypes.
+#[cfg(feature = "cuda")]
+fn sum_op<B: FusionBackend + AttentionBackend>(
+    name: &'static str,
+    tensors: Vec<FloatTensor<Fusion<B>>>,
+    sum: impl Fn(Vec<FloatTensor<B>>) -> Vec<FloatTensor<B>> + Send + Sync + 'static,
+) -> Vec<FloatTensor<Fusion<B>>> {
+    let like = tensors.iter().map(|t| (t.shape.clone(), t.dtype)).collect();
+    float_op::<B>(name, tensors, like, sum)
 }
