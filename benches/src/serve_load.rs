@@ -11,7 +11,8 @@
 //!    per `POST /embed` (round robin) until `--requests` have been answered:
 //!    requests/s, samples/s, p50/p99 latency, and the mean device batch of
 //!    that phase from `/metrics` (`aam_inference_duration_seconds`; at
-//!    concurrency 1, one request's forward pass and preparation).
+//!    concurrency 1, one request's forward pass and preparation), and the
+//!    largest difference of any answered embedding from the offline one.
 //! 3. Soak (`--soak-minutes M`, instead of 2's phases): requests at a
 //!    steady `--soak-rate` per second for M minutes, from `--soak-clients`
 //!    threads (at most that many in flight: a slower server sees them all
@@ -118,6 +119,17 @@ fn main() {
     // The samples embedded: those at least as deep as the model's
     // rarefaction depth (the service answers the others with 422).
     let text = std::fs::read_to_string(tmp.join("offline.tsv")).expect("the offline output");
+    // Every answer is compared with these (the largest difference is printed).
+    let reference: Arc<std::collections::HashMap<String, Vec<f64>>> = Arc::new(
+        text.lines()
+            .skip(1)
+            .filter_map(|l| {
+                let mut fields = l.split('\t');
+                let id = fields.next()?.to_string();
+                Some((id, fields.filter_map(|v| v.parse().ok()).collect()))
+            })
+            .collect(),
+    );
     let kept: std::collections::HashSet<&str> = text
         .lines()
         .skip(1)
@@ -210,26 +222,31 @@ fn main() {
         let clients: Vec<_> = (0..c)
             .map(|_| {
                 let (addr, bodies, next) = (addr.clone(), bodies.clone(), next.clone());
+                let reference = reference.clone();
                 std::thread::spawn(move || {
-                    let mut latencies = Vec::new();
+                    let (mut latencies, mut largest) = (Vec::new(), 0f64);
                     loop {
                         let k = next.fetch_add(1, Ordering::Relaxed);
                         if k >= total {
-                            break latencies;
+                            break (latencies, largest);
                         }
                         let t = Instant::now();
                         let (status, body) =
                             http(&addr, "POST", "/embed", &bodies[k % bodies.len()]);
-                        assert_eq!(status, 200, "{body}");
                         latencies.push(t.elapsed().as_secs_f64());
+                        assert_eq!(status, 200, "{body}");
+                        largest = largest.max(difference(&body, &reference));
                     }
                 })
             })
             .collect();
-        let mut latencies: Vec<f64> = clients
-            .into_iter()
-            .flat_map(|h| h.join().unwrap())
-            .collect();
+        let mut latencies = Vec::new();
+        let mut largest = 0f64;
+        for client in clients {
+            let (l, d) = client.join().unwrap();
+            latencies.extend(l);
+            largest = largest.max(d);
+        }
         let seconds = start.elapsed().as_secs_f64();
         let after = inference(&addr);
         latencies.sort_by(f64::total_cmp);
@@ -240,7 +257,7 @@ fn main() {
         let batch_samples =
             (total * args.samples_per_request) as f64 / (after.1 - before.1).max(1.0);
         println!(
-            "concurrency {c:3}: {:8.1} requests/s {samples_per_s:8.1} samples/s ({:.2}x offline), p50 {:7.2} ms, p99 {:7.2} ms; device batches {batch_samples:.1} samples, {batch_ms:.2} ms mean",
+            "concurrency {c:3}: {:8.1} requests/s {samples_per_s:8.1} samples/s ({:.2}x offline), p50 {:7.2} ms, p99 {:7.2} ms; device batches {batch_samples:.1} samples, {batch_ms:.2} ms mean; largest difference from offline {largest:.1e}",
             total as f64 / seconds,
             samples_per_s / offline,
             1e3 * pct(0.5),
@@ -252,6 +269,7 @@ fn main() {
             "ratio_to_offline": samples_per_s / offline,
             "p50_ms": 1e3 * pct(0.5), "p99_ms": 1e3 * pct(0.99),
             "mean_batch_samples": batch_samples, "mean_batch_ms": batch_ms,
+            "largest_difference_from_offline": largest,
         }));
     }
     let _ = Command::new("kill")
@@ -268,6 +286,22 @@ fn main() {
         });
         std::fs::write(path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
     }
+}
+
+/// The largest difference between an `/embed` answer's embeddings and
+/// `reference`'s (offline `aam-rs embed`), over max(|offline value|, 1).
+fn difference(body: &str, reference: &std::collections::HashMap<String, Vec<f64>>) -> f64 {
+    let answer: serde_json::Value = serde_json::from_str(body).expect("an /embed answer");
+    let mut largest = 0f64;
+    for e in answer["embeddings"].as_array().expect("embeddings") {
+        let id = e["id"].as_str().expect("an ID");
+        let offline = &reference[id];
+        for (served, offline) in e["embedding"].as_array().expect("values").iter().zip(offline) {
+            let served = served.as_f64().expect("a number");
+            largest = largest.max((served - offline).abs() / offline.abs().max(1.0));
+        }
+    }
+    largest
 }
 
 /// Steady load for `--soak-minutes`: request `k` leaves at `k / rate`

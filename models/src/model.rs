@@ -121,8 +121,8 @@ fn predictor_torch_key(c: &SequencePredictorConfig, path: &str) -> String {
     }
 }
 
-/// An AAM model of either class (a clone shares the weights).
-#[derive(Debug, Clone)]
+/// An AAM model of either class.
+#[derive(Debug)]
 pub enum AamModel<B: Backend> {
     /// A [`SequenceEncoder`].
     SequenceEncoder(SequenceEncoder<B>),

@@ -54,11 +54,6 @@ pub struct ServeArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::default())]
     backend: BackendKind,
-    /// Threads that run device batches, sharing the model's weights, each
-    /// on its own stream of the device: with 2, one batch's kernels are
-    /// queued on the GPU while another's results are read and answered.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    model_workers: usize,
     /// What runs before GET /health says ready: `shapes` (every ASV slot
     /// count a batch can take, at sample counts of powers of two: on a GPU
     /// backend the kernels of each shape are compiled before the first
@@ -83,7 +78,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ("--max-concurrent-requests", args.max_concurrent_requests),
         ("--max-request-samples", args.max_request_samples),
         ("--max-body-bytes", args.max_body_bytes),
-        ("--model-workers", args.model_workers),
     ] {
         ensure!(value > 0, "{flag} must be ≥ 1");
     }
@@ -95,7 +89,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_concurrent_requests: args.max_concurrent_requests,
         max_request_samples: args.max_request_samples,
         max_body_bytes: args.max_body_bytes,
-        model_workers: args.model_workers,
         options: Options {
             rarefy: !args.no_rarefy,
             seed: args.seed,

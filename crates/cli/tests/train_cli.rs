@@ -2580,9 +2580,8 @@ fn start_server(model: &Path, extra: &[&str]) -> (Server, String, std::thread::J
     (server, addr, log)
 }
 
-/// `aam-rs serve` on a free local port, two model workers: `/health`,
-/// `/info`, `/metrics`; `/embed` and `/predict` equal `aam-rs embed` and
-/// `predict`; a load test
+/// `aam-rs serve` on a free local port: `/health`, `/info`, `/metrics`;
+/// `/embed` and `/predict` equal `aam-rs embed` and `predict`; a load test
 /// of 320 requests from 32 clients, a tenth malformed or oversized, gets
 /// 200 for every good one, 422 or 413 for every bad one, nothing else; with
 /// one request allowed in flight, 16 at once get 200 or 429, some of each;
@@ -2605,8 +2604,6 @@ fn serve_answers_like_the_cli() {
     run_ok(&a);
     predict(&model, &predict_tsv);
 
-    // Two model workers: the numbers and the load test hold with batches
-    // run by either.
     let (mut server, addr, log) = start_server(
         &model,
         &[
@@ -2614,8 +2611,6 @@ fn serve_answers_like_the_cli() {
             "16",
             "--max-concurrent-requests",
             "64",
-            "--model-workers",
-            "2",
         ],
     );
     let (status, body) = http(&addr, "GET", "/info", "");
@@ -2625,7 +2620,6 @@ fn serve_answers_like_the_cli() {
     assert_eq!(info["info"]["embedding_dim"], 16);
     assert_eq!(info["sha256"].as_str().unwrap().len(), 64);
     assert_eq!(info["limits"]["max_request_samples"], 16);
-    assert_eq!(info["model_workers"], 2);
 
     // The CLI's numbers, by the service.
     let table = aam_data::BiomTable::read(demo("demo.biom")).unwrap();

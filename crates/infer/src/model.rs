@@ -282,11 +282,6 @@ pub struct Predictions {
 }
 
 /// A trained model on a device.
-///
-/// A clone shares the weights on the device (Burn's tensors are
-/// reference-counted): another thread can run the same model on its own
-/// stream of the device, as `aam-rs serve --model-workers` does.
-#[derive(Clone)]
 pub struct Model<B: AttentionBackend> {
     model: AamModel<B>,
     config: ModelConfig,

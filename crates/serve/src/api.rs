@@ -259,7 +259,6 @@ async fn info(State(shared): State<Arc<Shared>>) -> Response {
             "max_body_bytes": c.max_body_bytes,
             "max_sequence_length": c.options.max_sequence_length,
         },
-        "model_workers": c.model_workers,
         "rarefy": c.options.rarefy,
         "seed": c.options.seed,
     });

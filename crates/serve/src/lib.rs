@@ -11,9 +11,7 @@
 //!
 //! **Design** (after Hugging Face's text-embeddings-inference):
 //! - *One thread owns the model and the device* (a GPU backend's device
-//!   belongs to the thread that drives it; [`ServeConfig::model_workers`]
-//!   adds threads that share its weights, each on its own stream of the
-//!   device). HTTP handlers run on a small
+//!   belongs to the thread that drives it). HTTP handlers run on a small
 //!   tokio runtime; they parse and check a request completely
 //!   ([`aam_infer::ModelInfo::check`]) and only then queue it, so a bad
 //!   request never reaches the device and never fails anyone else's batch.
@@ -78,10 +76,6 @@ pub struct ServeConfig {
     pub options: Options,
     /// What runs before `/health` says ready.
     pub warm_up: WarmUp,
-    /// Threads that run device batches, each with the model (its weights
-    /// shared) on its own stream of the device: while one reads its
-    /// batch's results, another's batch is already queued on the GPU.
-    pub model_workers: usize,
 }
 
 /// The batches a service runs before it says it is ready.
@@ -115,7 +109,6 @@ impl Default for ServeConfig {
             max_body_bytes: 16 << 20,
             options: Options::default(),
             warm_up: WarmUp::default(),
-            model_workers: 1,
         }
     }
 }

@@ -1,7 +1,5 @@
 //! The model thread: loads and warms the model, then merges queued
-//! requests into device batches by the ASV budget and answers each; with
-//! `model_workers` > 1, that many threads (the model's weights shared) take
-//! batches from the queue in turn.
+//! requests into device batches by the ASV budget and answers each.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -90,50 +88,11 @@ pub fn run<B: AttentionBackend>(
         ..shared.config.options.clone()
     };
 
-    let queue = std::sync::Mutex::new(Queue {
-        jobs: queue,
-        held: None,
-    });
-    std::thread::scope(|scope| {
-        for k in 1..shared.config.model_workers {
-            let (model, queue, shared, options) = (model.clone(), &queue, &*shared, &options);
-            let spawned = std::thread::Builder::new()
-                .name(format!("aam-model-{k}"))
-                .spawn_scoped(scope, move || answer_queued(&model, shared, options, queue));
-            if let Err(e) = spawned {
-                tracing::warn!("model worker {k} did not start ({e}): fewer workers answer");
-            }
-        }
-        answer_queued(&model, &shared, &options, &queue);
-    });
-}
-
-/// The queue to the model workers, and the job that did not fit the last
-/// batch formed ([`next_batch`]).
-struct Queue {
-    jobs: Receiver<Job>,
-    held: Option<Job>,
-}
-
-/// One model worker's loop: forms a device batch from the queue (one
-/// worker at a time), runs it and answers its requests, until the queue
-/// closes.
-fn answer_queued<B: AttentionBackend>(
-    model: &Model<B>,
-    shared: &Shared,
-    options: &Options,
-    queue: &std::sync::Mutex<Queue>,
-) {
     let budget = shared.config.max_batch_asvs;
-    loop {
-        let batch = {
-            let mut queue = queue.lock().unwrap_or_else(|p| p.into_inner());
-            let Queue { jobs, held } = &mut *queue;
-            next_batch(jobs, held, budget, &shared.queued)
-        };
-        let Some(batch) = batch else { break };
+    let mut held: Option<Job> = None;
+    while let Some(batch) = next_batch(&queue, &mut held, budget, &shared.queued) {
         let kind = batch[0].kind;
-        answer(model, shared, options, kind, batch);
+        answer(&model, &shared, &options, kind, batch);
     }
 }
 
