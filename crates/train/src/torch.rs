@@ -108,6 +108,9 @@ pub fn read_trainer_checkpoint(path: &Path) -> Result<Option<Checkpoint>> {
     let Some(meta) = read_meta(path)? else {
         return Ok(None);
     };
+    // The file is opened a second time: burn-store reads a pickle's values
+    // and its tensors through separate calls. Only the pickle (kilobytes)
+    // is parsed twice; the tensors' data is read once, here.
     let tensors = aam_models::import::TorchCheckpoint::read(path)?.tensors;
     Ok(Some(Checkpoint {
         path: path.to_path_buf(),
