@@ -296,7 +296,12 @@ fn difference(body: &str, reference: &std::collections::HashMap<String, Vec<f64>
     for e in answer["embeddings"].as_array().expect("embeddings") {
         let id = e["id"].as_str().expect("an ID");
         let offline = &reference[id];
-        for (served, offline) in e["embedding"].as_array().expect("values").iter().zip(offline) {
+        for (served, offline) in e["embedding"]
+            .as_array()
+            .expect("values")
+            .iter()
+            .zip(offline)
+        {
             let served = served.as_f64().expect("a number");
             largest = largest.max((served - offline).abs() / offline.abs().max(1.0));
         }
