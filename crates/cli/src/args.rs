@@ -390,7 +390,8 @@ pub struct ParallelArgs {
     pub sync_batchnorm: bool,
     /// Processes of a run across processes or nodes (one per node with
     /// --devices all, or one per GPU), each training its replicas on its
-    /// --devices and summing with the others through NCCL (CUDA). Under
+    /// --devices and summing with the others through NCCL (CUDA), or through
+    /// the host and Burn's burn-collective (the other backends). Under
     /// SLURM with more than one task: SLURM_NTASKS (`--world-size 1` opts out).
     #[arg(long, value_name = "N")]
     pub world_size: Option<usize>,

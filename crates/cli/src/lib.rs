@@ -20,7 +20,7 @@ use std::process::ExitCode;
 
 /// What both binaries do first: logs to stderr, filtered by `AAM_LOG`
 /// (`tracing`'s filter syntax, default `info` without CubeCL's autotune
-/// lines), and CubeCL's compiled
+/// lines and burn-collective's per-sum lines), and CubeCL's compiled
 /// kernels kept on disk between runs (GPU builds).
 /// From [`keep_log`] on, the same lines also go to the file that
 /// [`log_to_file`] names, with their time.
@@ -28,8 +28,11 @@ pub fn init() {
     use tracing_subscriber::prelude::*;
     let filter = || {
         tracing_subscriber::EnvFilter::try_from_env("AAM_LOG")
-            // CubeCL logs each autotuned problem at info ("Tuning ...").
-            .unwrap_or_else(|_| "info,cubecl_runtime::tune=warn".into())
+            // CubeCL logs each autotuned problem at info ("Tuning ..."),
+            // burn-collective and its transport each sum across processes.
+            .unwrap_or_else(|_| {
+                "info,cubecl_runtime::tune=warn,burn_collective=warn,burn_communication=warn".into()
+            })
     };
     tracing_subscriber::registry()
         .with(

@@ -6,7 +6,9 @@
 //! at its next optimiser step, with `checkpoints/last.safetensors` written
 //! there ([`aam_train::run::Observer::interrupted`]); the command then exits
 //! with [`aam_cli::Interrupted::EXIT_STATUS`]. A second signal ends the
-//! process at once.
+//! process at once. SIGINT (Ctrl-C) ends it at once, as by default, also
+//! after a library took SIGINT over (process 0 of a run across processes on
+//! the CPU backends runs `burn-collective`'s coordinator, which does).
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
@@ -16,7 +18,8 @@ use std::sync::Arc;
 pub struct StopSignal(Arc<AtomicI32>);
 
 impl StopSignal {
-    /// Handles SIGTERM and SIGUSR1 from now on (for the rest of the process).
+    /// Handles SIGTERM and SIGUSR1 (and SIGINT) from now on (for the rest of
+    /// the process).
     #[cfg(unix)]
     pub fn install() -> anyhow::Result<Self> {
         let stop = Self::default();
@@ -33,6 +36,11 @@ impl StopSignal {
             };
             registered.map_err(|e| anyhow::anyhow!("handling signal {signal}: {e}"))?;
         }
+        // SAFETY: `_exit` is async-signal-safe.
+        let registered = unsafe {
+            signal_hook_registry::register(libc::SIGINT, || libc::_exit(128 + libc::SIGINT))
+        };
+        registered.map_err(|e| anyhow::anyhow!("handling SIGINT: {e}"))?;
         Ok(stop)
     }
 

@@ -1317,17 +1317,26 @@ fn bad_input_names_the_flag() {
         "{log}"
     );
     assert_eq!(metrics(&tmp.path().join("dp")).1.len(), 1);
-    // Processes: the CPU backends have no NCCL; a rank is needed.
+    // Processes: process 0 names the process that did not come; a rank is
+    // needed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let rendezvous = format!("127.0.0.1:{port}");
     let stderr = run_err(&dp(&[
         "--world-size",
         "2",
         "--rank",
         "0",
         "--rendezvous",
-        "127.0.0.1:1",
+        &rendezvous,
+        "--rendezvous-timeout",
+        "1",
     ]));
     assert!(
-        stderr.contains("--world-size") && stderr.contains("NCCL"),
+        stderr.contains("--rendezvous") && stderr.contains("process 1 did not come"),
         "{stderr}"
     );
     let stderr = run_err(&dp(&["--world-size", "2", "--rendezvous", "127.0.0.1:1"]));
@@ -2102,6 +2111,104 @@ fn gradient_checkpointing_trains_the_same_model() {
             })
             .fold(0f32, f32::max);
         assert!(max_diff <= 1e-6, "{name}: differs by {max_diff}");
+    }
+}
+
+/// Data parallel across processes on a backend without NCCL (ndarray:
+/// the host sums, crossing processes with burn-collective): two processes
+/// of one replica each, meeting on localhost, take the steps of one process
+/// with two replicas on the same global batch (dropout and masking off);
+/// only process 0 writes.
+#[test]
+fn two_processes_train_as_two_replicas_in_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |out: &Path, extra: &[&str]| {
+        let mut a = tiny("pretrain", out, 2);
+        a.extend(args(&["--dropout", "0", "--nuc-mask-ratio", "0"]));
+        a.extend(args(extra));
+        a
+    };
+    let (threads, procs) = (tmp.path().join("threads"), tmp.path().join("procs"));
+    run_ok(&run(&threads, &["--devices", "0,0"]));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let rank = |r: &str| {
+        run(
+            &procs,
+            &[
+                "--devices",
+                "0",
+                "--world-size",
+                "2",
+                "--rank",
+                r,
+                "--rendezvous",
+                &format!("127.0.0.1:{port}"),
+                "--rendezvous-timeout",
+                "60",
+            ],
+        )
+    };
+    let other = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .args(rank("1"))
+        .env("AAM_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = run_ok(&rank("0"));
+    let other = other.wait_with_output().unwrap();
+    let other_log = String::from_utf8_lossy(&other.stderr);
+    assert!(other.status.success(), "process 1 failed:\n{other_log}");
+    assert!(log.contains("burn-collective"), "{log}");
+
+    let (_, want) = metrics(&threads);
+    let (_, got) = metrics(&procs);
+    assert_eq!(want.len(), 2);
+    assert_eq!(want.len(), got.len());
+    for (w, g) in want.iter().zip(&got) {
+        for key in ["train_total_loss", "train_unifrac_loss", "val_total_loss"] {
+            let (w, g) = (w[key], g[key]);
+            assert!(
+                (w - g).abs() <= 1e-5 * w.abs().max(1.0),
+                "{key}: {w} with two replicas, {g} with two processes"
+            );
+        }
+    }
+    let tensors = |dir: &Path| {
+        let bytes = std::fs::read(dir.join("checkpoints/last.safetensors")).unwrap();
+        safetensors::SafeTensors::deserialize(&bytes)
+            .unwrap()
+            .tensors()
+            .into_iter()
+            .filter(|(name, _)| name.starts_with("model."))
+            .map(|(name, view)| {
+                let values: Vec<f32> = view
+                    .data()
+                    .chunks(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect();
+                (name, values)
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+    let (w, g) = (tensors(&threads), tensors(&procs));
+    assert!(w.len() > 10, "{} tensors", w.len());
+    assert_eq!(w.len(), g.len());
+    for (name, values) in &w {
+        let scale = values.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        let diff = values
+            .iter()
+            .zip(&g[name])
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= 1e-5 * scale,
+            "{name}: differs by {diff} (largest value {scale})"
+        );
     }
 }
 

@@ -14,7 +14,8 @@
 //! ([`parallel`]: one replica per device, each on its own thread, gradients
 //! summed by NCCL on CUDA or through the host, UniFrac pairs across the whole
 //! global batch) and over several processes and nodes ([`world`]: ranks, the
-//! rendezvous, one NCCL communicator over every replica); and [`gradcheck`], which compares a
+//! rendezvous, one NCCL communicator over every replica on CUDA, Burn's
+//! `burn-collective` across the host sums of the other backends); and [`gradcheck`], which compares a
 //! backend's training step with the CPU's on the same weights and batch.
 //!
 //! **How a run goes.** A front end (the `aam-rs` binary) turns flags into a
@@ -46,6 +47,7 @@
 
 pub mod batch_size;
 pub mod checkpoint;
+mod collective;
 pub mod config;
 mod error;
 pub mod gradcheck;

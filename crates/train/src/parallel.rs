@@ -62,6 +62,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, FloatDType, TensorMetadata, TensorPrimitive};
 use serde::{Deserialize, Serialize};
 
+use crate::collective::ProcessSum;
 use crate::error::{Result, TrainError};
 use crate::loss::{BaseLoss, LossConfig, LossParts};
 use crate::optim::GradientBuffer;
@@ -313,12 +314,15 @@ pub(crate) fn gathered_embeddings<AB: AutodiffBackend>(
 
 /// A rendezvous of the replicas' threads that sums host vectors: each
 /// replica hands in its part and gets the sum of all parts, added in rank
-/// order (so a run repeats bit for bit). [`HostExchange::abort`] releases
-/// every waiting replica with an error (a replica that failed will not come).
+/// order (so a run repeats bit for bit). Across processes without NCCL the
+/// process's sum is then summed with the other processes' ([`ProcessSum`]).
+/// [`HostExchange::abort`] releases every waiting replica with an error (a
+/// replica that failed will not come).
 pub(crate) struct HostExchange {
     replicas: usize,
     state: Mutex<ExchangeState>,
     ready: Condvar,
+    across: Option<ProcessSum>,
 }
 
 struct ExchangeState {
@@ -342,6 +346,23 @@ impl HostExchange {
                 aborted: false,
             }),
             ready: Condvar::new(),
+            across: None,
+        }
+    }
+
+    /// The exchange of this process's `replicas` in a run of several
+    /// processes that sum through the host: every sum also crosses them.
+    pub(crate) fn across_processes(replicas: usize, across: ProcessSum) -> Self {
+        Self {
+            across: Some(across),
+            ..Self::new(replicas)
+        }
+    }
+
+    /// Leaves the processes' collective, at the run's end.
+    pub(crate) fn finish(&self) {
+        if let Some(across) = &self.across {
+            across.finish();
         }
     }
 
@@ -376,6 +397,18 @@ impl HostExchange {
                     });
                 }
                 sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+            }
+            if let Some(across) = &self.across {
+                // The other replicas wait on `ready` (the lock is theirs
+                // again only once this sum is in).
+                sum = match across.sum(sum) {
+                    Ok(sum) => sum,
+                    Err(e) => {
+                        state.aborted = true;
+                        self.ready.notify_all();
+                        return Err(e);
+                    }
+                };
             }
             state.sum = Arc::new(sum);
             state.arrived = 0;
@@ -417,8 +450,12 @@ pub(crate) struct Group<B: Backend> {
     pub(crate) devices: Arc<Vec<B::Device>>,
     /// The sums of this process's replicas on the host.
     pub(crate) host: Arc<HostExchange>,
-    /// Whether the replicas sum over a process group (several processes).
+    /// Whether the replicas are in several processes.
     pub(crate) processes: bool,
+    /// Whether they sum over the runtime's process group (NCCL across
+    /// processes); else through the host, and across processes with
+    /// `burn-collective` ([`HostExchange`]).
+    pub(crate) process_group: bool,
     /// Across processes: the parameters (summed over the steps) whose
     /// gradient this replica had and another had not, or the reverse, still
     /// on the device ([`Group::check_agreement`]).
@@ -441,7 +478,7 @@ impl<B: AttentionBackend> Group<B> {
         if self.replicas() < 2 || tensors.is_empty() {
             return Ok(tensors);
         }
-        if self.processes {
+        if self.process_group {
             return B::process_group_sum(tensors, self.device()).ok_or_else(|| {
                 TrainError::Replica {
                     rank: self.rank,
@@ -505,7 +542,7 @@ impl<B: AttentionBackend> Group<B> {
             .iter()
             .map(|(key, _)| f32::from(u8::from(buffer.get(key).is_some())))
             .collect();
-        if self.processes {
+        if self.process_group {
             return self.sum_gradients_across_processes(buffer, parameters, have);
         }
         let anyone = self.host.sum(self.local, have)?;
@@ -736,6 +773,7 @@ mod tests {
                             devices: devices.clone(),
                             host: host.clone(),
                             processes: false,
+                            process_group: false,
                             disagreements: None,
                         };
                         let (parameters, buffer) = (&parameters, &buffer);

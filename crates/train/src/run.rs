@@ -35,6 +35,7 @@ use crate::checkpoint::{
     write_checkpoint, Best, Checkpoint, CheckpointMeta, DataInfo, EpochPosition, EpochRecord,
     Progress, FORMAT_VERSION,
 };
+use crate::collective::{self, ProcessSum};
 use crate::config::{PhaseTiming, RunConfig, Task};
 use crate::error::{Result, TrainError};
 use crate::loss::{
@@ -705,6 +706,7 @@ where
     };
     let processes = world.size > 1;
     let mut links = None;
+    let mut across = None;
     if processes {
         // Every process starts from the same weights (the same seed, or the
         // same checkpoint): the fingerprint checks it.
@@ -714,15 +716,19 @@ where
             print.extend(key.as_bytes());
             print.extend(t.values.iter().flat_map(|v| v.to_le_bytes()));
         }
-        let joined = join_processes::<AB::InnerBackend>(
+        let (joined, how) = join_processes::<AB::InnerBackend>(
             world,
             devices,
             first,
             replicas,
             fingerprint(&print),
         )?;
+        if let Joined::Host(sum) = how {
+            across = Some(sum);
+        }
         // A process lost mid-run would leave the others waiting in a sum
-        // forever (an NCCL collective has no timeout): stop instead.
+        // forever (neither an NCCL collective nor burn-collective has a
+        // timeout): stop instead.
         let rank = world.rank;
         joined.watch(move |lost| {
             tracing::error!(
@@ -741,9 +747,13 @@ where
         first,
         replicas,
         processes,
+        process_group: processes && across.is_none(),
     };
     let shared_devices = Arc::new(devices.to_vec());
-    let host = Arc::new(HostExchange::new(devices.len()));
+    let host = Arc::new(match across {
+        Some(across) => HostExchange::across_processes(devices.len(), across),
+        None => HostExchange::new(devices.len()),
+    });
     // The worker replicas start from replica 0's weights, read once.
     let weights = (devices.len() > 1).then(|| {
         Arc::new(
@@ -763,6 +773,7 @@ where
             devices: shared_devices.clone(),
             host: host.clone(),
             processes,
+            process_group: ranks.process_group,
             disagreements: None,
         },
     );
@@ -840,6 +851,7 @@ where
         if let Some(links) = links.as_mut() {
             links.finish();
         }
+        host.finish();
         Ok(FitSummary {
             history: trainer.progress.history,
             best: trainer.progress.best,
@@ -852,17 +864,55 @@ where
     })
 }
 
+/// How this process's replicas sum with the other processes' ones.
+enum Joined {
+    /// Over the runtime's process group (NCCL): every replica is a rank.
+    ProcessGroup,
+    /// Through the host, and across processes with `burn-collective`.
+    Host(ProcessSum),
+}
+
 /// Meets the run's other processes ([`crate::world`]) and makes this
 /// process's replicas (on `devices`, global ranks from `first`) ranks of the
-/// process group of all `replicas`.
+/// process group of all `replicas` where the backend has one (NCCL on
+/// CUDA); on the other backends, joins the processes' `burn-collective`
+/// ([`crate::collective`]), which process 0's coordinator introduces.
 fn join_processes<B: AttentionBackend>(
     world: &World,
     devices: &[B::Device],
     first: usize,
     replicas: usize,
     print: u64,
-) -> Result<Links> {
+) -> Result<(Links, Joined)> {
     use burn::tensor::backend::DeviceOps;
+    if !B::has_collectives() {
+        let (id, links) = rendezvous(world, devices.len(), print, || {
+            collective::start_coordinator(world).map(collective::coordinator_id)
+        })?;
+        let port = collective::coordinator_port(&id).ok_or_else(|| {
+            TrainError::arg(
+                "world-size",
+                "process 0 sums with NCCL and this process cannot (every process needs the \
+                 same --backend)",
+            )
+        })?;
+        let (own, process0) = links.addresses().ok_or_else(|| {
+            TrainError::arg(
+                "rendezvous",
+                "no link to another process to learn addresses from",
+            )
+        })?;
+        let across = ProcessSum::join(world, (process0, port), own)?;
+        tracing::info!(
+            "process {} of {}: replicas {}..{} of {} (burn-collective, coordinator {process0}:{port})",
+            world.rank,
+            world.size,
+            first,
+            first + devices.len(),
+            replicas
+        );
+        return Ok((links, Joined::Host(across)));
+    }
     let mut ids: Vec<_> = devices.iter().map(DeviceOps::id).collect();
     ids.sort();
     ids.dedup();
@@ -875,18 +925,21 @@ fn join_processes<B: AttentionBackend>(
     let no_nccl = || {
         TrainError::arg(
             "world-size",
-            "data parallel across processes needs a backend with NCCL (cuda); \
-             this backend trains on the devices of one process (--devices)",
+            "this backend's runtime has no NCCL across processes",
         )
     };
-    if !B::has_collectives() {
-        return Err(no_nccl());
-    }
     let (id, links) = rendezvous(world, devices.len(), print, || {
         B::process_group_id()
             .ok_or_else(no_nccl)?
             .map_err(|e| TrainError::arg("world-size", format!("NCCL: {e}")))
     })?;
+    if collective::coordinator_port(&id).is_some() {
+        return Err(TrainError::arg(
+            "world-size",
+            "process 0 sums with burn-collective and this process with NCCL (every process \
+             needs the same --backend)",
+        ));
+    }
     for (k, device) in devices.iter().enumerate() {
         if !B::join_process_group(device, id, first + k, replicas) {
             return Err(no_nccl());
@@ -900,7 +953,7 @@ fn join_processes<B: AttentionBackend>(
         first + devices.len(),
         replicas
     );
-    Ok(links)
+    Ok((links, Joined::ProcessGroup))
 }
 
 /// The training and (when there are validation samples) validation loaders.

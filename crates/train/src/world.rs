@@ -164,6 +164,19 @@ impl Links {
         Ok(())
     }
 
+    /// The address at which the other processes reach this one, and
+    /// process 0's (process 0: its own), as the first link saw them.
+    pub fn addresses(&self) -> Option<(std::net::IpAddr, std::net::IpAddr)> {
+        let (rank, stream) = self.links.first()?;
+        let own = stream.local_addr().ok()?.ip();
+        let process0 = if *rank == 0 {
+            stream.peer_addr().ok()?.ip()
+        } else {
+            own
+        };
+        Some((own, process0))
+    }
+
     /// Says that this process's part of the run is done (the run's last sum
     /// is): the others are told, and their ends are no longer reported.
     pub fn finish(&mut self) {
