@@ -55,7 +55,7 @@ aam_stage() {
   local dir
   dir=$(mktemp -d "$JOB_SCRATCH/input.XXXXXX")
   if [ "${AAM_ALL_NODES:-0}" = 1 ]; then
-    srun --ntasks-per-node=1 mkdir -p "$dir" >&2 && sbcast -f "$1" "$dir/$(basename "$1")" >&2 \
+    $AAM_PER_NODE mkdir -p "$dir" >&2 && sbcast -f "$1" "$dir/$(basename "$1")" >&2 \
       && echo "$dir/$(basename "$1")"
   else
     cp "$1" "$dir/" && echo "$dir/$(basename "$1")"
@@ -88,23 +88,26 @@ aam_pretrain() {
     --resume-from auto ${AAM_ARGS:-}
 }
 
-# The body of pretrain_multi.sh: one aam-rs process per node (srun, one task per node), each
-# training on AAM_DEVICES (default: $1) of its node; the processes take their ranks and the
-# rendezvous (the job's first node) from SLURM's variables, and sum through NCCL. The scratch
-# folder, the staged inputs and the GPU check are on every node.
+# The body of pretrain_multi.sh: one aam-rs process per task (srun; one task per node by
+# default), each training on AAM_DEVICES (default: $1) of its node; the processes take their
+# ranks and the rendezvous (the job's first node) from SLURM's variables, and sum through NCCL
+# (CUDA) or burn-collective (the other backends). The scratch folder, the staged inputs and the
+# GPU check are on every node, once.
 aam_pretrain_multi() {
   aam_require AAM_TABLE AAM_OUT
   aam_init
   AAM_ALL_NODES=1
-  srun --ntasks-per-node=1 mkdir -p "$JOB_SCRATCH"
-  trap 'srun --ntasks-per-node=1 rm -rf "$JOB_SCRATCH"' EXIT
+  # Once on each node, also when a node runs several tasks (one per GPU).
+  AAM_PER_NODE="srun --nodes=$SLURM_JOB_NUM_NODES --ntasks=$SLURM_JOB_NUM_NODES --ntasks-per-node=1"
+  $AAM_PER_NODE mkdir -p "$JOB_SCRATCH"
+  trap '$AAM_PER_NODE rm -rf "$JOB_SCRATCH"' EXIT
   if [ -f "$JOB_SCRATCH/cubecl.toml" ]; then
     sbcast -f "$JOB_SCRATCH/cubecl.toml" "$JOB_SCRATCH/cubecl.toml"
   fi
   local table
   table=$(aam_stage "$AAM_TABLE")
   aam_unifrac_args
-  AAM_GATE_LAUNCH="srun --ntasks-per-node=1" aam_gate
+  AAM_GATE_LAUNCH="$AAM_PER_NODE" aam_gate
   # shellcheck disable=SC2086 # AAM_ARGS holds several flags
   AAM_LAUNCH="srun --kill-on-bad-exit=1" aam_run pretrain --backend "$AAM_BACKEND" \
     --devices "${AAM_DEVICES:-$1}" --table "$table" "${UNIFRAC_ARGS[@]}" --output-dir "$AAM_OUT" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pre-train across several nodes, data parallel: one process per node (srun, one task per node)
 # on every GPU of its node; every replica of every node sums through one NCCL communicator
-# (CUDA; docs/training.md). Ranks and the rendezvous come from SLURM's variables (SLURM_PROCID,
+# (CUDA), or through the host and burn-collective (the other backends; docs/training.md). Ranks and the rendezvous come from SLURM's variables (SLURM_PROCID,
 # SLURM_NTASKS, the job's first node; the port is 20000 + job ID mod 20000). --batch-size stays
 # the global batch: 2 nodes of 4 GPUs and AAM_ARGS="--batch-size 64" train 8 samples per GPU.
 # Submit from the repository root:

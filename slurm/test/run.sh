@@ -2,7 +2,10 @@
 # The slurm/ templates on a real SLURM: a one-node cluster on this machine (cluster.sh), the CPU
 # backend, the bundled demo. Submits with sbatch, as a user would (from the repository root,
 # settings exported, `--gpus-per-node=0` because the test node has no GPU):
-#   1. pretrain_single.sh; 2. pretrain_node.sh with two replicas (AAM_DEVICES=0,0);
+#   1. pretrain_single.sh; 2. pretrain_node.sh with two replicas (AAM_DEVICES=0,0; dropout and
+#      masking off); 7. pretrain_multi.sh as two tasks on the one node (--ntasks=2, one replica
+#      each): ranks and rendezvous from SLURM, sums across the processes with burn-collective;
+#      ends with job 2's metrics and weights (benches/compare_runs.py, tolerance 1e-5);
 #   3. train.sh from the first job's encoder; 4. predict.sh with the third job's model;
 #   5. unifrac.sh (the demo's tree): within 1e-6 of the demo's ssu matrix (`unifrac-bench compare`);
 #   6. pretrain_single.sh again, sent SLURM's time-limit warning (USR1 to the batch shell) mid-run:
@@ -49,8 +52,11 @@ submit single pretrain_single.sh AAM_TABLE=crates/data/demo/demo.biom \
 [ -s "$WORK/single/checkpoints/best.safetensors" ] || fail "single: no best checkpoint"
 grep -q "attention" "$WORK/single.out" || fail "single: the attention check did not run"
 
+# Dropout and masking off: job 7 must end with this job's weights (the CPU backends draw them
+# from one generator per process, which two replicas on threads of one process share).
+DETERMINISTIC="$ARGS --dropout 0 --nuc-mask-ratio 0"
 submit node pretrain_node.sh AAM_TABLE="$DEMO/demo.biom" AAM_MATRIX="$DEMO/unifrac.unweighted.h5" \
-  AAM_OUT="$WORK/node" AAM_DEVICES=0,0 AAM_DIAGNOSE=0 AAM_ARGS="$ARGS"
+  AAM_OUT="$WORK/node" AAM_DEVICES=0,0 AAM_DIAGNOSE=0 AAM_ARGS="$DETERMINISTIC"
 grep -q "data parallel: 2 replicas" "$WORK/node.out" || fail "node: not two replicas"
 [ "$(wc -l < "$WORK/node/metrics.csv")" = 4 ] || fail "node: metrics.csv has not 3 epochs"
 
@@ -100,4 +106,17 @@ grep -q "requeueing job $job" "$WORK/requeue.out" || fail "requeue: the job did 
 echo "ok   requeue: job $job got USR1, checkpointed, requeued, resumed ($restarts restart), $((SECONDS - started)) s"
 python3 benches/compare_runs.py --tolerance 0 "$WORK/single" "$WORK/requeued" \
   || fail "requeue: the resumed job does not end as the uninterrupted one"
+
+# 7. Several processes: pretrain_multi.sh's two tasks on the one node, one replica each.
+SLURM_OVERRIDES="--nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --exclusive"
+env AAM_TABLE="$DEMO/demo.biom" AAM_MATRIX="$DEMO/unifrac.unweighted.h5" AAM_OUT="$WORK/multi" \
+  AAM_DEVICES=0 AAM_DIAGNOSE=0 AAM_ARGS="$DETERMINISTIC" \
+  sbatch --wait --parsable --gpus-per-node=0 $SLURM_OVERRIDES --job-name=aam-test-multi \
+  --output="$WORK/multi.out" slurm/pretrain_multi.sh > "$WORK/multi.id" \
+  || fail "multi (pretrain_multi.sh) failed"
+echo "ok   multi: pretrain_multi.sh, job $(cat "$WORK/multi.id"), $((SECONDS - started)) s"
+grep -q "process 1 of 2" "$WORK/multi.out" || fail "multi: no second process"
+grep -q "burn-collective" "$WORK/multi.out" || fail "multi: the processes did not sum with burn-collective"
+python3 benches/compare_runs.py --tolerance 1e-5 "$WORK/node" "$WORK/multi" \
+  || fail "multi: two processes do not end as two replicas in one process"
 echo "all SLURM template checks passed in $((SECONDS - started)) s"

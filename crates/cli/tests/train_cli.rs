@@ -2212,6 +2212,101 @@ fn two_processes_train_as_two_replicas_in_one() {
     }
 }
 
+/// Two CPU processes stop together: SIGUSR1 to process 1 alone stops both
+/// at the same step with status 75 and one checkpoint, from which both
+/// resume to the end, ending as two replicas in one process do. A process
+/// killed mid-run is named by the other, which exits instead of waiting in
+/// the next sum forever.
+#[test]
+fn processes_stop_together_and_a_lost_one_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |out: &Path, epochs: usize, extra: &[&str]| {
+        let mut a = tiny("pretrain", out, epochs);
+        a.extend(args(&["--dropout", "0", "--nuc-mask-ratio", "0"]));
+        a.extend(args(extra));
+        a
+    };
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string()
+    };
+    let pair = |out: &Path, epochs: usize, port: &str| {
+        let rendezvous = format!("127.0.0.1:{port}");
+        let rank = |r: &str| {
+            Running::start(&run(
+                out,
+                epochs,
+                &[
+                    "--devices",
+                    "0",
+                    "--world-size",
+                    "2",
+                    "--rank",
+                    r,
+                    "--rendezvous",
+                    &rendezvous,
+                    "--checkpoint-every-steps",
+                    "1",
+                    "--resume-from",
+                    "auto",
+                ],
+            ))
+        };
+        (rank("0"), rank("1"))
+    };
+    let epochs = 12;
+    let threads = tmp.path().join("threads");
+    run_ok(&run(&threads, epochs, &["--devices", "0,0"]));
+
+    let procs = tmp.path().join("procs");
+    let (zero, one) = pair(&procs, epochs, &free_port());
+    assert!(one.wait_for("process 1 of 2"), "process 1 did not join");
+    one.signal("USR1");
+    let ((s0, log0), (s1, log1)) = (zero.finish(), one.finish());
+    assert_eq!(s1.code(), Some(75), "process 1 after SIGUSR1:\n{log1}");
+    assert_eq!(
+        s0.code(),
+        Some(75),
+        "process 0 after process 1's SIGUSR1:\n{log0}"
+    );
+    assert!(procs.join("checkpoints/last.safetensors").is_file());
+    // Both resume from process 0's checkpoint and end as two replicas in one process.
+    let (zero, one) = pair(&procs, epochs, &free_port());
+    let ((s0, log0), (s1, log1)) = (zero.finish(), one.finish());
+    assert!(s0.success() && s1.success(), "resumed:\n{log0}\n{log1}");
+    assert!(log0.contains("resum"), "{log0}");
+    let (_, want) = metrics(&threads);
+    let (_, got) = metrics(&procs);
+    assert_eq!(want.len(), got.len());
+    for (w, g) in want.iter().zip(&got) {
+        let (w, g) = (w["train_total_loss"], g["train_total_loss"]);
+        assert!((w - g).abs() <= 1e-5 * w.abs().max(1.0), "{w} against {g}");
+    }
+
+    // Process 1 killed: process 0 names it and exits.
+    let lost = tmp.path().join("lost");
+    let (zero, mut one) = pair(&lost, 1000, &free_port());
+    assert!(one.wait_for("process 1 of 2"), "process 1 did not join");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    one.child.kill().unwrap();
+    one.child.wait().unwrap();
+    let started = std::time::Instant::now();
+    let (status, log) = zero.finish();
+    assert_eq!(status.code(), Some(1), "{log}");
+    // Named by the links (`process 1 of the run stopped`), or by the sum
+    // that met the lost process first.
+    assert!(
+        log.contains("process 1 of the run stopped")
+            || log.contains("another process of the run stopped"),
+        "{log}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+}
+
 /// `--memory-profile` on a backend that reports device memory (wgpu, on
 /// lavapipe in CI) writes the in-use bytes after each phase of the step; on
 /// one that does not (ndarray) it says so and the run goes on.

@@ -189,7 +189,10 @@ impl ProcessSum {
         )
         .map_err(|e| TrainError::Replica {
             rank: self.rank,
-            reason: format!("a sum across processes (burn-collective): {e:?}"),
+            reason: format!(
+                "a sum across processes failed (burn-collective: {e:?}): another process of \
+                 the run stopped or cannot be reached (its log says why)"
+            ),
         })?;
         Tensor::<Host, 1>::from_primitive(TensorPrimitive::Float(summed))
             .into_data()
