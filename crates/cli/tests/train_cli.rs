@@ -1319,12 +1319,7 @@ fn bad_input_names_the_flag() {
     assert_eq!(metrics(&tmp.path().join("dp")).1.len(), 1);
     // Processes: process 0 names the process that did not come; a rank is
     // needed.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let rendezvous = format!("127.0.0.1:{port}");
+    let rendezvous = local_rendezvous();
     let stderr = run_err(&dp(&[
         "--world-size",
         "2",
@@ -2114,6 +2109,44 @@ fn gradient_checkpointing_trains_the_same_model() {
     }
 }
 
+/// `tiny` with dropout and masking off (a data-parallel run then takes
+/// the same steps however its replicas are spread), and `extra` flags.
+fn tiny_deterministic(out: &Path, epochs: usize, extra: &[&str]) -> Vec<String> {
+    let mut a = tiny("pretrain", out, epochs);
+    a.extend(args(&["--dropout", "0", "--nuc-mask-ratio", "0"]));
+    a.extend(args(extra));
+    a
+}
+
+/// `127.0.0.1:<a free port>`, for a rendezvous.
+fn local_rendezvous() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", listener.local_addr().unwrap().port())
+}
+
+/// A run of two processes of one replica each on the CPU backend, meeting
+/// on a free port of localhost: process 0 and process 1, started.
+fn two_processes(out: &Path, epochs: usize, extra: &[&str]) -> (Running, Running) {
+    let rendezvous = local_rendezvous();
+    let rank = |r: &str| {
+        let mut flags = vec![
+            "--devices",
+            "0",
+            "--world-size",
+            "2",
+            "--rank",
+            r,
+            "--rendezvous",
+            &rendezvous,
+            "--rendezvous-timeout",
+            "60",
+        ];
+        flags.extend(extra);
+        Running::start(&tiny_deterministic(out, epochs, &flags))
+    };
+    (rank("0"), rank("1"))
+}
+
 /// Data parallel across processes on a backend without NCCL (ndarray:
 /// the host sums, crossing processes with burn-collective): two processes
 /// of one replica each, meeting on localhost, take the steps of one process
@@ -2122,48 +2155,12 @@ fn gradient_checkpointing_trains_the_same_model() {
 #[test]
 fn two_processes_train_as_two_replicas_in_one() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = |out: &Path, extra: &[&str]| {
-        let mut a = tiny("pretrain", out, 2);
-        a.extend(args(&["--dropout", "0", "--nuc-mask-ratio", "0"]));
-        a.extend(args(extra));
-        a
-    };
     let (threads, procs) = (tmp.path().join("threads"), tmp.path().join("procs"));
-    run_ok(&run(&threads, &["--devices", "0,0"]));
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let rank = |r: &str| {
-        run(
-            &procs,
-            &[
-                "--devices",
-                "0",
-                "--world-size",
-                "2",
-                "--rank",
-                r,
-                "--rendezvous",
-                &format!("127.0.0.1:{port}"),
-                "--rendezvous-timeout",
-                "60",
-            ],
-        )
-    };
-    let other = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
-        .args(rank("1"))
-        .env("AAM_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let log = run_ok(&rank("0"));
-    let other = other.wait_with_output().unwrap();
-    let other_log = String::from_utf8_lossy(&other.stderr);
-    assert!(other.status.success(), "process 1 failed:\n{other_log}");
+    run_ok(&tiny_deterministic(&threads, 2, &["--devices", "0,0"]));
+    let (zero, one) = two_processes(&procs, 2, &[]);
+    let ((s0, log), (s1, other_log)) = (zero.finish(), one.finish());
+    assert!(s0.success(), "process 0 failed:\n{log}");
+    assert!(s1.success(), "process 1 failed:\n{other_log}");
     assert!(log.contains("burn-collective"), "{log}");
 
     let (_, want) = metrics(&threads);
@@ -2220,50 +2217,14 @@ fn two_processes_train_as_two_replicas_in_one() {
 #[test]
 fn processes_stop_together_and_a_lost_one_is_named() {
     let tmp = tempfile::tempdir().unwrap();
-    let run = |out: &Path, epochs: usize, extra: &[&str]| {
-        let mut a = tiny("pretrain", out, epochs);
-        a.extend(args(&["--dropout", "0", "--nuc-mask-ratio", "0"]));
-        a.extend(args(extra));
-        a
-    };
-    let free_port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-            .to_string()
-    };
-    let pair = |out: &Path, epochs: usize, port: &str| {
-        let rendezvous = format!("127.0.0.1:{port}");
-        let rank = |r: &str| {
-            Running::start(&run(
-                out,
-                epochs,
-                &[
-                    "--devices",
-                    "0",
-                    "--world-size",
-                    "2",
-                    "--rank",
-                    r,
-                    "--rendezvous",
-                    &rendezvous,
-                    "--checkpoint-every-steps",
-                    "1",
-                    "--resume-from",
-                    "auto",
-                ],
-            ))
-        };
-        (rank("0"), rank("1"))
-    };
+    let resumable = ["--checkpoint-every-steps", "1", "--resume-from", "auto"];
+    let pair = |out: &Path, epochs: usize| two_processes(out, epochs, &resumable);
     let epochs = 12;
     let threads = tmp.path().join("threads");
-    run_ok(&run(&threads, epochs, &["--devices", "0,0"]));
+    run_ok(&tiny_deterministic(&threads, epochs, &["--devices", "0,0"]));
 
     let procs = tmp.path().join("procs");
-    let (zero, one) = pair(&procs, epochs, &free_port());
+    let (zero, one) = pair(&procs, epochs);
     assert!(one.wait_for("process 1 of 2"), "process 1 did not join");
     one.signal("USR1");
     let ((s0, log0), (s1, log1)) = (zero.finish(), one.finish());
@@ -2275,7 +2236,7 @@ fn processes_stop_together_and_a_lost_one_is_named() {
     );
     assert!(procs.join("checkpoints/last.safetensors").is_file());
     // Both resume from process 0's checkpoint and end as two replicas in one process.
-    let (zero, one) = pair(&procs, epochs, &free_port());
+    let (zero, one) = pair(&procs, epochs);
     let ((s0, log0), (s1, log1)) = (zero.finish(), one.finish());
     assert!(s0.success() && s1.success(), "resumed:\n{log0}\n{log1}");
     assert!(log0.contains("resum"), "{log0}");
@@ -2289,7 +2250,7 @@ fn processes_stop_together_and_a_lost_one_is_named() {
 
     // Process 1 killed: process 0 names it and exits.
     let lost = tmp.path().join("lost");
-    let (zero, mut one) = pair(&lost, 1000, &free_port());
+    let (zero, mut one) = pair(&lost, 1000);
     assert!(one.wait_for("process 1 of 2"), "process 1 did not join");
     std::thread::sleep(std::time::Duration::from_millis(500));
     one.child.kill().unwrap();
