@@ -41,7 +41,10 @@
 //! first (a parameter may have none on a shard), so every replica sums the
 //! same tensors in the same order.
 //!
-//! Across processes ([`crate::world`]) every replica is a rank of one NCCL
+//! Across processes ([`crate::world`]) without NCCL, each process sums its
+//! replicas through the host as above, and `HostExchange` all-reduces that
+//! sum with the other processes' (`burn-collective`, `collective.rs`).
+//! With NCCL (CUDA), every replica is a rank of one NCCL
 //! communicator over all of them, and every sum goes through it
 //! (`RuntimeOps::process_group_sum`); which gradients exist is then not
 //! agreed through the host (a read would drain each GPU's queue mid-step):

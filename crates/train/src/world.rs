@@ -7,15 +7,18 @@
 //! of global ranks `p·L .. p·L+L` of `P·L`, and each replica runs the shard
 //! of its global rank ([`crate::parallel`]). The replicas sum through one
 //! NCCL communicator whose ranks are all of them
-//! ([`aam_models::RuntimeOps::process_group_sum`]); nothing else crosses
-//! processes, so the processes stay in step by doing the same work.
+//! ([`aam_models::RuntimeOps::process_group_sum`]) on CUDA, and through the
+//! host and `burn-collective` on the other backends (`collective.rs`);
+//! nothing else crosses processes, so the processes stay in step by doing
+//! the same work.
 //! Only process 0 writes checkpoints, metrics and predictions.
 //!
 //! **Rendezvous.** Process 0 listens on the rendezvous address's port; every
 //! other process connects (retrying until the timeout: process 0 may start
 //! last), says its rank, its number of replicas and a fingerprint of the run
 //! (configuration, training samples, initial weights), and receives the
-//! communicator's unique id, made by process 0's runtime. Process 0 refuses
+//! communicator's unique id, made by process 0's runtime (or the port of
+//! the `burn-collective` coordinator that process 0 started). Process 0 refuses
 //! a process whose rank repeats, whose device count or whose run differs,
 //! and says why to it. The rendezvous
 //! carries these few bytes once; the sums themselves go through NCCL.
@@ -28,7 +31,8 @@
 //! A process that completes its part says so first ([`Links::finish`]);
 //! otherwise, unless the others are ending too (they met the same error
 //! within a few seconds), they cannot go on: the next sum would wait
-//! for the lost process forever (an NCCL collective has no timeout), so
+//! for the lost process forever (neither NCCL nor burn-collective has a
+//! timeout), so
 //! [`Links::watch`]'s caller stops the process (the trainer exits with an
 //! error naming the lost process; process 0's end then stops the others).
 
