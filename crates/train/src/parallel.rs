@@ -362,6 +362,11 @@ impl HostExchange {
         }
     }
 
+    /// Whether its sums cross processes (`burn-collective`).
+    pub(crate) fn crosses_processes(&self) -> bool {
+        self.across.is_some()
+    }
+
     /// Leaves the processes' collective, at the run's end.
     pub(crate) fn finish(&self) {
         if let Some(across) = &self.across {
@@ -455,10 +460,6 @@ pub(crate) struct Group<B: Backend> {
     pub(crate) host: Arc<HostExchange>,
     /// Whether the replicas are in several processes.
     pub(crate) processes: bool,
-    /// Whether they sum over the runtime's process group (NCCL across
-    /// processes); else through the host, and across processes with
-    /// `burn-collective` ([`HostExchange`]).
-    pub(crate) process_group: bool,
     /// Across processes: the parameters (summed over the steps) whose
     /// gradient this replica had and another had not, or the reverse, still
     /// on the device ([`Group::check_agreement`]).
@@ -474,6 +475,13 @@ impl<B: AttentionBackend> Group<B> {
         &self.devices[self.local]
     }
 
+    /// Whether the replicas sum over the runtime's process group (NCCL
+    /// across processes), rather than through the host (which crosses
+    /// processes with `burn-collective` where it must).
+    fn process_group(&self) -> bool {
+        self.processes && !self.host.crosses_processes()
+    }
+
     /// Each tensor (on this replica's device) summed over the replicas, in
     /// its shape and dtype. Every replica calls with the same shapes in the
     /// same order.
@@ -481,7 +489,7 @@ impl<B: AttentionBackend> Group<B> {
         if self.replicas() < 2 || tensors.is_empty() {
             return Ok(tensors);
         }
-        if self.process_group {
+        if self.process_group() {
             return B::process_group_sum(tensors, self.device()).ok_or_else(|| {
                 TrainError::Replica {
                     rank: self.rank,
@@ -545,7 +553,7 @@ impl<B: AttentionBackend> Group<B> {
             .iter()
             .map(|(key, _)| f32::from(u8::from(buffer.get(key).is_some())))
             .collect();
-        if self.process_group {
+        if self.process_group() {
             return self.sum_gradients_across_processes(buffer, parameters, have);
         }
         let anyone = self.host.sum(self.local, have)?;
@@ -776,7 +784,6 @@ mod tests {
                             devices: devices.clone(),
                             host: host.clone(),
                             processes: false,
-                            process_group: false,
                             disagreements: None,
                         };
                         let (parameters, buffer) = (&parameters, &buffer);

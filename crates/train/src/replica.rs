@@ -299,9 +299,6 @@ pub(crate) struct Ranks {
     pub(crate) replicas: usize,
     /// Whether they are in several processes.
     pub(crate) processes: bool,
-    /// Whether they sum over the runtime's process group (NCCL), rather
-    /// than through the host and `burn-collective`.
-    pub(crate) process_group: bool,
 }
 
 /// This process's worker replicas (local ranks 1..L) of a data-parallel run,
@@ -343,7 +340,6 @@ impl Workers {
                     devices: devices.clone(),
                     host: host.clone(),
                     processes: ranks.processes,
-                    process_group: ranks.process_group,
                     disagreements: None,
                 };
                 let (reply, weights) = (reply.clone(), weights.clone());

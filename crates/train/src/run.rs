@@ -747,7 +747,6 @@ where
         first,
         replicas,
         processes,
-        process_group: processes && across.is_none(),
     };
     let shared_devices = Arc::new(devices.to_vec());
     let host = Arc::new(match across {
@@ -773,7 +772,6 @@ where
             devices: shared_devices.clone(),
             host: host.clone(),
             processes,
-            process_group: ranks.process_group,
             disagreements: None,
         },
     );
