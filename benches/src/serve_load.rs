@@ -130,12 +130,7 @@ fn main() {
             })
             .collect(),
     );
-    let kept: std::collections::HashSet<&str> = text
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split('\t').next())
-        .collect();
-    samples.retain(|s| kept.contains(s.id.as_str()));
+    samples.retain(|s| reference.contains_key(&s.id));
     let n = samples.len();
     let (all, few) = (tmp.join("kept.json"), tmp.join("few.json"));
     let small = 64.min(n / 4);
