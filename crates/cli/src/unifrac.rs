@@ -6,6 +6,8 @@ use std::time::Instant;
 
 use aam_data::{BiomTable, IdList};
 use aam_unifrac::{Method, Options, Report, Tree};
+
+use aam_cli::backend::BackendKind;
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -54,6 +56,10 @@ pub struct UnifracArgs {
     /// Worker threads (0: every core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Compute on this GPU backend (wgpu, cuda or rocm, where compiled in)
+    /// instead of the CPU: double precision on CUDA and ROCm, single on wgpu.
+    #[arg(long, value_name = "BACKEND")]
+    gpu: Option<BackendKind>,
     /// Leave out observations that are not tips of the tree instead of stopping.
     #[arg(long)]
     drop_missing: bool,
@@ -76,6 +82,10 @@ pub fn run(args: UnifracArgs) -> Result<()> {
     if args.method == MethodArg::FaithPd && (args.variance_adjusted || args.fp32) {
         bail!("--variance-adjusted and --fp32 do not apply to --method faith_pd");
     }
+    if args.gpu.is_some() && args.method == MethodArg::FaithPd {
+        bail!("--gpu does not apply to --method faith_pd (a sum per sample, on the CPU)");
+    }
+    let gpu = args.gpu.map(gpu).transpose()?;
     let options = Options {
         method,
         variance_adjusted: args.variance_adjusted,
@@ -114,10 +124,15 @@ pub fn run(args: UnifracArgs) -> Result<()> {
             .expect("valid template")
             .progress_chars("=> "),
     );
-    let (matrix, report) = aam_unifrac::unifrac(&table, &tree, &options, &mut |done, total| {
+    let mut progress = |done: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })?;
+    };
+    let (matrix, report) = match gpu {
+        None => aam_unifrac::unifrac(&table, &tree, &options, &mut progress)?,
+        #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+        Some(gpu) => aam_unifrac::unifrac_on_gpu(&table, &tree, &options, gpu, &mut progress)?,
+    };
     bar.finish_and_clear();
     warn(&report);
     matrix.write(&args.output, args.fp32)?;
@@ -135,6 +150,31 @@ pub fn run(args: UnifracArgs) -> Result<()> {
         n = matrix.len(),
     );
     Ok(())
+}
+
+/// The GPU runtime of `--gpu`, once its device is seen.
+#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+type Gpu = aam_unifrac::Gpu;
+/// No GPU runtime is compiled in: `--gpu` is always refused.
+#[cfg(not(any(feature = "wgpu", feature = "cuda", feature = "rocm")))]
+type Gpu = std::convert::Infallible;
+
+fn gpu(kind: BackendKind) -> Result<Gpu> {
+    kind.ensure_available()?;
+    match kind {
+        #[cfg(feature = "wgpu")]
+        BackendKind::Wgpu => Ok(Gpu::Wgpu),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => Ok(Gpu::Cuda),
+        #[cfg(feature = "rocm")]
+        BackendKind::Rocm => Ok(Gpu::Rocm),
+        #[allow(unreachable_patterns)]
+        other => bail!(
+            "--gpu {}: UniFrac runs on the GPU backends wgpu, cuda and rocm (where compiled in; \
+             `aam-rs backends` lists them); leave out --gpu for the CPU",
+            other.name()
+        ),
+    }
 }
 
 fn warn(report: &Report) {

@@ -82,6 +82,10 @@ pub enum Error {
     #[error("{0}")]
     Option(String),
 
+    /// The GPU path cannot run this input, or its device failed.
+    #[error("GPU: {0}")]
+    Gpu(String),
+
     /// The table could not be read.
     #[error(transparent)]
     Data(#[from] aam_data::Error),

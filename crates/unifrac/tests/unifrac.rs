@@ -425,3 +425,53 @@ fn empty_samples_and_missing_tips_are_named_or_dropped_on_request() {
         .to_string()
         .contains("--alpha"));
 }
+
+/// The GPU path on wgpu (Mesa's lavapipe in CI), which computes in single
+/// precision: every method `ssu` has, within 1e-5 of its fp32 output, on the
+/// demo and every fixture (and oral2550's 2,537 samples, unweighted, where
+/// the shared data is present); variance adjustment is refused by name.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_gpu_path_matches_ssu_fp32_on_wgpu() {
+    use aam_unifrac::{unifrac_on_gpu, Gpu};
+    let mut sets = vec![(demo("demo.biom"), demo("tree.nwk"), false, &METHODS[..])];
+    if let Some(root) = shared() {
+        for (table, tree, has_empty) in SETS {
+            sets.push((root.join(table), root.join(tree), has_empty, &METHODS[..]));
+        }
+        sets.push((
+            root.join("oral2550/oral_2550.biom"),
+            root.join("oral2550/tree.fasttree-midpoint.nwk"),
+            false,
+            &METHODS[..1],
+        ));
+    }
+    for (table_path, tree_path, has_empty, methods) in sets {
+        let table = BiomTable::read(&table_path).unwrap();
+        let tree = Tree::read(&tree_path).unwrap();
+        for &method in methods {
+            let options = options(method, false, has_empty);
+            let start = std::time::Instant::now();
+            let (ours, report) =
+                unifrac_on_gpu(&table, &tree, &options, Gpu::Wgpu, &mut |_, _| {}).unwrap();
+            let seconds = start.elapsed().as_secs_f64();
+            assert_eq!(report.dropped_samples.len(), has_empty as usize);
+            let (ids, theirs) = ssu(&table_path, &tree_path, method, false, true);
+            let diff = max_diff(&ours, &ids, &theirs);
+            eprintln!(
+                "{} {method:?}: {} samples in {seconds:.2} s, max |gpu - ssu fp32| = {diff:e}",
+                table_path.display(),
+                ours.len()
+            );
+            assert!(
+                diff <= 1e-5,
+                "{} {method:?}: max |gpu - ssu fp32| = {diff:e}",
+                table_path.display()
+            );
+        }
+    }
+    let (table, tree) = demo_inputs();
+    let vaw = options(Method::WeightedNormalized, true, false);
+    let err = unifrac_on_gpu(&table, &tree, &vaw, Gpu::Wgpu, &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("CPU only"), "{err}");
+}
