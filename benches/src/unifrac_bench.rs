@@ -6,7 +6,8 @@
 //!   real samples drawn at random (seeded), so it keeps the real ASVs, clades
 //!   and sparsity.
 //! - `unifrac-bench compare a.h5 b.h5`: the largest absolute difference of
-//!   two distance matrices, matched by sample ID.
+//!   two distance matrices in `ssu`'s HDF5 layout (in double precision),
+//!   matched by sample ID.
 //! - `unifrac-bench shear --table T --tree N --output O`: the tree sheared to
 //!   the table's observations (how `crates/data/demo/tree.nwk` was made).
 
@@ -71,29 +72,47 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             output,
         } => shear(&table, &tree, &output),
         Command::Compare { a, b } => {
-            let ids = aam_data::MatrixIds::Auto;
-            let (a, b) = (
-                aam_data::DistanceMatrix::read(&a, &ids)?,
-                aam_data::DistanceMatrix::read(&b, &ids)?,
-            );
-            let at: Vec<usize> = a
-                .ids()
-                .iter()
-                .map(|id| {
-                    b.position(id)
-                        .ok_or(format!("{id} is missing from the second matrix"))
-                })
-                .collect::<Result<_, _>>()?;
-            let mut worst = 0.0f32;
-            for i in 0..a.len() {
-                for j in 0..a.len() {
-                    worst = worst.max((a.get(i, j) - b.get(at[i], at[j])).abs());
+            let (a, b) = (read_h5(&a)?, read_h5(&b)?);
+            let position: std::collections::HashMap<&str, usize> =
+                b.0.iter()
+                    .enumerate()
+                    .map(|(i, id)| (id.as_str(), i))
+                    .collect();
+            let at: Vec<usize> =
+                a.0.iter()
+                    .map(|id| {
+                        position
+                            .get(id.as_str())
+                            .copied()
+                            .ok_or(format!("{id} is missing from the second matrix"))
+                    })
+                    .collect::<Result<_, _>>()?;
+            let (n, m) = (a.0.len(), b.0.len());
+            let mut worst = 0.0f64;
+            for i in 0..n {
+                for j in 0..n {
+                    worst = worst.max((a.1[i * n + j] - b.1[at[i] * m + at[j]]).abs());
                 }
             }
             println!("{worst:e}");
             Ok(())
         }
     }
+}
+
+/// IDs and values (widened to f64) of a matrix in `ssu`'s HDF5 layout.
+fn read_h5(path: &PathBuf) -> Result<(Vec<String>, Vec<f64>), Box<dyn std::error::Error>> {
+    let file = hdf5_pure::File::from_bytes(std::fs::read(path)?)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let ids = file
+        .dataset("order")
+        .and_then(|d| d.read_string())
+        .map_err(|e| format!("{}: order: {e}", path.display()))?;
+    let values = file
+        .dataset("matrix")
+        .and_then(|d| d.read_f64())
+        .map_err(|e| format!("{}: matrix: {e}", path.display()))?;
+    Ok((ids, values))
 }
 
 fn shear(

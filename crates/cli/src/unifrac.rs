@@ -134,6 +134,11 @@ pub fn run(args: UnifracArgs) -> Result<()> {
         Some(gpu) => aam_unifrac::unifrac_on_gpu(&table, &tree, &options, gpu, &mut progress)?,
     };
     bar.finish_and_clear();
+    tracing::info!(
+        "computed the distances of {} samples ({:.1} s)",
+        matrix.len(),
+        start.elapsed().as_secs_f64()
+    );
     warn(&report);
     matrix.write(&args.output, args.fp32)?;
     tracing::info!(

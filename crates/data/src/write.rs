@@ -30,10 +30,17 @@ pub fn write_atomic_with(
         std::process::id()
     ));
     let written = (|| {
+        let start = std::time::Instant::now();
         let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
         write(&mut w)?;
         let file = w.into_inner().map_err(|e| e.into_error())?;
+        let written = start.elapsed();
         file.sync_all()?;
+        tracing::debug!(
+            "{}: written in {written:.2?}, on disk after {:.2?}",
+            path.display(),
+            start.elapsed()
+        );
         std::fs::rename(&tmp, path)
     })();
     if let Err(e) = written {

@@ -22,9 +22,11 @@
 //! has its own two accumulators.
 //!
 //! **Branches in batches.** The host builds the rows of a batch of branches
-//! (sized to about 256 MiB) while the device sums the previous one; the
-//! accumulators stay on the device. A last kernel turns them into the
-//! symmetric N×N matrix, which is the one read back.
+//! (about 32 MiB) while the device sums the previous one; the accumulators
+//! stay on the device. A last kernel turns them into the symmetric N×N
+//! matrix, read back in pieces of the same size (CubeCL stages transfers in
+//! pinned host memory, which is reused at that size and costly to pin anew
+//! by the gigabyte).
 //!
 //! **Precision.** CUDA and ROCm compute in double precision (within 1e-9 of
 //! `ssu`); wgpu has no double precision in WGSL and computes in single
@@ -50,8 +52,10 @@ const SIDE: usize = 16;
 const PER: usize = TILE / SIDE;
 /// Branches staged in shared memory at a time.
 const STEP: usize = 16;
-/// Bytes of rows per batch of branches.
-const BATCH_BYTES: usize = 256 << 20;
+/// Bytes of rows per batch of branches, and of the matrix per read: CubeCL
+/// stages each transfer in pinned host memory, and pinning gigabytes at once
+/// costs more than the copy.
+const BATCH_BYTES: usize = 32 << 20;
 
 /// A GPU runtime compiled into this build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,7 +77,7 @@ pub enum Gpu {
 /// Launch: cube (x, y) = tile column and row, `SIDE × SIDE` units; `rows` is
 /// `branches × n_pad`, `branches` a multiple of `STEP` (padding rows zero),
 /// `n_pad` a multiple of `TILE`.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn pair_sums<F: Float>(
     rows: &Array<F>,
@@ -84,6 +88,7 @@ fn pair_sums<F: Float>(
     n_pad: usize,
     alpha: &Array<F>,
     #[comptime] generalized: bool,
+    #[comptime] first: bool,
 ) {
     let bj = CUBE_POS_X as usize;
     let bi = CUBE_POS_Y as usize;
@@ -122,7 +127,9 @@ fn pair_sums<F: Float>(
             sl[unit] = lengths[e0 + unit];
         }
         sync_cube();
-        #[unroll]
+        // Unrolled for the sums of differences; not with 16 inlined powers
+        // a branch, whose code would not fit the instruction cache.
+        #[unroll(!generalized)]
         for e in 0..STEP {
             #[unroll]
             for r in 0..PER {
@@ -162,9 +169,16 @@ fn pair_sums<F: Float>(
         #[unroll]
         for c in 0..PER {
             let at = (i0 + ty + r * SIDE) * n_pad + j0 + tx + c * SIDE;
-            num[at] += acc[r * PER + c];
-            if generalized {
-                tot[at] += acc2[r * PER + c];
+            if first {
+                num[at] = acc[r * PER + c];
+                if generalized {
+                    tot[at] = acc2[r * PER + c];
+                }
+            } else {
+                num[at] += acc[r * PER + c];
+                if generalized {
+                    tot[at] += acc2[r * PER + c];
+                }
             }
         }
     }
@@ -175,7 +189,7 @@ fn pair_sums<F: Float>(
 /// unweighted, 1 weighted normalized, 2 weighted unnormalized, 3 generalized.
 ///
 /// Launch: one unit per output value, `matrix` of `n × n`.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 fn finish<F: Float>(
     num: &Array<F>,
     tot: &Array<F>,
@@ -285,13 +299,11 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
         .max(STEP)
         / STEP
         * STEP;
-    let zeros = |len: usize| client.create_from_slice(F::as_bytes(&vec![cast(0.0); len]));
-    let num = zeros(n_pad * n_pad);
-    let tot = if generalized {
-        zeros(n_pad * n_pad)
-    } else {
-        zeros(1)
-    };
+    // Written by the first batch (every pair on or above the diagonal's
+    // tiles, the only ones read), added to by the next.
+    let num = client.empty(n_pad * n_pad * size);
+    let tot = client.empty(if generalized { n_pad * n_pad } else { 1 } * size);
+    let mut first = true;
     let alpha_h = client.create_from_slice(F::as_bytes(&[cast(alpha)]));
     let tiles = (n_pad / TILE) as u32;
     let total_branches = on.n_nodes().saturating_sub(1);
@@ -299,18 +311,22 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     let mut rows: Vec<F> = Vec::new();
     let mut lengths: Vec<F> = Vec::new();
     let mut done = 0usize;
-    let launch = |rows: &mut Vec<F>, lengths: &mut Vec<F>| {
-        if lengths.is_empty() {
+    let start = std::time::Instant::now();
+    let mut sending = std::time::Duration::ZERO;
+    let mut launch = |rows: &mut Vec<F>, lengths: &mut Vec<F>| {
+        let begin = std::time::Instant::now();
+        // The first launch runs even without branches: it writes the zeros.
+        if lengths.is_empty() && !first {
             return;
         }
-        let branches = lengths.len().div_ceil(STEP) * STEP;
+        let branches = lengths.len().div_ceil(STEP).max(1) * STEP;
         rows.resize(branches * n_pad, cast(0.0));
         lengths.resize(branches, cast(0.0));
         let rows_h = client.create_from_slice(F::as_bytes(rows));
         let lengths_h = client.create_from_slice(F::as_bytes(lengths));
         // SAFETY: every length is that of its buffer.
         unsafe {
-            pair_sums::launch::<F, R>(
+            pair_sums::launch_unchecked::<F, R>(
                 &client,
                 CubeCount::Static(tiles, tiles, 1),
                 CubeDim::new_2d(SIDE as u32, SIDE as u32),
@@ -322,10 +338,13 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
                 n_pad,
                 ArrayArg::from_raw_parts(alpha_h.clone(), 1),
                 generalized,
+                first,
             )
         };
+        first = false;
         rows.clear();
         lengths.clear();
+        sending += begin.elapsed();
     };
     on.for_each_branch(|length, entries| {
         done += 1;
@@ -349,6 +368,10 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     });
     launch(&mut rows, &mut lengths);
     progress(total_branches, total_branches);
+    let launched = start.elapsed();
+    cubecl::future::block_on(client.sync())
+        .map_err(|e| Error::Gpu(format!("summing the pairs: {e:?}")))?;
+    let summed = start.elapsed();
     let code = match method {
         Method::Unweighted => 0,
         Method::WeightedNormalized => 1,
@@ -363,7 +386,7 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     let (x, y) = split(cubes, R::max_cube_count().0 as usize);
     // SAFETY: every length is that of its buffer.
     unsafe {
-        finish::launch::<F, R>(
+        finish::launch_unchecked::<F, R>(
             &client,
             CubeCount::Static(x, y, 1),
             CubeDim::new_1d(UNITS),
@@ -376,7 +399,13 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
             code,
         )
     };
-    read::<R, F>(&client, matrix)
+    let values = read::<R, F>(&client, matrix, n * n, batch_bytes)?;
+    tracing::debug!(
+        "GPU UniFrac, {n} samples: batches built and sent after {launched:.2?} ({sending:.2?} \
+         of it sending), sums done after {summed:.2?}, matrix read back after {:.2?}",
+        start.elapsed()
+    );
+    Ok(values)
 }
 
 /// Cubes `count` as x × y with x ≤ `max_x` (the units' positions stay
@@ -386,18 +415,38 @@ fn split(count: usize, max_x: usize) -> (u32, u32) {
     (x as u32, count.div_ceil(x) as u32)
 }
 
+/// The matrix (`len` values) read back in pieces of at most `piece_bytes`.
 fn read<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     client: &ComputeClient<R>,
     handle: Handle,
+    len: usize,
+    piece_bytes: usize,
 ) -> Result<Vec<f64>> {
-    let bytes = client
-        .read_one(handle)
-        .map_err(|e| Error::Gpu(format!("reading the matrix back from the GPU: {e:?}")))?;
-    let values = F::from_bytes(&bytes);
-    Ok(values
-        .iter()
-        .map(|&v| <f64 as num_traits::NumCast>::from(v).unwrap_or(f64::NAN))
-        .collect())
+    use rayon::prelude::*;
+    let size = std::mem::size_of::<F>();
+    let per_read = (piece_bytes / size).max(1);
+    let mut out = vec![0.0f64; len];
+    for (k, piece) in out.chunks_mut(per_read).enumerate() {
+        let start = (k * per_read * size) as u64;
+        let end = start + (piece.len() * size) as u64;
+        let part = handle
+            .clone()
+            .offset_start(start)
+            .offset_end((len * size) as u64 - end);
+        let bytes = client
+            .read_one(part)
+            .map_err(|e| Error::Gpu(format!("reading the matrix back: {e:?}")))?;
+        let values = F::from_bytes(&bytes);
+        piece
+            .par_chunks_mut(1 << 16)
+            .zip(values.par_chunks(1 << 16))
+            .for_each(|(o, v)| {
+                for (o, &v) in o.iter_mut().zip(v) {
+                    *o = <f64 as num_traits::NumCast>::from(v).unwrap_or(f64::NAN);
+                }
+            });
+    }
+    Ok(out)
 }
 
 #[cfg(all(test, feature = "wgpu"))]
@@ -405,7 +454,8 @@ mod tests {
     use super::*;
 
     /// Batches of one stage of branches each (dozens of launches) give the
-    /// CPU path's distances, for the methods of each kernel variant.
+    /// CPU path's distances, for the methods of each kernel variant; the
+    /// matrix is read back in several pieces.
     #[test]
     fn many_small_batches_give_the_cpu_distances() {
         let demo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/demo");

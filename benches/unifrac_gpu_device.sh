@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `aam-rs unifrac --gpu cuda` beside `ssu` on all the device machine's cores,
+# in one call: benches/unifrac.sh with GPU=cuda on oral2550 and a synthetic
+# table of SAMPLES samples (both methods the issue names), every other method
+# on oral2550 for exactness, and one logged run of the synthetic table for
+# the time of each phase (reading, computing, writing).
+# Carried (made here):
+#   .carry/gpu/aam-rs.xz          CUDA build (`--profile device -p aam-cli --features cuda,fusion`)
+#   .carry/unifrac/unifrac-bench.xz, ssu.tar.xz   (`bash benches/unifrac_gpu_device.sh pack`)
+#   .carry/oral2550/*.xz          the oral2550 table and tree
+# Run: `THREADS=16 SAMPLES=20000 bash benches/unifrac_gpu_device.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CARRY=.carry/unifrac
+if [ "${1:-}" = pack ]; then
+  mkdir -p "$CARRY"
+  xz -T2 -6 -c target/device/unifrac-bench > "$CARRY/unifrac-bench.xz"
+  libs=$(ldd /usr/bin/ssu | awk '$3 ~ /^\// {print $3}' | grep -v -E '/(libc|libm|libpthread|libdl|librt)\.so')
+  tmp=$(mktemp -d); mkdir -p "$tmp/bin" "$tmp/lib"
+  cp /usr/bin/ssu "$tmp/bin/"; for l in $libs; do cp -L "$l" "$tmp/lib/"; done
+  tar -C "$tmp" -cJf "$CARRY/ssu.tar.xz" bin lib; rm -rf "$tmp"
+  du -sh "$CARRY"
+  exit 0
+fi
+THREADS=${THREADS:-$(nproc)}
+SAMPLES=${SAMPLES:-20000}
+W=$(mktemp -d)
+mkdir -p "$W/bin" "$W/data/oral2550"
+xz -dc .carry/gpu/aam-rs.xz > "$W/bin/aam-rs"
+xz -dc "$CARRY/unifrac-bench.xz" > "$W/bin/unifrac-bench"
+chmod +x "$W/bin/"*
+tar -C "$W" -xJf "$CARRY/ssu.tar.xz"
+xz -dc .carry/oral2550/oral_2550.biom.xz > "$W/data/oral2550/oral_2550.biom"
+xz -dc .carry/oral2550/tree.fasttree-midpoint.nwk.xz > "$W/data/oral2550/tree.fasttree-midpoint.nwk"
+export PATH="$W/bin:$PATH" LD_LIBRARY_PATH="$W/lib"
+echo "ssu: Debian unifrac-tools 1.2-2 (carried)"
+D="$W/data/oral2550"
+"$W/bin/unifrac-bench" synth --table "$D/oral_2550.biom" --samples "$SAMPLES" --output "$W/synth.biom"
+# The first run compiles the kernels (NVRTC): once, before the timed runs.
+aam-rs unifrac --table "$D/oral_2550.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
+  --output "$W/warm.h5" 2>&1 | grep -E 'computed|wrote' || true
+echo "== timed: aam-rs --gpu cuda and ssu ($THREADS threads), fp64"
+GPU=cuda THREADS=$THREADS SAMPLES=$SAMPLES SYNTH="$W/synth.biom" BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
+echo "== exactness: the other methods on oral2550"
+GPU=cuda THREADS=$THREADS SAMPLES=0 METHODS="weighted_unnormalized generalized" BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
+echo "== phases: the synthetic table, weighted_normalized"
+AAM_LOG=aam_unifrac=debug,aam_data=debug,info aam-rs unifrac --table "$W/synth.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
+  --method weighted_normalized --output "$W/phases.h5" 2>&1 | grep -v -E 'cubecl|Using adapter' || true
+rm -rf "$W"
