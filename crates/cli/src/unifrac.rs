@@ -8,6 +8,17 @@ use aam_data::{BiomTable, IdList};
 use aam_unifrac::{Method, Options, Report, Tree};
 
 use aam_cli::backend::BackendKind;
+
+/// The GPU backends UniFrac runs on (each where this binary was built with it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuArg {
+    /// wgpu (Vulkan, Metal), single precision.
+    Wgpu,
+    /// CUDA device 0, double precision.
+    Cuda,
+    /// ROCm/HIP device 0, double precision.
+    Rocm,
+}
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -56,10 +67,10 @@ pub struct UnifracArgs {
     /// Worker threads (0: every core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// Compute on this GPU backend (wgpu, cuda or rocm, where compiled in)
-    /// instead of the CPU: double precision on CUDA and ROCm, single on wgpu.
-    #[arg(long, value_name = "BACKEND")]
-    gpu: Option<BackendKind>,
+    /// Compute on this GPU backend instead of the CPU's threads (a binary
+    /// built with its feature; `aam-rs backends` lists them).
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    gpu: Option<GpuArg>,
     /// Leave out observations that are not tips of the tree instead of stopping.
     #[arg(long)]
     drop_missing: bool,
@@ -164,7 +175,18 @@ type Gpu = aam_unifrac::Gpu;
 #[cfg(not(any(feature = "wgpu", feature = "cuda", feature = "rocm")))]
 type Gpu = std::convert::Infallible;
 
-fn gpu(kind: BackendKind) -> Result<Gpu> {
+fn gpu(arg: GpuArg) -> Result<Gpu> {
+    let (name, kind) = match arg {
+        GpuArg::Wgpu => ("wgpu", BackendKind::from_str("wgpu", true)),
+        GpuArg::Cuda => ("cuda", BackendKind::from_str("cuda", true)),
+        GpuArg::Rocm => ("rocm", BackendKind::from_str("rocm", true)),
+    };
+    let Ok(kind) = kind else {
+        bail!(
+            "--gpu {name}: this aam-rs was built without the `{name}` feature \
+             (`aam-rs backends` lists what it has); leave out --gpu for the CPU"
+        );
+    };
     kind.ensure_available()?;
     match kind {
         #[cfg(feature = "wgpu")]
@@ -174,11 +196,7 @@ fn gpu(kind: BackendKind) -> Result<Gpu> {
         #[cfg(feature = "rocm")]
         BackendKind::Rocm => Ok(Gpu::Rocm),
         #[allow(unreachable_patterns)]
-        other => bail!(
-            "--gpu {}: UniFrac runs on the GPU backends wgpu, cuda and rocm (where compiled in; \
-             `aam-rs backends` lists them); leave out --gpu for the CPU",
-            other.name()
-        ),
+        other => bail!("--gpu {name}: not a GPU backend ({})", other.name()),
     }
 }
 

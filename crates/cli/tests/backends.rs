@@ -220,3 +220,77 @@ fn forward_on_every_compiled_backend_matches_ndarray_or_says_why_not() {
         }
     }
 }
+
+/// The values of an lsmat TSV (`aam-rs unifrac --output X.tsv`), row-major.
+fn lsmat(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .flat_map(|l| {
+            l.split('\t')
+                .skip(1)
+                .map(|v| v.parse::<f64>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// `aam-rs unifrac --gpu X` on the demo: where X is compiled in and sees a
+/// device, the weighted matrix of the CPU path within 1e-5 (wgpu computes in
+/// single precision); otherwise an error that names why, and no file.
+#[test]
+fn unifrac_on_each_gpu_backend_matches_the_cpu_or_says_why_not() {
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/demo");
+    let (table, tree) = (demo.join("demo.biom"), demo.join("tree.nwk"));
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |gpu: Option<&str>, out: &Path| {
+        let mut args = vec![
+            "unifrac",
+            "--table",
+            table.to_str().unwrap(),
+            "--tree",
+            tree.to_str().unwrap(),
+            "--method",
+            "weighted_normalized",
+            "--output",
+            out.to_str().unwrap(),
+        ];
+        if let Some(gpu) = gpu {
+            args.extend(["--gpu", gpu]);
+        }
+        aam_rs(&args)
+    };
+    let cpu = tmp.path().join("cpu.tsv");
+    assert!(run(None, &cpu).status.success());
+    let want = lsmat(&cpu);
+    assert_eq!(want.len(), 64 * 64);
+    let available = available();
+    for gpu in ["wgpu", "cuda", "rocm"] {
+        let out = tmp.path().join(format!("{gpu}.tsv"));
+        let o = run(Some(gpu), &out);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        let why = if !compiled().contains(&gpu) {
+            Some("built without")
+        } else if !available[gpu] {
+            Some("cannot run here")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            assert!(
+                !o.status.success() && stderr.contains(why),
+                "{gpu}: {stderr}"
+            );
+            assert!(!out.exists(), "{gpu}: wrote a file");
+            continue;
+        }
+        assert!(o.status.success(), "{gpu}: {stderr}");
+        let diff = lsmat(&out)
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(diff <= 1e-5, "{gpu}: max |gpu - cpu| = {diff:e}");
+    }
+}
