@@ -101,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// IDs and values (widened to f64) of a matrix in `ssu`'s HDF5 layout.
-fn read_h5(path: &PathBuf) -> Result<(Vec<String>, Vec<f64>), Box<dyn std::error::Error>> {
+fn read_h5(path: &std::path::Path) -> Result<(Vec<String>, Vec<f64>), Box<dyn std::error::Error>> {
     let file = hdf5_pure::File::from_bytes(std::fs::read(path)?)
         .map_err(|e| format!("{}: {e}", path.display()))?;
     let ids = file
