@@ -222,8 +222,29 @@ fn finish<F: Float>(
     matrix[at] = d;
 }
 
-/// The N×N matrix (row-major) of `method` over the table on the tree, on `gpu`.
+/// The N×N matrix (row-major) of `method` over the table on the tree, on
+/// `gpu`. CubeCL panics where a runtime finds no device or runs out of
+/// memory; that becomes an error here, with its message.
 pub(crate) fn distances(
+    on: &OnTree,
+    method: Method,
+    gpu: Gpu,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<f64>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        on_runtime(on, method, gpu, progress)
+    }))
+    .unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("no message");
+        Err(Error::Gpu(format!("{gpu:?} failed: {message}")))
+    })
+}
+
+fn on_runtime(
     on: &OnTree,
     method: Method,
     gpu: Gpu,
