@@ -4,21 +4,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use aam_cli::backend::BackendKind;
 use aam_data::{BiomTable, IdList};
 use aam_unifrac::{Method, Options, Report, Tree};
-
-use aam_cli::backend::BackendKind;
-
-/// The GPU backends UniFrac runs on (each where this binary was built with it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum GpuArg {
-    /// wgpu (Vulkan, Metal), single precision.
-    Wgpu,
-    /// CUDA device 0, double precision.
-    Cuda,
-    /// ROCm/HIP device 0, double precision.
-    Rocm,
-}
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -37,6 +25,17 @@ pub enum MethodArg {
     Generalized,
     /// Faith's phylogenetic diversity of each sample (a vector, `.tsv` only).
     FaithPd,
+}
+
+/// The GPU backends UniFrac runs on (each where this binary was built with it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuArg {
+    /// wgpu (Vulkan, Metal), single precision.
+    Wgpu,
+    /// CUDA device 0, double precision.
+    Cuda,
+    /// ROCm/HIP device 0, double precision.
+    Rocm,
 }
 
 /// Flags of `aam-rs unifrac`.
@@ -176,12 +175,9 @@ type Gpu = aam_unifrac::Gpu;
 type Gpu = std::convert::Infallible;
 
 fn gpu(arg: GpuArg) -> Result<Gpu> {
-    let (name, kind) = match arg {
-        GpuArg::Wgpu => ("wgpu", BackendKind::from_str("wgpu", true)),
-        GpuArg::Cuda => ("cuda", BackendKind::from_str("cuda", true)),
-        GpuArg::Rocm => ("rocm", BackendKind::from_str("rocm", true)),
-    };
-    let Ok(kind) = kind else {
+    let value = arg.to_possible_value().expect("no skipped variants");
+    let name = value.get_name();
+    let Ok(kind) = BackendKind::from_str(name, true) else {
         bail!(
             "--gpu {name}: this aam-rs was built without the `{name}` feature \
              (`aam-rs backends` lists what it has); leave out --gpu for the CPU"

@@ -28,8 +28,8 @@
 //! pinned host memory, which is reused at that size and costly to pin anew
 //! by the gigabyte).
 //!
-//! **Precision.** CUDA and ROCm compute in double precision (within 1e-9 of
-//! `ssu`); wgpu has no double precision in WGSL and computes in single
+//! **Precision.** CUDA and ROCm compute in double precision (on an H200
+//! within 6.5e-15 of `ssu`, every method); wgpu has no double precision in WGSL and computes in single
 //! (within 1e-5 of `ssu`'s fp32 output). Memory on the device: the
 //! accumulators and the matrix, 2·N² values (3·N² for generalized), plus one
 //! batch of rows.
