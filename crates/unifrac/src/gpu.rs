@@ -328,6 +328,10 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     let alpha_h = client.create_from_slice(F::as_bytes(&[cast(alpha)]));
     let tiles = (n_pad / TILE) as u32;
     let total_branches = on.n_nodes().saturating_sub(1);
+    let mut own = vec![0.0f64; n];
+    let mut rows: Vec<F> = Vec::new();
+    let mut lengths: Vec<F> = Vec::new();
+    let mut done = 0usize;
     let start = std::time::Instant::now();
     let mut sending = std::time::Duration::ZERO;
     let mut launch = |rows: &mut Vec<F>, lengths: &mut Vec<F>| {
@@ -363,55 +367,27 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
         lengths.clear();
         sending += begin.elapsed();
     };
-    // One thread walks the tree and fills batches of rows while this one
-    // sends them; emptied buffers go back to be filled again.
-    let own = std::thread::scope(|scope| {
-        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<F>, Vec<F>, usize)>(2);
-        let (empty_tx, empty_rx) = std::sync::mpsc::channel::<(Vec<F>, Vec<F>)>();
-        let producer = scope.spawn(move || {
-            let mut own = vec![0.0f64; n];
-            let (mut rows, mut lengths): (Vec<F>, Vec<F>) = (Vec::new(), Vec::new());
-            let mut done = 0usize;
-            on.for_each_branch(|length, entries| {
-                done += 1;
-                if lengths.is_empty() {
-                    if let Ok((r, l)) = empty_rx.try_recv() {
-                        (rows, lengths) = (r, l);
-                    }
-                    rows.clear();
-                    rows.reserve(batch * n_pad);
-                }
-                let e = lengths.len();
-                rows.resize((e + 1) * n_pad, cast(0.0));
-                let row = &mut rows[e * n_pad..];
-                for &(s, count) in entries {
-                    let s = s as usize;
-                    let v = value(method, count, on.totals[s], length);
-                    row[s] = cast(v);
-                    own[s] += v;
-                }
-                lengths.push(cast(length));
-                if lengths.len() == batch {
-                    let full = (std::mem::take(&mut rows), std::mem::take(&mut lengths));
-                    // The receiver only stops early on a panic, which the
-                    // caller turns into an error.
-                    let _ = full_tx.send((full.0, full.1, done));
-                }
-            });
-            if !lengths.is_empty() {
-                let _ = full_tx.send((rows, lengths, done));
-            }
-            own
-        });
-        for (mut rows, mut lengths, done) in full_rx {
+    on.for_each_branch(|length, entries| {
+        done += 1;
+        let e = lengths.len();
+        if e == 0 {
+            rows.reserve(batch * n_pad);
+        }
+        rows.resize((e + 1) * n_pad, cast(0.0));
+        let row = &mut rows[e * n_pad..];
+        for &(s, count) in entries {
+            let s = s as usize;
+            let v = value(method, count, on.totals[s], length);
+            row[s] = cast(v);
+            own[s] += v;
+        }
+        lengths.push(cast(length));
+        if lengths.len() == batch {
             launch(&mut rows, &mut lengths);
             progress(done, total_branches);
-            let _ = empty_tx.send((rows, lengths));
         }
-        // Without any branch, one launch still writes the zero sums.
-        launch(&mut Vec::new(), &mut Vec::new());
-        producer.join().expect("the tree walk does not panic")
     });
+    launch(&mut rows, &mut lengths);
     progress(total_branches, total_branches);
     let launched = start.elapsed();
     cubecl::future::block_on(client.sync())
