@@ -9,14 +9,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.carry/unifrac
-if [ "${1:-}" = pack ]; then
+# `pack-ssu`: only ssu and its libraries (benches/unifrac_gpu_device.sh uses it too).
+if [ "${1:-}" = pack ] || [ "${1:-}" = pack-ssu ]; then
   mkdir -p "$CARRY"
-  xz -T2 -9 -c target/release/aam-rs > "$CARRY/aam-rs.xz"
-  xz -T2 -9 -c target/release/unifrac-bench > "$CARRY/unifrac-bench.xz"
   libs=$(ldd /usr/bin/ssu | awk '$3 ~ /^\// {print $3}' | grep -v -E '/(libc|libm|libpthread|libdl|librt)\.so')
   tmp=$(mktemp -d); mkdir -p "$tmp/bin" "$tmp/lib"
   cp /usr/bin/ssu "$tmp/bin/"; for l in $libs; do cp -L "$l" "$tmp/lib/"; done
   tar -C "$tmp" -cJf "$CARRY/ssu.tar.xz" bin lib; rm -rf "$tmp"
+  [ "$1" = pack-ssu ] && exit 0
+  xz -T2 -9 -c target/release/aam-rs > "$CARRY/aam-rs.xz"
+  xz -T2 -9 -c target/release/unifrac-bench > "$CARRY/unifrac-bench.xz"
   xz -9 -c ../shared/data/oral2550/oral_2550.biom > "$CARRY/oral_2550.biom.xz"
   xz -9 -c ../shared/data/oral2550/tree.fasttree-midpoint.nwk > "$CARRY/tree.nwk.xz"
   du -sh "$CARRY"

@@ -13,12 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=.carry/unifrac
 if [ "${1:-}" = pack ]; then
-  mkdir -p "$CARRY"
+  bash benches/unifrac_device.sh pack-ssu
   xz -T2 -6 -c target/device/unifrac-bench > "$CARRY/unifrac-bench.xz"
-  libs=$(ldd /usr/bin/ssu | awk '$3 ~ /^\// {print $3}' | grep -v -E '/(libc|libm|libpthread|libdl|librt)\.so')
-  tmp=$(mktemp -d); mkdir -p "$tmp/bin" "$tmp/lib"
-  cp /usr/bin/ssu "$tmp/bin/"; for l in $libs; do cp -L "$l" "$tmp/lib/"; done
-  tar -C "$tmp" -cJf "$CARRY/ssu.tar.xz" bin lib; rm -rf "$tmp"
   du -sh "$CARRY"
   exit 0
 fi
