@@ -8,7 +8,8 @@
 #   cargo build --release -p aam-cli -p aam-benches --bin aam-rs --bin unifrac-bench
 #   THREADS=2 SAMPLES=20000 benches/unifrac.sh
 # GPU=cuda (or rocm, wgpu) times `aam-rs unifrac --gpu $GPU` instead of its
-# CPU path (an aam-rs built with that feature); METHODS picks the methods.
+# CPU path (an aam-rs built with that feature); METHODS picks the methods;
+# VAW=1 runs them variance adjusted (`--variance-adjusted`, `ssu --vaw`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS=${THREADS:-$(nproc)}
@@ -17,6 +18,8 @@ DATA=${DATA:-../shared/data/oral2550}
 BIN=${BIN:-target/release}
 GPU=${GPU:-}
 METHODS=${METHODS:-unweighted weighted_normalized}
+vaw_ours=(); vaw_ssu=(); vaw_label=""
+[ "${VAW:-0}" = 1 ] && vaw_ours=(--variance-adjusted) && vaw_ssu=(--vaw) && vaw_label="+vaw"
 ours_flags=(--threads "$THREADS")
 [ -n "$GPU" ] && ours_flags=(--gpu "$GPU")
 WORK=$(mktemp -d)
@@ -50,14 +53,14 @@ for table in "${tables[@]}"; do
     alpha_ours=(); alpha_ssu=()
     [ "$method" = generalized ] && alpha_ours=(--alpha 0.5) && alpha_ssu=(-a 0.5)
     timed "$WORK/t_ours" "$BIN/aam-rs" unifrac --table "$table" --tree "$tree" \
-      --method "$method" "${alpha_ours[@]}" "${ours_flags[@]}" --output "$WORK/ours.h5"
+      --method "$method" "${alpha_ours[@]}" "${vaw_ours[@]}" "${ours_flags[@]}" --output "$WORK/ours.h5"
     OMP_NUM_THREADS=$THREADS UNIFRAC_USE_GPU=N timed "$WORK/t_ssu" \
-      ssu -i "$table" -t "$tree" -m "${method}_fp64" "${alpha_ssu[@]}" -o "$WORK/ssu.h5" --format hdf5_fp64 --pcoa 0
+      ssu -i "$table" -t "$tree" -m "${method}_fp64" "${alpha_ssu[@]}" "${vaw_ssu[@]}" -o "$WORK/ssu.h5" --format hdf5_fp64 --pcoa 0
     read -r ours_s ours_mib < "$WORK/t_ours"
     read -r ssu_s ssu_mib < "$WORK/t_ssu"
     diff=$("$BIN/unifrac-bench" compare "$WORK/ours.h5" "$WORK/ssu.h5")
     ratio=$(python3 -c "print(f'{$ssu_s / $ours_s:.2f}')")
-    echo "$(basename "$table") $method aam-rs ${ours_s}s ${ours_mib}MiB ssu ${ssu_s}s ${ssu_mib}MiB speedup $ratio max_abs_diff $diff"
+    echo "$(basename "$table") $method$vaw_label aam-rs ${ours_s}s ${ours_mib}MiB ssu ${ssu_s}s ${ssu_mib}MiB speedup $ratio max_abs_diff $diff"
     rm -f "$WORK/ours.h5" "$WORK/ssu.h5"
   done
 done

@@ -4,6 +4,9 @@
 # table of SAMPLES samples (both methods the issue names), every other method
 # on oral2550 for exactness, and one logged run of the synthetic table for
 # the time of each phase (reading, computing, writing).
+# PARTS (default "timed exactness phases") picks among those and two more:
+# "vaw" (every method variance adjusted on oral2550, against `ssu --vaw`) and
+# "pretrain" (one epoch of `pretrain --tree --unifrac-gpu cuda` on oral2550).
 # Carried (made here):
 #   .carry/gpu/aam-rs.xz          CUDA build (`--profile device -p aam-cli --features cuda,fusion`)
 #   .carry/unifrac/unifrac-bench.xz, ssu.tar.xz   (`bash benches/unifrac_gpu_device.sh pack`)
@@ -31,15 +34,39 @@ xz -dc .carry/oral2550/tree.fasttree-midpoint.nwk.xz > "$W/data/oral2550/tree.fa
 export PATH="$W/bin:$PATH" LD_LIBRARY_PATH="$W/lib"
 echo "ssu: Debian unifrac-tools 1.2-2 (carried)"
 D="$W/data/oral2550"
-"$W/bin/unifrac-bench" synth --table "$D/oral_2550.biom" --samples "$SAMPLES" --output "$W/synth.biom"
+PARTS=${PARTS:-timed exactness phases}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+if part timed || part phases; then
+  "$W/bin/unifrac-bench" synth --table "$D/oral_2550.biom" --samples "$SAMPLES" --output "$W/synth.biom"
+fi
 # The first run compiles the kernels (NVRTC): once, before the timed runs.
 aam-rs unifrac --table "$D/oral_2550.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
   --output "$W/warm.h5" 2>&1 | grep -E 'computed|wrote' || true
-echo "== timed: aam-rs --gpu cuda and ssu ($THREADS threads), fp64"
-GPU=cuda THREADS=$THREADS SAMPLES=$SAMPLES SYNTH="$W/synth.biom" BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
-echo "== exactness: the other methods on oral2550"
-GPU=cuda THREADS=$THREADS SAMPLES=0 METHODS="weighted_unnormalized generalized" BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
-echo "== phases: the synthetic table, weighted_normalized"
-AAM_LOG=aam_unifrac=debug,aam_data=debug,info aam-rs unifrac --table "$W/synth.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
-  --method weighted_normalized --output "$W/phases.h5" 2>&1 | grep -v -E 'cubecl|Using adapter' || true
+if part timed; then
+  echo "== timed: aam-rs --gpu cuda and ssu ($THREADS threads), fp64"
+  GPU=cuda THREADS=$THREADS SAMPLES=$SAMPLES SYNTH="$W/synth.biom" BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
+fi
+if part exactness; then
+  echo "== exactness: the other methods on oral2550"
+  GPU=cuda THREADS=$THREADS SAMPLES=0 METHODS="weighted_unnormalized generalized" BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
+fi
+if part vaw; then
+  echo "== exactness: every method variance adjusted on oral2550"
+  GPU=cuda VAW=1 THREADS=$THREADS SAMPLES=0 METHODS="unweighted weighted_normalized weighted_unnormalized generalized" \
+    BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
+fi
+if part phases; then
+  echo "== phases: the synthetic table, weighted_normalized"
+  AAM_LOG=aam_unifrac=debug,aam_data=debug,info aam-rs unifrac --table "$W/synth.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
+    --method weighted_normalized --output "$W/phases.h5" 2>&1 | grep -v -E 'cubecl|Using adapter' || true
+fi
+if part pretrain; then
+  # Training's kernels from an earlier call, where carried (.carry/gpu/cache).
+  source benches/kernel_cache.sh
+  restore_kernel_cache
+  echo "== pretrain --tree --unifrac-gpu cuda --backend cuda on oral2550, one epoch"
+  aam-rs pretrain --table "$D/oral_2550.biom" --tree "$D/tree.fasttree-midpoint.nwk" --unifrac-gpu cuda \
+    --rarefy-depth 1000 --epochs 1 --batch-size 8 --backend cuda --output-dir "$W/run" 2>&1 \
+    | grep -E 'UniFrac|epoch|error|Error' | grep -v -E 'cubecl' || true
+fi
 rm -rf "$W"

@@ -75,6 +75,11 @@ pub struct DataArgs {
     /// `unifrac-<metric>-<key>.h5` and reused by runs on the same inputs).
     #[arg(long, value_name = "NEWICK")]
     pub tree: Option<PathBuf>,
+    /// Compute the --tree distances on this GPU backend, as `aam-rs unifrac
+    /// --gpu` (cuda and rocm in double precision: the CPU's distances; wgpu
+    /// in single precision, cached apart), instead of the CPU's threads.
+    #[arg(long, value_enum, value_name = "BACKEND", requires = "tree")]
+    pub unifrac_gpu: Option<crate::backend::GpuArg>,
     /// The base target: a UniFrac variant (`unifrac` and `weighted` are the
     /// reference's names; with --unifrac-matrix the file decides which), or
     /// `faith_pd`: a Faith's PD value per sample, predicted by a one-output
@@ -737,6 +742,8 @@ impl DataArgs {
                 tree: tree.clone(),
                 method,
                 cache_dir: cache_dir.map(Path::to_path_buf),
+                // `prepare` sees the GPU's device.
+                gpu: None,
             },
             (Some(tree), None) => UnifracSource::FaithPdTree(tree.clone()),
             (None, Some(_)) => UnifracSource::Matrix(file()),
@@ -800,5 +807,12 @@ pub fn prepare(
     target: Option<TargetSpec>,
     cache_dir: Option<&Path>,
 ) -> Result<Prepared> {
-    aam_train::prepare::prepare(&d.spec(seed, cache_dir), target).map_err(flagged)
+    let mut spec = d.spec(seed, cache_dir);
+    if let Some(arg) = d.unifrac_gpu {
+        let UnifracSource::Tree { gpu, .. } = &mut spec.unifrac else {
+            anyhow::bail!("--unifrac-gpu does not apply to --unifrac-metric faith_pd (a sum per sample, on the CPU)");
+        };
+        *gpu = Some(arg.runtime("--unifrac-gpu")?);
+    }
+    aam_train::prepare::prepare(&spec, target).map_err(flagged)
 }

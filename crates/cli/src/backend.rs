@@ -15,6 +15,45 @@ compile_error!(
     "aam-cli needs its `ndarray` feature: `convert` runs on it (add GPU backends next to it)"
 );
 
+/// The GPU backends UniFrac runs on (`aam-rs unifrac --gpu`, `pretrain
+/// --unifrac-gpu`), each where this binary was built with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GpuArg {
+    /// wgpu (Vulkan, Metal), single precision.
+    Wgpu,
+    /// CUDA device 0, double precision.
+    Cuda,
+    /// ROCm/HIP device 0, double precision.
+    Rocm,
+}
+
+impl GpuArg {
+    /// The runtime, once its device is seen; `flag` names the option in the
+    /// errors (a backend not compiled in, or without a device here).
+    pub fn runtime(self, flag: &str) -> Result<aam_unifrac::Gpu> {
+        let value = self.to_possible_value().expect("no skipped variants");
+        let name = value.get_name();
+        let Ok(kind) = BackendKind::from_str(name, true) else {
+            bail!(
+                "{flag} {name}: this aam-rs was built without the `{name}` feature \
+                 (`aam-rs backends` lists what it has); leave out {flag} for the CPU"
+            );
+        };
+        kind.ensure_available()
+            .with_context(|| format!("{flag} {name}"))?;
+        match kind {
+            #[cfg(feature = "wgpu")]
+            BackendKind::Wgpu => Ok(aam_unifrac::Gpu::Wgpu),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => Ok(aam_unifrac::Gpu::Cuda),
+            #[cfg(feature = "rocm")]
+            BackendKind::Rocm => Ok(aam_unifrac::Gpu::Rocm),
+            #[allow(unreachable_patterns)]
+            other => bail!("{flag} {name}: not a GPU backend ({})", other.name()),
+        }
+    }
+}
+
 /// A compute backend (all in float32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Default)]
 pub enum BackendKind {

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use aam_cli::backend::BackendKind;
+use aam_cli::backend::GpuArg;
 use aam_data::{BiomTable, IdList};
 use aam_unifrac::{Method, Options, Report, Tree};
 use anyhow::{bail, Result};
@@ -25,17 +25,6 @@ pub enum MethodArg {
     Generalized,
     /// Faith's phylogenetic diversity of each sample (a vector, `.tsv` only).
     FaithPd,
-}
-
-/// The GPU backends UniFrac runs on (each where this binary was built with it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum GpuArg {
-    /// wgpu (Vulkan, Metal), single precision.
-    Wgpu,
-    /// CUDA device 0, double precision.
-    Cuda,
-    /// ROCm/HIP device 0, double precision.
-    Rocm,
 }
 
 /// Flags of `aam-rs unifrac`.
@@ -95,7 +84,7 @@ pub fn run(args: UnifracArgs) -> Result<()> {
     if args.gpu.is_some() && args.method == MethodArg::FaithPd {
         bail!("--gpu does not apply to --method faith_pd (a sum per sample, on the CPU)");
     }
-    let gpu = args.gpu.map(gpu).transpose()?;
+    let gpu = args.gpu.map(|g| g.runtime("--gpu")).transpose()?;
     let options = Options {
         method,
         variance_adjusted: args.variance_adjusted,
@@ -140,7 +129,6 @@ pub fn run(args: UnifracArgs) -> Result<()> {
     };
     let (matrix, report) = match gpu {
         None => aam_unifrac::unifrac(&table, &tree, &options, &mut progress)?,
-        #[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
         Some(gpu) => aam_unifrac::unifrac_on_gpu(&table, &tree, &options, gpu, &mut progress)?,
     };
     bar.finish_and_clear();
@@ -165,35 +153,6 @@ pub fn run(args: UnifracArgs) -> Result<()> {
         n = matrix.len(),
     );
     Ok(())
-}
-
-/// The GPU runtime of `--gpu`, once its device is seen.
-#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
-type Gpu = aam_unifrac::Gpu;
-/// No GPU runtime is compiled in: `--gpu` is always refused.
-#[cfg(not(any(feature = "wgpu", feature = "cuda", feature = "rocm")))]
-type Gpu = std::convert::Infallible;
-
-fn gpu(arg: GpuArg) -> Result<Gpu> {
-    let value = arg.to_possible_value().expect("no skipped variants");
-    let name = value.get_name();
-    let Ok(kind) = BackendKind::from_str(name, true) else {
-        bail!(
-            "--gpu {name}: this aam-rs was built without the `{name}` feature \
-             (`aam-rs backends` lists what it has); leave out --gpu for the CPU"
-        );
-    };
-    kind.ensure_available()?;
-    match kind {
-        #[cfg(feature = "wgpu")]
-        BackendKind::Wgpu => Ok(Gpu::Wgpu),
-        #[cfg(feature = "cuda")]
-        BackendKind::Cuda => Ok(Gpu::Cuda),
-        #[cfg(feature = "rocm")]
-        BackendKind::Rocm => Ok(Gpu::Rocm),
-        #[allow(unreachable_patterns)]
-        other => bail!("--gpu {name}: not a GPU backend ({})", other.name()),
-    }
 }
 
 fn warn(report: &Report) {

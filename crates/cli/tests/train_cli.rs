@@ -410,6 +410,59 @@ fn pretrain_from_a_tree_learns_as_from_the_ssu_matrix() {
     // A second run on the same inputs reads the matrix back.
     let log = run_ok(&with_tree(&from_tree, 1));
     assert!(log.contains("computed by an earlier run"), "{log}");
+    // --unifrac-gpu wgpu: the matrix in single precision on lavapipe, cached
+    // under a key of its own, and the same losses; a GPU backend not
+    // compiled in is refused by name.
+    let from_gpu = tmp.path().join("gpu");
+    let on_gpu = |gpu: &str| {
+        let mut a = with_tree(&from_gpu, 2);
+        a.extend(["--unifrac-gpu".into(), gpu.into()]);
+        a
+    };
+    if cfg!(feature = "wgpu") {
+        let log = run_ok(&on_gpu("wgpu"));
+        assert!(
+            log.contains("unweighted UniFrac distances of 64 samples") && log.contains("on Wgpu"),
+            "{log}"
+        );
+        let cached = |dir: &Path| -> PathBuf {
+            let found: Vec<_> = std::fs::read_dir(dir)
+                .unwrap()
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    let n = p.file_name().unwrap().to_string_lossy();
+                    n.starts_with("unifrac-unweighted-") && n.ends_with(".h5")
+                })
+                .collect();
+            assert_eq!(found.len(), 1, "{found:?}");
+            found[0].clone()
+        };
+        let (gpu_file, cpu_file) = (cached(&from_gpu), cached(&from_tree));
+        assert_ne!(gpu_file.file_name(), cpu_file.file_name(), "f32 cached apart");
+        let read = |p: &Path| aam_data::DistanceMatrix::read(p, &aam_data::MatrixIds::Auto).unwrap();
+        let (g, c) = (read(&gpu_file), read(&cpu_file));
+        assert_eq!(g.ids(), c.ids());
+        for i in 0..c.len() {
+            for j in 0..c.len() {
+                let d = (g.get(i, j) - c.get(i, j)).abs();
+                assert!(d <= 1e-5, "({i}, {j}): {d:e}");
+            }
+        }
+        // `b`: the CPU's two epochs, before the one-epoch rerun above.
+        for (ra, rb) in b.iter().zip(&metrics(&from_gpu).1) {
+            for key in ["train_total_loss", "val_total_loss"] {
+                let (x, y) = (ra[key], rb[key]);
+                assert!((x - y).abs() <= 1e-4 * x.abs().max(1e-3), "{key}: {x} vs {y}");
+            }
+        }
+    }
+    if !cfg!(feature = "cuda") {
+        let err = run_err(&on_gpu("cuda"));
+        assert!(
+            err.contains("--unifrac-gpu cuda") && err.contains("built without the `cuda` feature"),
+            "{err}"
+        );
+    }
     // A table observation missing from the tree is named.
     let small = tmp.path().join("small.nwk");
     std::fs::write(&small, "(a:1,b:2);").unwrap();

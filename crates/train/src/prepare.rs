@@ -61,6 +61,9 @@ pub enum UnifracSource {
         method: aam_unifrac::Method,
         /// Where to keep the matrix (a run's output folder).
         cache_dir: Option<PathBuf>,
+        /// Compute it on this GPU instead of the CPU's threads (a matrix of
+        /// a single-precision GPU is cached under a key of its own).
+        gpu: Option<aam_unifrac::Gpu>,
     },
     /// Faith's PD per sample (`--unifrac-metric faith_pd`) from a file:
     /// `faithpd`'s TSV, a CSV, or `.npy`/`.npz`/`.h5` with sample IDs.
@@ -137,9 +140,16 @@ pub fn prepare(spec: &DataSpec, target: Option<TargetSpec>) -> Result<Prepared> 
             tree,
             method,
             cache_dir,
+            gpu,
         } => {
-            let (matrix, source) =
-                tree_matrix(spec, &rarefied.table, tree, *method, cache_dir.as_deref())?;
+            let (matrix, source) = tree_matrix(
+                spec,
+                &rarefied.table,
+                tree,
+                *method,
+                cache_dir.as_deref(),
+                *gpu,
+            )?;
             (BaseTarget::Distances(matrix), source)
         }
         UnifracSource::FaithPd(path) => (
@@ -235,14 +245,16 @@ impl Prepared {
 
 /// The UniFrac matrix of `table` (the rarefied table) over `tree`: read
 /// back from `cache_dir` when a run with the same inputs computed it, else
-/// computed on every core and, with a `cache_dir`, written there. Returns the
-/// matrix and where it is (or, without a cache, where it came from).
+/// computed on every core (or on `gpu`) and, with a `cache_dir`, written
+/// there. Returns the matrix and where it is (or, without a cache, where it
+/// came from).
 fn tree_matrix(
     spec: &DataSpec,
     table: &BiomTable,
     tree: &Path,
     method: aam_unifrac::Method,
     cache_dir: Option<&Path>,
+    gpu: Option<aam_unifrac::Gpu>,
 ) -> Result<(DistanceMatrix, String)> {
     let read = |path: &Path| {
         std::fs::read(path).map_err(|source| TrainError::Io {
@@ -254,6 +266,11 @@ fn tree_matrix(
     key.write(&read(&spec.table)?);
     key.write(&read(tree)?);
     key.write(format!("{}|{}|{method:?}", spec.rarefy_depth, spec.seed).as_bytes());
+    // Double precision on a GPU gives the CPU's distances (within 1e-14);
+    // single precision does not, and is kept apart.
+    if gpu.is_some_and(|g| !g.double_precision()) {
+        key.write(b"|f32");
+    }
     let cached =
         cache_dir.map(|dir| dir.join(format!("unifrac-{}-{:016x}.h5", method.name(), key.0)));
     if let Some(path) = cached.as_deref().filter(|p| p.exists()) {
@@ -270,19 +287,19 @@ fn tree_matrix(
     }
     let start = std::time::Instant::now();
     let parsed = aam_unifrac::Tree::read(tree)?;
-    let (distances, report) = aam_unifrac::unifrac(
-        table,
-        &parsed,
-        &aam_unifrac::Options::new(method),
-        &mut |_, _| {},
-    )?;
+    let options = aam_unifrac::Options::new(method);
+    let (distances, report) = match gpu {
+        None => aam_unifrac::unifrac(table, &parsed, &options, &mut |_, _| {})?,
+        Some(gpu) => aam_unifrac::unifrac_on_gpu(table, &parsed, &options, gpu, &mut |_, _| {})?,
+    };
     tracing::info!(
-        "{} UniFrac distances of {} samples over {} branches of {} in {:.1} s",
+        "{} UniFrac distances of {} samples over {} branches of {} in {:.1} s{}",
         method.name(),
         distances.len(),
         report.branches,
         tree.display(),
-        start.elapsed().as_secs_f64()
+        start.elapsed().as_secs_f64(),
+        gpu.map(|g| format!(" on {g:?}")).unwrap_or_default()
     );
     let source = match &cached {
         Some(path) => {

@@ -34,15 +34,19 @@
 //! accumulators and the matrix, 2·N² values (3·N² for generalized), plus one
 //! batch of rows.
 //!
-//! Variance-adjusted UniFrac depends on each pair's depths per branch and
-//! runs on the CPU path only.
+//! **Variance adjusted** (Chang et al. 2011): each pair's term on a branch is
+//! divided by √(m·(M − m)), m the pair's reads below it and M its reads in
+//! all, which no per-sample scaling can fold in: the rows hold the raw
+//! counts, each unit keeps its samples' depths in registers, and the kernel
+//! forms the proportions, the weight and both sums (numerator and
+//! denominator, as [`crate::striped`] does) per pair and branch.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::error::{Error, Result};
 use crate::on_tree::OnTree;
-use crate::Method;
+use crate::{Gpu, Method};
 
 /// Samples per side of a cube's tile of pairs.
 const TILE: usize = 64;
@@ -57,39 +61,32 @@ const STEP: usize = 16;
 /// costs more than the copy.
 const BATCH_BYTES: usize = 32 << 20;
 
-/// A GPU runtime compiled into this build.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Gpu {
-    /// wgpu's default adapter (Vulkan, Metal, DirectX), single precision.
-    #[cfg(feature = "wgpu")]
-    Wgpu,
-    /// CUDA device 0, double precision.
-    #[cfg(feature = "cuda")]
-    Cuda,
-    /// ROCm/HIP device 0, double precision.
-    #[cfg(feature = "rocm")]
-    Rocm,
-}
-
 /// The sum of one batch of branches into the pair accumulators `num` (and
 /// `tot`), tiles on or above the diagonal (see the module doc).
 ///
 /// Launch: cube (x, y) = tile column and row, `SIDE × SIDE` units; `rows` is
 /// `branches × n_pad`, `branches` a multiple of `STEP` (padding rows zero),
-/// `n_pad` a multiple of `TILE`.
+/// `n_pad` a multiple of `TILE`. With `vaw` (variance adjusted) the rows
+/// are counts, `depths` the samples' reads (`n_pad`, padding zero), and
+/// `presence` picks unweighted UniFrac's terms.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn pair_sums<F: Float>(
     rows: &Array<F>,
     lengths: &Array<F>,
+    depths: &Array<F>,
     num: &mut Array<F>,
     tot: &mut Array<F>,
     branches: usize,
     n_pad: usize,
     alpha: &Array<F>,
     #[comptime] generalized: bool,
+    #[comptime] vaw: bool,
+    #[comptime] presence: bool,
     #[comptime] first: bool,
 ) {
+    // Two accumulators and the lengths apart: generalized or variance adjusted.
+    let two = comptime!(generalized || vaw);
     let bj = CUBE_POS_X as usize;
     let bi = CUBE_POS_Y as usize;
     if bi > bj {
@@ -112,6 +109,16 @@ fn pair_sums<F: Float>(
     }
     let mut a = Array::<F>::new(PER);
     let mut b = Array::<F>::new(PER);
+    let mut da = Array::<F>::new(PER);
+    let mut db = Array::<F>::new(PER);
+    if vaw {
+        #[unroll]
+        for r in 0..PER {
+            da[r] = depths[i0 + ty + r * SIDE];
+            db[r] = depths[j0 + tx + r * SIDE];
+        }
+    }
+    let zero = F::new(0.0);
     let mut e0 = 0usize;
     while e0 < branches {
         #[unroll]
@@ -123,20 +130,54 @@ fn pair_sums<F: Float>(
             sa[at] = rows[row + i0 + s];
             sb[at] = rows[row + j0 + s];
         }
-        if generalized && unit < STEP {
+        if two && unit < STEP {
             sl[unit] = lengths[e0 + unit];
         }
         sync_cube();
         // Unrolled for the sums of differences; not with 16 inlined powers
-        // a branch, whose code would not fit the instruction cache.
-        #[unroll(!generalized)]
+        // (or square roots) a branch, whose code would not fit the
+        // instruction cache.
+        #[unroll(!two)]
         for e in 0..STEP {
             #[unroll]
             for r in 0..PER {
                 a[r] = sa[e * TILE + ty + r * SIDE];
                 b[r] = sb[e * TILE + tx + r * SIDE];
             }
-            if generalized {
+            if vaw {
+                // As `striped::Vaw::pair`, term by term.
+                let length = sl[e];
+                #[unroll]
+                for r in 0..PER {
+                    #[unroll]
+                    for c in 0..PER {
+                        let reads = a[r] + b[c];
+                        let weight = F::sqrt(reads * (da[r] + db[c] - reads));
+                        if weight > zero {
+                            if presence {
+                                let lv = length / weight;
+                                if (a[r] > zero && b[c] <= zero) || (a[r] <= zero && b[c] > zero) {
+                                    acc[r * PER + c] += lv;
+                                }
+                                acc2[r * PER + c] += lv;
+                            } else {
+                                let u = a[r] / da[r];
+                                let v = b[c] / db[c];
+                                if generalized {
+                                    let sum = (u + v) / weight;
+                                    let sub = F::abs(u - v) / weight;
+                                    let p = F::powf(sum, alpha[0]) * length;
+                                    acc[r * PER + c] += p * (sub / sum);
+                                    acc2[r * PER + c] += p;
+                                } else {
+                                    acc[r * PER + c] += (F::abs(u - v) * length) / weight;
+                                    acc2[r * PER + c] += ((u + v) * length) / weight;
+                                }
+                            }
+                        }
+                    }
+                }
+            } else if generalized {
                 let length = sl[e];
                 let alpha = alpha[0];
                 #[unroll]
@@ -171,12 +212,12 @@ fn pair_sums<F: Float>(
             let at = (i0 + ty + r * SIDE) * n_pad + j0 + tx + c * SIDE;
             if first {
                 num[at] = acc[r * PER + c];
-                if generalized {
+                if two {
                     tot[at] = acc2[r * PER + c];
                 }
             } else {
                 num[at] += acc[r * PER + c];
-                if generalized {
+                if two {
                     tot[at] += acc2[r * PER + c];
                 }
             }
@@ -186,7 +227,9 @@ fn pair_sums<F: Float>(
 
 /// The N×N matrix from the accumulators (pair (i, j), i < j, at `i·n_pad + j`)
 /// and the per-sample sums `own` (see the module doc). `method`: 0
-/// unweighted, 1 weighted normalized, 2 weighted unnormalized, 3 generalized.
+/// unweighted, 1 weighted normalized, 2 weighted unnormalized (and any
+/// variance-adjusted method not normalised), 3 `num / tot` (generalized,
+/// and every normalised variance-adjusted method).
 ///
 /// Launch: one unit per output value, `matrix` of `n × n`.
 #[cube(launch_unchecked)]
@@ -228,11 +271,12 @@ fn finish<F: Float>(
 pub(crate) fn distances(
     on: &OnTree,
     method: Method,
+    vaw: bool,
     gpu: Gpu,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<f64>> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        on_runtime(on, method, gpu, progress)
+        on_runtime(on, method, vaw, gpu, progress)
     }))
     .unwrap_or_else(|panic| {
         let message = panic
@@ -247,6 +291,7 @@ pub(crate) fn distances(
 fn on_runtime(
     on: &OnTree,
     method: Method,
+    vaw: bool,
     gpu: Gpu,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<f64>> {
@@ -255,6 +300,7 @@ fn on_runtime(
         Gpu::Wgpu => run::<cubecl::wgpu::WgpuRuntime, f32>(
             on,
             method,
+            vaw,
             &cubecl::wgpu::WgpuDevice::DefaultDevice,
             BATCH_BYTES,
             progress,
@@ -263,6 +309,7 @@ fn on_runtime(
         Gpu::Cuda => run::<cubecl::cuda::CudaRuntime, f64>(
             on,
             method,
+            vaw,
             &cubecl::cuda::CudaDevice::new(0),
             BATCH_BYTES,
             progress,
@@ -271,6 +318,7 @@ fn on_runtime(
         Gpu::Rocm => run::<cubecl::hip::HipRuntime, f64>(
             on,
             method,
+            vaw,
             &cubecl::hip::AmdDevice::new(0),
             BATCH_BYTES,
             progress,
@@ -279,8 +327,11 @@ fn on_runtime(
 }
 
 /// What a row of the batch holds for a sample with `count` reads of
-/// `total` below a branch of `length`.
-fn value(method: Method, count: f64, total: f64, length: f64) -> f64 {
+/// `total` below a branch of `length` (variance adjusted: the count).
+fn value(method: Method, vaw: bool, count: f64, total: f64, length: f64) -> f64 {
+    if vaw {
+        return count;
+    }
     match method {
         Method::Unweighted => length,
         Method::WeightedNormalized | Method::WeightedUnnormalized => count / total * length,
@@ -291,6 +342,7 @@ fn value(method: Method, count: f64, total: f64, length: f64) -> f64 {
 fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     on: &OnTree,
     method: Method,
+    vaw: bool,
     device: &R::Device,
     batch_bytes: usize,
     progress: &mut dyn FnMut(usize, usize),
@@ -299,6 +351,7 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     let n_pad = n.div_ceil(TILE).max(1) * TILE;
     let size = std::mem::size_of::<F>();
     let generalized = matches!(method, Method::Generalized { .. });
+    let two = generalized || vaw;
     let alpha = match method {
         Method::Generalized { alpha } => alpha,
         _ => 1.0,
@@ -323,9 +376,14 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
     // Written by the first batch (every pair on or above the diagonal's
     // tiles, the only ones read), added to by the next.
     let num = client.empty(n_pad * n_pad * size);
-    let tot = client.empty(if generalized { n_pad * n_pad } else { 1 } * size);
+    let tot_len = if two { n_pad * n_pad } else { 1 };
+    let tot = client.empty(tot_len * size);
     let mut first = true;
     let alpha_h = client.create_from_slice(F::as_bytes(&[cast(alpha)]));
+    let depths: Vec<F> = (0..n_pad)
+        .map(|s| cast(if vaw && s < n { on.totals[s] } else { 0.0 }))
+        .collect();
+    let depths_h = client.create_from_slice(F::as_bytes(&depths));
     let tiles = (n_pad / TILE) as u32;
     let total_branches = on.n_nodes().saturating_sub(1);
     let mut own = vec![0.0f64; n];
@@ -353,12 +411,15 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
                 CubeDim::new_2d(SIDE as u32, SIDE as u32),
                 ArrayArg::from_raw_parts(rows_h, branches * n_pad),
                 ArrayArg::from_raw_parts(lengths_h, branches),
+                ArrayArg::from_raw_parts(depths_h.clone(), n_pad),
                 ArrayArg::from_raw_parts(num.clone(), n_pad * n_pad),
-                ArrayArg::from_raw_parts(tot.clone(), if generalized { n_pad * n_pad } else { 1 }),
+                ArrayArg::from_raw_parts(tot.clone(), tot_len),
                 branches,
                 n_pad,
                 ArrayArg::from_raw_parts(alpha_h.clone(), 1),
                 generalized,
+                vaw,
+                method == Method::Unweighted,
                 first,
             )
         };
@@ -377,7 +438,7 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
         let row = &mut rows[e * n_pad..];
         for &(s, count) in entries {
             let s = s as usize;
-            let v = value(method, count, on.totals[s], length);
+            let v = value(method, vaw, count, on.totals[s], length);
             row[s] = cast(v);
             own[s] += v;
         }
@@ -394,9 +455,10 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
         .map_err(|e| Error::Gpu(format!("summing the pairs: {e:?}")))?;
     let summed = start.elapsed();
     let code = match method {
+        Method::WeightedUnnormalized => 2,
+        _ if vaw => 3,
         Method::Unweighted => 0,
         Method::WeightedNormalized => 1,
-        Method::WeightedUnnormalized => 2,
         Method::Generalized { .. } => 3,
     };
     let own: Vec<F> = own.into_iter().map(cast).collect();
@@ -412,7 +474,7 @@ fn run<R: Runtime, F: Float + CubeElement + num_traits::Float>(
             CubeCount::Static(x, y, 1),
             CubeDim::new_1d(UNITS),
             ArrayArg::from_raw_parts(num, n_pad * n_pad),
-            ArrayArg::from_raw_parts(tot, if generalized { n_pad * n_pad } else { 1 }),
+            ArrayArg::from_raw_parts(tot, tot_len),
             ArrayArg::from_raw_parts(own_h, n),
             ArrayArg::from_raw_parts(matrix.clone(), n * n),
             n,
@@ -475,7 +537,8 @@ mod tests {
     use super::*;
 
     /// Batches of one stage of branches each (dozens of launches) give the
-    /// CPU path's distances, for the methods of each kernel variant; the
+    /// CPU path's distances, for the methods of each kernel variant (plain
+    /// and variance adjusted); the
     /// matrix is read back in several pieces.
     #[test]
     fn many_small_batches_give_the_cpu_distances() {
@@ -488,28 +551,37 @@ mod tests {
             .build()
             .unwrap();
         let n_pad = on.n_samples().div_ceil(TILE) * TILE;
-        for method in [
-            Method::Unweighted,
-            Method::WeightedNormalized,
-            Method::Generalized { alpha: 0.5 },
+        for (method, vaw) in [
+            (Method::Unweighted, false),
+            (Method::WeightedNormalized, false),
+            (Method::Generalized { alpha: 0.5 }, false),
+            (Method::Unweighted, true),
+            (Method::WeightedNormalized, true),
+            (Method::Generalized { alpha: 0.5 }, true),
         ] {
-            let cpu = crate::striped::distances(&on, method, false, &pool, &mut |_, _| {});
+            let cpu = crate::striped::distances(&on, method, vaw, &pool, &mut |_, _| {});
             let mut batches = 0;
             let gpu = run::<cubecl::wgpu::WgpuRuntime, f32>(
                 &on,
                 method,
+                vaw,
                 &Default::default(),
                 STEP * n_pad * 4,
                 &mut |_, _| batches += 1,
             )
             .unwrap();
             assert!(batches > 10, "{batches} batches");
+            // NaN where the CPU has a value (or the reverse) is the worst.
             let diff = cpu
                 .iter()
                 .zip(&gpu)
-                .map(|(a, b)| (a - b).abs())
+                .map(|(a, b)| match (a.is_nan(), b.is_nan()) {
+                    (true, true) => 0.0,
+                    (false, false) => (a - b).abs(),
+                    _ => f64::INFINITY,
+                })
                 .fold(0.0, f64::max);
-            assert!(diff <= 1e-5, "{method:?}: max |gpu - cpu| = {diff:e}");
+            assert!(diff <= 1e-5, "{method:?} vaw={vaw}: max |gpu - cpu| = {diff:e}");
         }
     }
 }

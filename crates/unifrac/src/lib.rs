@@ -42,13 +42,42 @@ pub mod output;
 pub mod striped;
 
 pub use error::{Error, Result};
-#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
-pub use gpu::Gpu;
 pub use newick::Tree;
 pub use on_tree::Report;
 pub use output::{Distances, FaithPd};
 
 use on_tree::OnTree;
+
+/// A GPU runtime compiled into this build (none without the `wgpu`, `cuda`
+/// or `rocm` feature: then no value of it exists and [`unifrac_on_gpu`]
+/// cannot be called).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gpu {
+    /// wgpu's default adapter (Vulkan, Metal, DirectX), single precision.
+    #[cfg(feature = "wgpu")]
+    Wgpu,
+    /// CUDA device 0, double precision.
+    #[cfg(feature = "cuda")]
+    Cuda,
+    /// ROCm/HIP device 0, double precision.
+    #[cfg(feature = "rocm")]
+    Rocm,
+}
+
+impl Gpu {
+    /// Whether it computes in double precision (CUDA, ROCm; wgpu's WGSL has
+    /// no f64).
+    pub fn double_precision(self) -> bool {
+        match self {
+            #[cfg(feature = "wgpu")]
+            Self::Wgpu => false,
+            #[cfg(feature = "cuda")]
+            Self::Cuda => true,
+            #[cfg(feature = "rocm")]
+            Self::Rocm => true,
+        }
+    }
+}
 
 /// A UniFrac variant (Lozupone et al. 2005, 2007; Chen et al. 2012).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -150,11 +179,10 @@ pub fn unifrac(
 
 /// [`unifrac`] on a GPU: the same distances, in double precision on CUDA and
 /// ROCm (on an H200 within 6.5e-15 of `ssu`), in single precision on wgpu
-/// (within 1e-5 of `ssu`'s fp32 output); `options.threads` does not apply,
-/// and variance-adjusted UniFrac runs on the CPU only. A GPU that fails (no
+/// (within 1e-5 of `ssu`'s fp32 output), variance adjusted or not;
+/// `options.threads` does not apply. A GPU that fails (no
 /// device, out of memory) is an [`Error::Gpu`].
 /// `progress(done, total)` is called as batches of branches are sent.
-#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
 pub fn unifrac_on_gpu(
     table: &aam_data::BiomTable,
     tree: &Tree,
@@ -163,14 +191,24 @@ pub fn unifrac_on_gpu(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Distances, Report)> {
     options.check()?;
-    if options.variance_adjusted {
-        return Err(Error::Option(
-            "--variance-adjusted runs on the CPU only (leave out --gpu)".into(),
-        ));
-    }
     let (on, report) = OnTree::new(table, tree, options.drop_missing, options.drop_empty)?;
-    let values = gpu::distances(&on, options.method, gpu, progress)?;
+    let values = on_gpu(&on, options.method, options.variance_adjusted, gpu, progress)?;
     Ok((Distances::new(on.sample_ids, values), report))
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda", feature = "rocm"))]
+use gpu::distances as on_gpu;
+
+/// Without a GPU runtime there is no [`Gpu`] to call this with.
+#[cfg(not(any(feature = "wgpu", feature = "cuda", feature = "rocm")))]
+fn on_gpu(
+    _: &OnTree,
+    _: Method,
+    _: bool,
+    gpu: Gpu,
+    _: &mut dyn FnMut(usize, usize),
+) -> Result<Vec<f64>> {
+    match gpu {}
 }
 
 /// Faith's phylogenetic diversity of every sample of `table` over `tree`
