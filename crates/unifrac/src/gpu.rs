@@ -31,8 +31,8 @@
 //! **Precision.** CUDA and ROCm compute in double precision (on an H200
 //! within 6.5e-15 of `ssu`, every method); wgpu has no double precision in WGSL and computes in single
 //! (within 1e-5 of `ssu`'s fp32 output). Memory on the device: the
-//! accumulators and the matrix, 2·N² values (3·N² for generalized), plus one
-//! batch of rows.
+//! accumulators and the matrix, 2·N² values (3·N² for generalized and
+//! variance adjusted), plus one batch of rows.
 //!
 //! **Variance adjusted** (Chang et al. 2011): each pair's term on a branch is
 //! divided by √(m·(M − m)), m the pair's reads below it and M its reads in
