@@ -438,8 +438,13 @@ fn pretrain_from_a_tree_learns_as_from_the_ssu_matrix() {
             found[0].clone()
         };
         let (gpu_file, cpu_file) = (cached(&from_gpu), cached(&from_tree));
-        assert_ne!(gpu_file.file_name(), cpu_file.file_name(), "f32 cached apart");
-        let read = |p: &Path| aam_data::DistanceMatrix::read(p, &aam_data::MatrixIds::Auto).unwrap();
+        assert_ne!(
+            gpu_file.file_name(),
+            cpu_file.file_name(),
+            "f32 cached apart"
+        );
+        let read =
+            |p: &Path| aam_data::DistanceMatrix::read(p, &aam_data::MatrixIds::Auto).unwrap();
         let (g, c) = (read(&gpu_file), read(&cpu_file));
         assert_eq!(g.ids(), c.ids());
         for i in 0..c.len() {
@@ -452,7 +457,10 @@ fn pretrain_from_a_tree_learns_as_from_the_ssu_matrix() {
         for (ra, rb) in b.iter().zip(&metrics(&from_gpu).1) {
             for key in ["train_total_loss", "val_total_loss"] {
                 let (x, y) = (ra[key], rb[key]);
-                assert!((x - y).abs() <= 1e-4 * x.abs().max(1e-3), "{key}: {x} vs {y}");
+                assert!(
+                    (x - y).abs() <= 1e-4 * x.abs().max(1e-3),
+                    "{key}: {x} vs {y}"
+                );
             }
         }
     }

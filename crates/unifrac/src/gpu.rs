@@ -581,7 +581,10 @@ mod tests {
                     _ => f64::INFINITY,
                 })
                 .fold(0.0, f64::max);
-            assert!(diff <= 1e-5, "{method:?} vaw={vaw}: max |gpu - cpu| = {diff:e}");
+            assert!(
+                diff <= 1e-5,
+                "{method:?} vaw={vaw}: max |gpu - cpu| = {diff:e}"
+            );
         }
     }
 }

@@ -192,7 +192,13 @@ pub fn unifrac_on_gpu(
 ) -> Result<(Distances, Report)> {
     options.check()?;
     let (on, report) = OnTree::new(table, tree, options.drop_missing, options.drop_empty)?;
-    let values = on_gpu(&on, options.method, options.variance_adjusted, gpu, progress)?;
+    let values = on_gpu(
+        &on,
+        options.method,
+        options.variance_adjusted,
+        gpu,
+        progress,
+    )?;
     Ok((Distances::new(on.sample_ids, values), report))
 }
 

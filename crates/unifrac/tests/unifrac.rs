@@ -126,7 +126,11 @@ fn max_diff(ours: &Distances, ids: &[String], theirs: &[f64]) -> f64 {
                 }
                 // A NaN of ours where `ssu` has a value is the worst difference.
                 let d = (ours.get(a, b) - t).abs();
-                worst = if d.is_nan() { f64::INFINITY } else { worst.max(d) };
+                worst = if d.is_nan() {
+                    f64::INFINITY
+                } else {
+                    worst.max(d)
+                };
                 compared += 1;
             }
         }
@@ -452,7 +456,11 @@ fn the_gpu_path_matches_ssu_fp32_on_wgpu() {
         let table = BiomTable::read(&table_path).unwrap();
         let tree = Tree::read(&tree_path).unwrap();
         // oral2550 (one method) is there for its size, plain only.
-        let adjusted: &[bool] = if methods.len() > 1 { &[false, true] } else { &[false] };
+        let adjusted: &[bool] = if methods.len() > 1 {
+            &[false, true]
+        } else {
+            &[false]
+        };
         for (&method, &vaw) in methods
             .iter()
             .flat_map(|m| adjusted.iter().map(move |v| (m, v)))

@@ -15,6 +15,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::{CubeCount, CubeDim};
 
+use super::args::HostScalars;
 use super::mma::{attention_forward_mma, attention_forward_mma_half};
 use super::mma_backward::{attention_backward_dkdv_mma_half, attention_backward_dq_mma_half};
 use super::plan::{AttentionPlan, AttentionShape, Backward, DeviceInfo, Forward, TensorCorePlan};
@@ -27,7 +28,7 @@ use super::tensor_core::{
 };
 use super::tiled::attention_backward_tiled;
 use super::{packed, AttentionDropout, KernelChoice};
-use crate::launch::{dropout_args, element_offset, empty, one_unit_each};
+use crate::launch::{empty, one_unit_each};
 
 type Cube<R, F, I, BT> = CubeBackend<R, F, I, BT>;
 
@@ -296,8 +297,8 @@ where
     let (key_valid, tile_valid) =
         validity::<R, F, I, BT>(key_padding_mask, n, tk, validity_tile, &q.device);
     let lse = empty(q, Shape::new([n, h, tq]), DType::F32);
-    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-    let [k_offset, v_offset] = kv_offsets.map(element_offset);
+    let scalars = HostScalars::new(scale, h, kv_offsets, [0, 0], dropout);
+    let use_dropout = scalars.use_dropout;
     // Both `mma` kernels write their rows by pair; the f16/bf16 one reads Q by
     // pair and stages K and V by vectors of `width` (16 bytes where it is
     // 8), the split-TF32 one by vectors of up to four.
@@ -319,14 +320,7 @@ where
                     key_valid.clone().into_tensor_arg(),
                     out.clone().into_tensor_arg(),
                     lse.clone().into_tensor_arg(),
-                    scale as f32,
-                    h as u32,
-                    $offset,
-                    k_offset,
-                    v_offset,
-                    threshold,
-                    drop_scale,
-                    seed,
+                    scalars.launch::<R>($offset),
                     dh,
                     mma.keys,
                     mma.block_keys,
@@ -365,14 +359,7 @@ where
             tile_valid.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            k_offset,
-            v_offset,
-            threshold,
-            drop_scale,
-            seed,
+            scalars.launch::<R>(offset),
             dh,
             rows.tile,
             split.lanes,
@@ -420,9 +407,8 @@ fn backward_views<R, F, I, BT>(
     let (key_valid, tile_valid) =
         validity::<R, F, I, BT>(key_padding_mask, n, tk, validity_tile, &q.device);
     let client = q.client.clone();
-    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
-    let [k_offset, v_offset] = kv_offsets.map(element_offset);
-    let [dk_offset, dv_offset] = dkv_offsets.map(element_offset);
+    let scalars = HostScalars::new(scale, h, kv_offsets, dkv_offsets, dropout);
+    let use_dropout = scalars.use_dropout;
     // The mma kernels read and write their rows by pair at least, and stage
     // the other side's by vectors of `width` (16 bytes where it is 8).
     let width = row_vector_width(&[
@@ -460,14 +446,7 @@ fn backward_views<R, F, I, BT>(
                     key_valid.clone().into_tensor_arg(),
                     dq.clone().into_tensor_arg(),
                     delta.clone().into_tensor_arg(),
-                    scale as f32,
-                    h as u32,
-                    offset,
-                    k_offset,
-                    v_offset,
-                    threshold,
-                    drop_scale,
-                    seed,
+                    scalars.launch::<R>(offset),
                     dh,
                     mma.keys,
                     mma.block_keys,
@@ -490,16 +469,7 @@ fn backward_views<R, F, I, BT>(
                     delta.clone().into_tensor_arg(),
                     key_valid.clone().into_tensor_arg(),
                     dkv.clone().into_tensor_arg(),
-                    scale as f32,
-                    h as u32,
-                    offset,
-                    k_offset,
-                    v_offset,
-                    dk_offset,
-                    dv_offset,
-                    threshold,
-                    drop_scale,
-                    seed,
+                    scalars.launch::<R>(offset),
                     dh,
                     mma.queries,
                     mma.block_queries,
@@ -538,16 +508,7 @@ fn backward_views<R, F, I, BT>(
                 key_valid.clone().into_tensor_arg(),
                 dkv.clone().into_tensor_arg(),
                 dq.clone().into_tensor_arg(),
-                scale as f32,
-                h as u32,
-                offset,
-                k_offset,
-                v_offset,
-                dk_offset,
-                dv_offset,
-                threshold,
-                drop_scale,
-                seed,
+                scalars.launch::<R>(offset),
                 dh,
                 tk,
                 tiled.tile,
@@ -575,16 +536,7 @@ fn backward_views<R, F, I, BT>(
                 key_valid.clone().into_tensor_arg(),
                 dkv.clone().into_tensor_arg(),
                 dq.clone().into_tensor_arg(),
-                scale as f32,
-                h as u32,
-                offset,
-                k_offset,
-                v_offset,
-                dk_offset,
-                dv_offset,
-                threshold,
-                drop_scale,
-                seed,
+                scalars.launch::<R>(offset),
                 dh,
                 merged.tile,
                 merged.parts,
@@ -623,14 +575,7 @@ fn backward_views<R, F, I, BT>(
             tile_valid.clone().into_tensor_arg(),
             dq.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            k_offset,
-            v_offset,
-            threshold,
-            drop_scale,
-            seed,
+            scalars.launch::<R>(offset),
             dh,
             rows.tile,
             queries.lanes,
@@ -655,16 +600,7 @@ fn backward_views<R, F, I, BT>(
             key_valid.clone().into_tensor_arg(),
             tile_valid.clone().into_tensor_arg(),
             dkv.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            k_offset,
-            v_offset,
-            dk_offset,
-            dv_offset,
-            threshold,
-            drop_scale,
-            seed,
+            scalars.launch::<R>(offset),
             dh,
             rows.tile,
             keys.lanes,
@@ -711,7 +647,8 @@ where
         Shape::new([n, h, tq]),
         DType::F32,
     );
-    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
+    let scalars = HostScalars::new(scale, h, [0, 0], [0, 0], dropout);
+    let use_dropout = scalars.use_dropout;
     let rows_per_cube = plan.planes * TC_TILE;
     for (offset, count) in bh_chunks(n * h) {
         attention_forward_tc::launch::<R>(
@@ -725,12 +662,7 @@ where
             block_valid.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            threshold,
-            drop_scale,
-            seed,
+            scalars.launch::<R>(offset),
             plan.head_dim,
             plan.blocks,
             plan.planes,
@@ -780,7 +712,8 @@ where
         )
     };
     let (dq, dk, dv) = (alloc(tq), alloc(tk), alloc(tk));
-    let (use_dropout, threshold, drop_scale, seed) = dropout_args(dropout);
+    let scalars = HostScalars::new(scale, h, [0, 0], [0, 0], dropout);
+    let use_dropout = scalars.use_dropout;
     for (offset, count) in bh_chunks(n * h) {
         attention_backward_dq_tc::launch::<R>(
             &client,
@@ -796,12 +729,7 @@ where
             block_valid.clone().into_tensor_arg(),
             dq.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            threshold,
-            drop_scale,
-            seed,
+            scalars.launch::<R>(offset),
             dh,
             plan_q.blocks,
             plan_q.planes,
@@ -823,12 +751,7 @@ where
             block_valid.clone().into_tensor_arg(),
             dk.clone().into_tensor_arg(),
             dv.clone().into_tensor_arg(),
-            scale as f32,
-            h as u32,
-            offset,
-            threshold,
-            drop_scale,
-            seed,
+            scalars.launch::<R>(offset),
             dh,
             plan_k.blocks,
             plan_k.planes,

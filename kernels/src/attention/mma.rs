@@ -62,6 +62,7 @@
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
+use super::args::Scalars;
 use super::mma_io::{
     half_stride, head_rows, read_quad, row_operands, stage_rows, store_pair, AccPair, HeadRows,
     Pair, ValidPair,
@@ -165,14 +166,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] keys: usize,
     #[comptime] block_keys: usize,
@@ -183,7 +177,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let tq = q.shape(2);
-    let head = cube_head(heads, bh_offset, seed);
+    let head = cube_head(call.heads, call.bh_offset, call.seed);
     let rows = comptime!(block_rows(keys, block_keys, false));
     let mut stage = SplitStage {
         kt: SharedMemory::<SplitQuad>::new(comptime!(
@@ -197,16 +191,10 @@ pub fn attention_forward_mma<F: Float, N: Size>(
             block_rows(keys, block_keys, false).div_ceil(8)
         )),
     };
-    let args = KeyArgs {
-        k_offset,
-        v_offset,
-        dropout_threshold,
-        dropout_scale,
-    };
     let out_rows = head_rows(out, 0u32, &head);
     let key_rows = KeyRows {
-        k: head_rows(k, k_offset, &head),
-        v: head_rows(v, v_offset, &head),
+        k: head_rows(k, call.k_offset, &head),
+        v: head_rows(v, call.v_offset, &head),
     };
     let planes = comptime!(units / 32);
     if comptime!(keys <= block_keys) {
@@ -218,7 +206,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
             key_valid,
             &head,
             &mut stage,
-            &args,
+            call,
             0,
             keys,
             rows,
@@ -229,14 +217,14 @@ pub fn attention_forward_mma<F: Float, N: Size>(
         );
         let mut block = UNIT_POS_X as usize / 32;
         while block < tq.div_ceil(16) {
-            let q_ops = q_operands_tf32(q, bias, &head, block, tq, scale, head_dim, with_bias);
+            let q_ops = q_operands_tf32(q, bias, &head, block, tq, call.scale, head_dim, with_bias);
             let mut plane = plane_rows(block, head_dim);
             attend_block_tf32(
                 &stage,
                 &q_ops,
                 &mut plane,
                 &head,
-                &args,
+                call,
                 0,
                 keys,
                 rows,
@@ -249,7 +237,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
         }
     } else {
         let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
-        let q_ops = q_operands_tf32(q, bias, &head, block, tq, scale, head_dim, with_bias);
+        let q_ops = q_operands_tf32(q, bias, &head, block, tq, call.scale, head_dim, with_bias);
         let mut plane = plane_rows(block, head_dim);
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
@@ -261,7 +249,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
                 key_valid,
                 &head,
                 &mut stage,
-                &args,
+                call,
                 start,
                 block_keys,
                 rows,
@@ -275,7 +263,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
                     &q_ops,
                     &mut plane,
                     &head,
-                    &args,
+                    call,
                     start,
                     block_keys,
                     rows,
@@ -299,15 +287,6 @@ struct SplitStage {
     chunk_valid: SharedMemory<f32>,
 }
 
-/// The scalar arguments the key blocks need.
-#[derive(CubeType)]
-struct KeyArgs {
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-}
-
 /// Loads keys `[start, start + count)` of the head into `stage` (K by key:
 /// quad `key·stride + 4·s + t` holds dims `d = 8s + t` and `d + 4`, the two
 /// of a `B` operand, his then los; V by dim: quad `d·stride + p` holds keys
@@ -325,7 +304,7 @@ fn load_block_tf32<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     head: &CubeHead,
     stage: &mut SplitStage,
-    args: &KeyArgs,
+    args: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
@@ -480,7 +459,7 @@ fn attend_block_tf32(
     q_ops: &Sequence<QOperand>,
     plane: &mut PlaneRows,
     head: &CubeHead,
-    args: &KeyArgs,
+    args: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
@@ -536,7 +515,7 @@ fn attend_chunk_tf32(
     q_ops: &Sequence<QOperand>,
     plane: &mut PlaneRows,
     head: &CubeHead,
-    args: &KeyArgs,
+    args: &Scalars,
     first: usize,
     start: usize,
     #[comptime] tiles: usize,
@@ -591,14 +570,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] keys: usize,
     #[comptime] block_keys: usize,
@@ -609,7 +581,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let tq = q.shape(2);
-    let head = cube_head(heads, bh_offset, seed);
+    let head = cube_head(call.heads, call.bh_offset, call.seed);
     let rows = comptime!(block_rows(keys, block_keys, true));
     let mut stage = HalfStage::<F> {
         kt: SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
@@ -623,16 +595,10 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
             block_rows(keys, block_keys, true).div_ceil(8)
         )),
     };
-    let args = KeyArgs {
-        k_offset,
-        v_offset,
-        dropout_threshold,
-        dropout_scale,
-    };
     let views = HalfViews {
         q: head_rows(q, 0u32, &head),
-        k: head_rows(k, k_offset, &head),
-        v: head_rows(v, v_offset, &head),
+        k: head_rows(k, call.k_offset, &head),
+        v: head_rows(v, call.v_offset, &head),
         out: head_rows(out, 0u32, &head),
     };
     let planes = comptime!(units / 32);
@@ -645,7 +611,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
             key_valid,
             &head,
             &mut stage,
-            &args,
+            call,
             0,
             keys,
             rows,
@@ -663,7 +629,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
                 head.h * head_dim,
                 block,
                 tq,
-                scale,
+                call.scale,
                 head_dim,
                 with_bias,
                 true,
@@ -674,7 +640,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
                 &q_ops,
                 &mut plane,
                 &head,
-                &args,
+                call,
                 0,
                 keys,
                 rows,
@@ -694,7 +660,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
             head.h * head_dim,
             block,
             tq,
-            scale,
+            call.scale,
             head_dim,
             with_bias,
             true,
@@ -710,7 +676,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
                 key_valid,
                 &head,
                 &mut stage,
-                &args,
+                call,
                 start,
                 block_keys,
                 rows,
@@ -724,7 +690,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
                     &q_ops,
                     &mut plane,
                     &head,
-                    &args,
+                    call,
                     start,
                     block_keys,
                     rows,
@@ -771,7 +737,7 @@ fn load_block_half<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     head: &CubeHead,
     stage: &mut HalfStage<F>,
-    args: &KeyArgs,
+    args: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
@@ -849,7 +815,7 @@ fn attend_block_half<F: Float>(
     q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
     plane: &mut PlaneRows,
     head: &CubeHead,
-    args: &KeyArgs,
+    args: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
@@ -905,7 +871,7 @@ fn attend_chunk_half<F: Float>(
     q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
     plane: &mut PlaneRows,
     head: &CubeHead,
-    args: &KeyArgs,
+    args: &Scalars,
     first: usize,
     start: usize,
     #[comptime] tiles: usize,

@@ -50,6 +50,7 @@
 
 use cubecl::prelude::*;
 
+use super::args::Scalars;
 use super::mma::{add_products_half, block_rows, load_validity, scores_half};
 use super::mma_io::{
     half_stride, head_rows, row_operands, stage_rows, store_pair, AccPair, Half4, HeadRows, Pair,
@@ -128,14 +129,7 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     dq: &mut Tensor<Pair<F>>,
     delta: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] keys: usize,
     #[comptime] block_keys: usize,
@@ -145,7 +139,7 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let tq = q.shape(2);
-    let head = cube_head(heads, bh_offset, seed);
+    let head = cube_head(call.heads, call.bh_offset, call.seed);
     let rows = comptime!(block_rows(keys, block_keys, true));
     let mut stage = KeyBlock::<F> {
         k_rows: SharedMemory::<Half4<F>>::new(comptime!(
@@ -163,12 +157,12 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
         )),
     };
     let args = BackwardArgs {
-        k_rows: head_rows(k, k_offset, &head),
-        v_rows: head_rows(v, v_offset, &head),
-        k_offset,
-        v_offset,
-        dropout_threshold,
-        dropout_scale,
+        k_rows: head_rows(k, call.k_offset, &head),
+        v_rows: head_rows(v, call.v_offset, &head),
+        k_offset: call.k_offset,
+        v_offset: call.v_offset,
+        dropout_threshold: call.dropout_threshold,
+        dropout_scale: call.dropout_scale,
     };
     let views = QueryViews {
         q: head_rows(q, 0u32, &head),
@@ -185,7 +179,7 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
         let mut block = UNIT_POS_X as usize / 32;
         while block < tq.div_ceil(16) {
             let query = query_rows::<F>(
-                q, bias, out, dout, lse, delta, &head, &views, block, tq, scale, head_dim,
+                q, bias, out, dout, lse, delta, &head, &views, block, tq, call.scale, head_dim,
                 with_bias,
             );
             let mut acc = zero_acc(head_dim);
@@ -201,13 +195,14 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
                 head_dim,
                 use_dropout,
             );
-            write_dq::<F>(dq, &views.dq, &acc, query.row0, tq, scale, head_dim);
+            write_dq::<F>(dq, &views.dq, &acc, query.row0, tq, call.scale, head_dim);
             block += planes;
         }
     } else {
         let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
         let query = query_rows::<F>(
-            q, bias, out, dout, lse, delta, &head, &views, block, tq, scale, head_dim, with_bias,
+            q, bias, out, dout, lse, delta, &head, &views, block, tq, call.scale, head_dim,
+            with_bias,
         );
         let mut acc = zero_acc(head_dim);
         for b in 0..comptime!(keys / block_keys) {
@@ -230,7 +225,7 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
                 );
             }
         }
-        write_dq::<F>(dq, &views.dq, &acc, query.row0, tq, scale, head_dim);
+        write_dq::<F>(dq, &views.dq, &acc, query.row0, tq, call.scale, head_dim);
     }
 }
 
@@ -581,16 +576,7 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
     delta: &Tensor<f32>,
     key_valid: &Tensor<f32>,
     dkv: &mut Tensor<Pair<F>>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dk_offset: u32,
-    dv_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] queries: usize,
     #[comptime] block_queries: usize,
@@ -601,7 +587,7 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let head = cube_head(heads, bh_offset, seed);
+    let head = cube_head(call.heads, call.bh_offset, call.seed);
     let planes = comptime!(units / 32);
     let mut stage = QueryBlock::<F> {
         q_rows: SharedMemory::<Half4<F>>::new(comptime!(block_queries * half_stride(head_dim / 4))),
@@ -618,7 +604,17 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
     let mut cube_valid = SharedMemory::<f32>::new(1usize);
     let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
     let keys = key_rows::<F>(
-        k, v, bias, key_valid, &head, block, tk, k_offset, v_offset, head_dim, with_bias,
+        k,
+        v,
+        bias,
+        key_valid,
+        &head,
+        block,
+        tk,
+        call.k_offset,
+        call.v_offset,
+        head_dim,
+        with_bias,
     );
     let q_rows = head_rows(q, 0u32, &head);
     let do_rows = head_rows(dout, 0u32, &head);
@@ -652,7 +648,7 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
                     &mut stage,
                     start,
                     tq,
-                    scale,
+                    call.scale,
                     block_queries,
                     head_dim,
                     units,
@@ -670,8 +666,8 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
                             &head,
                             c * 2,
                             start,
-                            dropout_threshold,
-                            dropout_scale,
+                            call.dropout_threshold,
+                            call.dropout_scale,
                             block_queries,
                             head_dim,
                             use_dropout,
@@ -684,8 +680,8 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
     }
     write_dkdv::<F>(
         dkv,
-        &head_rows(dkv, dk_offset, &head),
-        &head_rows(dkv, dv_offset, &head),
+        &head_rows(dkv, call.dk_offset, &head),
+        &head_rows(dkv, call.dv_offset, &head),
         &dk,
         &dv,
         keys.key0,

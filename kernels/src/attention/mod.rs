@@ -34,6 +34,10 @@
 //! - `cmma` (`tensor_core.rs`): CubeCL's portable 16×16×16 tiles, f16/bf16,
 //!   where there is no `mma.sync` (HIP, CUDA before Ampere).
 //!
+//! Every kernel takes the call's runtime scalars (score scale, heads,
+//! operand offsets, dropout) as one launch struct, `args::Scalars`, which
+//! `launch.rs` builds once per call.
+//!
 //! Every kernel skips key tiles that are all padding, gives a row whose keys
 //! are all masked a zero output, and draws attention dropout from the same
 //! counter-based hash (`crate::cube`), so any backward follows any forward.
@@ -232,6 +236,8 @@ pub trait AttentionOps: Backend {
     }
 }
 
+#[cfg(feature = "cubecl")]
+mod args;
 #[cfg(feature = "cubecl")]
 pub(crate) mod launch;
 #[cfg(feature = "cubecl")]

@@ -41,6 +41,7 @@
 
 use cubecl::prelude::*;
 
+use super::args::Scalars;
 use crate::cube::{bias_at, dropout_head_key, dropout_keep, head_start, row_start, Quad, FAST_EXP};
 
 /// Merges the online-softmax states `(m, l, acc)` of the lanes of a group
@@ -145,14 +146,7 @@ pub fn attention_forward<F: Float>(
     tile_valid: &Tensor<f32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
     #[comptime] lanes: usize,
@@ -165,9 +159,9 @@ pub fn attention_forward<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
     let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
@@ -178,9 +172,9 @@ pub fn attention_forward<F: Float>(
     if comptime!(parts > 1) {
         compute = true;
     }
-    let h = bh % heads as usize;
-    let k_base = head_start(k, k_offset, n, h);
-    let v_base = head_start(v, v_offset, n, h);
+    let h = bh % call.heads as usize;
+    let k_base = head_start(k, call.k_offset, n, h);
+    let v_base = head_start(v, call.v_offset, n, h);
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
@@ -200,7 +194,7 @@ pub fn attention_forward<F: Float>(
         #[unroll(unroll)]
         for d in 0..dims {
             let q_bias = bias_at(bias, h * head_dim + part * dims + d, with_bias);
-            q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * scale;
+            q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * call.scale;
         }
     }
 
@@ -229,8 +223,8 @@ pub fn attention_forward<F: Float>(
                 &mut valid_tile,
                 k_base,
                 v_base,
-                k_offset as usize + h * head_dim,
-                v_offset as usize + h * head_dim,
+                call.k_offset as usize + h * head_dim,
+                call.v_offset as usize + h * head_dim,
                 n * tk,
                 t * tile_keys,
                 tk,
@@ -269,8 +263,8 @@ pub fn attention_forward<F: Float>(
                     let mut weight = p;
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
-                        let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
-                        weight = select(keep, p * dropout_scale, 0.0f32);
+                        let keep = dropout_keep(head_key, row as u32, col, call.dropout_threshold);
+                        weight = select(keep, p * call.dropout_scale, 0.0f32);
                     }
                     let at = jj * stride + first_quad;
                     add_scaled_quads(&mut acc, weight, &v_tile, at, quads, unroll);
@@ -502,14 +496,7 @@ pub fn attention_backward_dq<F: Float>(
     tile_valid: &Tensor<f32>,
     dq: &mut Tensor<F>,
     delta: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] tile_keys: usize,
     #[comptime] lanes: usize,
@@ -522,9 +509,9 @@ pub fn attention_backward_dq<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
     let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
@@ -535,9 +522,9 @@ pub fn attention_backward_dq<F: Float>(
     if comptime!(parts > 1) {
         compute = true;
     }
-    let h = bh % heads as usize;
-    let k_base = head_start(k, k_offset, n, h);
-    let v_base = head_start(v, v_offset, n, h);
+    let h = bh % call.heads as usize;
+    let k_base = head_start(k, call.k_offset, n, h);
+    let v_base = head_start(v, call.v_offset, n, h);
     let n_tiles = tk.div_ceil(tile_keys);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
@@ -563,7 +550,7 @@ pub fn attention_backward_dq<F: Float>(
         #[unroll(unroll)]
         for d in 0..dims {
             let q_bias = bias_at(bias, h * head_dim + part * dims + d, with_bias);
-            q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * scale;
+            q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * call.scale;
             do_row[d] = f32::cast_from(dout[do_base + d]);
             row_delta += do_row[d] * f32::cast_from(out[out_base + d]);
         }
@@ -590,8 +577,8 @@ pub fn attention_backward_dq<F: Float>(
                 &mut valid_tile,
                 k_base,
                 v_base,
-                k_offset as usize + h * head_dim,
-                v_offset as usize + h * head_dim,
+                call.k_offset as usize + h * head_dim,
+                call.v_offset as usize + h * head_dim,
                 n * tk,
                 t * tile_keys,
                 tk,
@@ -611,8 +598,8 @@ pub fn attention_backward_dq<F: Float>(
                     let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
-                        let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
-                        dp = select(keep, dp * dropout_scale, 0.0f32);
+                        let keep = dropout_keep(head_key, row as u32, col, call.dropout_threshold);
+                        dp = select(keep, dp * call.dropout_scale, 0.0f32);
                     }
                     let ds = p * (dp - row_delta);
                     add_scaled_quads(&mut acc, ds, &k_tile, at, quads, unroll);
@@ -628,7 +615,7 @@ pub fn attention_backward_dq<F: Float>(
     if active && lane == 0 {
         #[unroll(unroll)]
         for d in 0..dims {
-            dq[dq_base + d] = F::cast_from(acc[d] * scale);
+            dq[dq_base + d] = F::cast_from(acc[d] * call.scale);
         }
     }
 }
@@ -914,16 +901,7 @@ pub fn attention_backward_dkdv<F: Float>(
     key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dk_offset: u32,
-    dv_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] lanes: usize,
@@ -936,9 +914,9 @@ pub fn attention_backward_dkdv<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
     let part = UNIT_POS_X as usize % parts;
     let lane = (UNIT_POS_X as usize / parts) % lanes;
     let key_slot = UNIT_POS_X as usize / (lanes * parts);
@@ -967,7 +945,7 @@ pub fn attention_backward_dkdv<F: Float>(
     for t in first_key / tile..(end_key - 1) / tile + 1 {
         block_valid += tile_valid[n * n_key_tiles + t];
     }
-    let h = bh % heads as usize;
+    let h = bh % call.heads as usize;
     let q_base = head_start(q, 0u32, n, h);
     let do_base = head_start(dout, 0u32, n, h);
     let mut n_tiles = 0usize;
@@ -978,10 +956,10 @@ pub fn attention_backward_dkdv<F: Float>(
     let quads = comptime!(head_dim.div_ceil(4) / parts);
     let dims = comptime!(head_dim / parts);
     let first_quad = part * quads;
-    let k_base = row_start(k, k_offset, n, h, col) + part * dims;
-    let v_base = row_start(v, v_offset, n, h, col) + part * dims;
-    let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
-    let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
+    let k_base = row_start(k, call.k_offset, n, h, col) + part * dims;
+    let v_base = row_start(v, call.v_offset, n, h, col) + part * dims;
+    let dk_base = row_start(dkv, call.dk_offset, n, h, col) + part * dims;
+    let dv_base = row_start(dkv, call.dv_offset, n, h, col) + part * dims;
 
     let mut key = load_key_row::<F>(
         k,
@@ -989,8 +967,8 @@ pub fn attention_backward_dkdv<F: Float>(
         k_base,
         v_base,
         bias,
-        k_offset as usize + h * head_dim + part * dims,
-        v_offset as usize + h * head_dim + part * dims,
+        call.k_offset as usize + h * head_dim + part * dims,
+        call.v_offset as usize + h * head_dim + part * dims,
         active,
         quads,
         dims,
@@ -1007,7 +985,7 @@ pub fn attention_backward_dkdv<F: Float>(
         load_rows::<F>(
             q,
             &mut q_tile,
-            scale,
+            call.scale,
             q_base,
             q.stride(2),
             start,
@@ -1064,8 +1042,8 @@ pub fn attention_backward_dkdv<F: Float>(
                     head_key,
                     (start + ii) as u32,
                     col as u32,
-                    dropout_threshold,
-                    dropout_scale,
+                    call.dropout_threshold,
+                    call.dropout_scale,
                     parts,
                     quads,
                     use_dropout,
@@ -1125,16 +1103,7 @@ pub fn attention_backward_merged<F: Float>(
     key_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
     dq: &mut Tensor<F>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dk_offset: u32,
-    dv_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] tile: usize,
     #[comptime] parts: usize,
@@ -1149,10 +1118,10 @@ pub fn attention_backward_merged<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
-    let h = bh % heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
+    let h = bh % call.heads as usize;
     let unit = UNIT_POS_X as usize;
     let part = unit % parts;
     let col = unit / parts;
@@ -1171,8 +1140,8 @@ pub fn attention_backward_merged<F: Float>(
         out: head_start(out, 0u32, n, h),
         lse: bh * tq,
     };
-    let k_base = row_start(k, k_offset, n, h, col) + part * dims;
-    let v_base = row_start(v, v_offset, n, h, col) + part * dims;
+    let k_base = row_start(k, call.k_offset, n, h, col) + part * dims;
+    let v_base = row_start(v, call.v_offset, n, h, col) + part * dims;
 
     let mut key = load_key_row::<F>(
         k,
@@ -1180,8 +1149,8 @@ pub fn attention_backward_merged<F: Float>(
         k_base,
         v_base,
         bias,
-        k_offset as usize + h * head_dim + part * dims,
-        v_offset as usize + h * head_dim + part * dims,
+        call.k_offset as usize + h * head_dim + part * dims,
+        call.v_offset as usize + h * head_dim + part * dims,
         active,
         quads,
         dims,
@@ -1230,7 +1199,7 @@ pub fn attention_backward_merged<F: Float>(
         &mut next,
         0,
         tq,
-        scale,
+        call.scale,
         bias,
         h * head_dim,
         head_dim,
@@ -1266,7 +1235,7 @@ pub fn attention_backward_merged<F: Float>(
                 &mut next,
                 start + tile,
                 tq,
-                scale,
+                call.scale,
                 bias,
                 h * head_dim,
                 head_dim,
@@ -1292,8 +1261,8 @@ pub fn attention_backward_merged<F: Float>(
                 head_key,
                 (start + ii) as u32,
                 col as u32,
-                dropout_threshold,
-                dropout_scale,
+                call.dropout_threshold,
+                call.dropout_scale,
                 parts,
                 quads,
                 use_dropout,
@@ -1328,7 +1297,7 @@ pub fn attention_backward_merged<F: Float>(
             dq.stride(2),
             tq - start,
             tk,
-            scale,
+            call.scale,
             head_dim,
             tile,
             key_splits,
@@ -1345,8 +1314,8 @@ pub fn attention_backward_merged<F: Float>(
     }
 
     if col < tk {
-        let dk_base = row_start(dkv, dk_offset, n, h, col) + part * dims;
-        let dv_base = row_start(dkv, dv_offset, n, h, col) + part * dims;
+        let dk_base = row_start(dkv, call.dk_offset, n, h, col) + part * dims;
+        let dv_base = row_start(dkv, call.dv_offset, n, h, col) + part * dims;
         write_key_gradients::<F>(&key, dkv, dk_base, dv_base, active, dims, unroll);
     }
 }

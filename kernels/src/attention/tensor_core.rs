@@ -53,6 +53,7 @@
 use cubecl::cmma::{self, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
 
+use super::args::Scalars;
 use crate::cube::{dropout_head_key, dropout_keep, FAST_EXP};
 
 /// Side of a tensor-core tile: 16 rows, 16 keys, 16 head dims.
@@ -107,12 +108,7 @@ pub fn attention_forward_tc<F: Float>(
     block_valid: &Tensor<f32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] blocks: usize,
     #[comptime] planes: usize,
@@ -122,9 +118,9 @@ pub fn attention_forward_tc<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let units_per_row = comptime!(plane_size / TC_TILE);
@@ -228,7 +224,7 @@ pub fn attention_forward_tc<F: Float>(
                     for j in 0..cols {
                         let score = select(
                             valid_tile[first_key + j * units_per_row] > 0.0,
-                            scratch[my_scores + j * units_per_row] * scale,
+                            scratch[my_scores + j * units_per_row] * call.scale,
                             -1.0e30f32,
                         );
                         scores[j] = score;
@@ -249,8 +245,9 @@ pub fn attention_forward_tc<F: Float>(
                         let mut weight = p;
                         if use_dropout {
                             let col = (t * tile_keys + key) as u32;
-                            let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
-                            weight = select(keep, p * dropout_scale, 0.0f32);
+                            let keep =
+                                dropout_keep(head_key, row as u32, col, call.dropout_threshold);
+                            weight = select(keep, p * call.dropout_scale, 0.0f32);
                         }
                         p_block[my_weights + j * units_per_row] = F::cast_from(weight);
                     }
@@ -616,12 +613,7 @@ pub fn attention_backward_dq_tc<F: Float>(
     block_valid: &Tensor<f32>,
     dq: &mut Tensor<F>,
     delta: &mut Tensor<f32>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] blocks: usize,
     #[comptime] planes: usize,
@@ -631,9 +623,9 @@ pub fn attention_backward_dq_tc<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let units_per_row = comptime!(plane_size / TC_TILE);
@@ -757,7 +749,7 @@ pub fn attention_backward_dq_tc<F: Float>(
                     for j in 0..cols {
                         probs[j] = select(
                             valid_tile[first_key + j * units_per_row] > 0.0,
-                            (scratch[my_scores + j * units_per_row] * scale - row_lse).exp(),
+                            (scratch[my_scores + j * units_per_row] * call.scale - row_lse).exp(),
                             0.0f32,
                         );
                     }
@@ -775,8 +767,9 @@ pub fn attention_backward_dq_tc<F: Float>(
                         let mut dp_ij = scratch[my_scores + j * units_per_row];
                         if use_dropout {
                             let col = (t * tile_keys + first_key + j * units_per_row) as u32;
-                            let keep = dropout_keep(head_key, row as u32, col, dropout_threshold);
-                            dp_ij = select(keep, dp_ij * dropout_scale, 0.0f32);
+                            let keep =
+                                dropout_keep(head_key, row as u32, col, call.dropout_threshold);
+                            dp_ij = select(keep, dp_ij * call.dropout_scale, 0.0f32);
                         }
                         ds_block[my_weights + j * units_per_row] =
                             F::cast_from(probs[j] * (dp_ij - row_delta));
@@ -798,7 +791,7 @@ pub fn attention_backward_dq_tc<F: Float>(
         q_base,
         first_row,
         tq,
-        scale,
+        call.scale,
         head_dim,
         plane_size,
     );
@@ -826,12 +819,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
     block_valid: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] blocks: usize,
     #[comptime] planes: usize,
@@ -841,9 +829,9 @@ pub fn attention_backward_dkdv_tc<F: Float>(
 ) {
     let tq = q.shape(2);
     let tk = k.shape(2);
-    let bh = (CUBE_POS_X + bh_offset) as usize;
-    let head_key = dropout_head_key(seed, bh as u32);
-    let n = bh / heads as usize;
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let head_key = dropout_head_key(call.seed, bh as u32);
+    let n = bh / call.heads as usize;
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let units_per_row = comptime!(plane_size / TC_TILE);
@@ -977,7 +965,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         // 0 for a masked key: its exp(s − lse) could overflow.
                         let p = select(
                             key_ok,
-                            (scratch[my_scores + j * units_per_row] * scale
+                            (scratch[my_scores + j * units_per_row] * call.scale
                                 - lse_tile[first_q + j * units_per_row])
                                 .exp(),
                             0.0f32,
@@ -986,8 +974,9 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         let mut kept = p;
                         if use_dropout {
                             let i = (start + first_q + j * units_per_row) as u32;
-                            let keep = dropout_keep(head_key, i, key as u32, dropout_threshold);
-                            kept = select(keep, p * dropout_scale, 0.0f32);
+                            let keep =
+                                dropout_keep(head_key, i, key as u32, call.dropout_threshold);
+                            kept = select(keep, p * call.dropout_scale, 0.0f32);
                         }
                         w_block[my_weights + j * units_per_row] = F::cast_from(kept);
                     }
@@ -1009,8 +998,9 @@ pub fn attention_backward_dkdv_tc<F: Float>(
                         let mut dp = scratch[my_scores + j * units_per_row];
                         if use_dropout {
                             let i = (start + first_q + j * units_per_row) as u32;
-                            let keep = dropout_keep(head_key, i, key as u32, dropout_threshold);
-                            dp = select(keep, dp * dropout_scale, 0.0f32);
+                            let keep =
+                                dropout_keep(head_key, i, key as u32, call.dropout_threshold);
+                            dp = select(keep, dp * call.dropout_scale, 0.0f32);
                         }
                         w_block[my_weights + j * units_per_row] =
                             F::cast_from(probs[j] * (dp - delta_tile[first_q + j * units_per_row]));
@@ -1035,7 +1025,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
         kv_base,
         first_key,
         tk,
-        scale,
+        call.scale,
         head_dim,
         plane_size,
     );

@@ -49,6 +49,7 @@
 
 use cubecl::prelude::*;
 
+use super::args::Scalars;
 use super::mma_io::{head_rows, read_quad, HeadRows};
 use crate::cube::{bias_at, cube_head, dropout_keep, row_start, CubeHead, Quad, FAST_EXP};
 
@@ -98,16 +99,7 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
     dq: &mut Tensor<F>,
-    scale: f32,
-    heads: u32,
-    bh_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    dk_offset: u32,
-    dv_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
-    seed: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] keys: usize,
     #[comptime] tile: usize,
@@ -117,7 +109,7 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let tq = q.shape(2);
-    let head = cube_head(heads, bh_offset, seed);
+    let head = cube_head(call.heads, call.bh_offset, call.seed);
     let unit = UNIT_POS_X as usize;
     let key_quads = comptime!(padded_key_quads(keys));
     let key_stride = comptime!(odd_stride(padded_key_quads(keys)));
@@ -146,16 +138,16 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
     load_key_rows::<F, N>(
         k,
         v,
-        &head_rows(k, k_offset, &head),
-        &head_rows(v, v_offset, &head),
+        &head_rows(k, call.k_offset, &head),
+        &head_rows(v, call.v_offset, &head),
         bias,
         key_valid,
         &head,
         &mut shared.kt,
         &mut shared.vt,
         &mut shared.valid,
-        k_offset,
-        v_offset,
+        call.k_offset,
+        call.v_offset,
         head_dim,
         keys,
         units,
@@ -191,7 +183,7 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
         0,
         0,
         tq,
-        scale,
+        call.scale,
         head_dim,
         tile,
         units,
@@ -202,8 +194,8 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
         &mut shared,
         &head,
         0,
-        dropout_threshold,
-        dropout_scale,
+        call.dropout_threshold,
+        call.dropout_scale,
         keys,
         tile,
         head_dim,
@@ -225,7 +217,7 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
             &head,
             start,
             tq,
-            scale,
+            call.scale,
             keys,
             tile,
             head_dim,
@@ -264,7 +256,7 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
                 start + tile,
                 next_buffer,
                 tq,
-                scale,
+                call.scale,
                 head_dim,
                 tile,
                 units,
@@ -277,8 +269,8 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
                 &mut shared,
                 &head,
                 start + tile,
-                dropout_threshold,
-                dropout_scale,
+                call.dropout_threshold,
+                call.dropout_scale,
                 keys,
                 tile,
                 head_dim,
@@ -295,8 +287,8 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
         let key = own_kb * 4 + j;
         if key < keys {
             let active = valid[j] > 0.0;
-            let dk_at = row_start(dkv, dk_offset, head.n, head.h, key) + own_db * 4;
-            let dv_at = row_start(dkv, dv_offset, head.n, head.h, key) + own_db * 4;
+            let dk_at = row_start(dkv, call.dk_offset, head.n, head.h, key) + own_db * 4;
+            let dv_at = row_start(dkv, call.dv_offset, head.n, head.h, key) + own_db * 4;
             let dk_j = dk[j];
             let dv_j = dv[j];
             #[unroll]
