@@ -221,21 +221,6 @@ fn forward_on_every_compiled_backend_matches_ndarray_or_says_why_not() {
     }
 }
 
-/// The values of an lsmat TSV (`aam-rs unifrac --output X.tsv`), row-major.
-fn lsmat(path: &Path) -> Vec<f64> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .flat_map(|l| {
-            l.split('\t')
-                .skip(1)
-                .map(|v| v.parse::<f64>().unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 /// `aam-rs unifrac --gpu X` on the demo: where X is compiled in and sees a
 /// device, the weighted matrix of the CPU path within 1e-5 (wgpu computes in
 /// single precision); otherwise an error that names why, and no file.
@@ -263,8 +248,9 @@ fn unifrac_on_each_gpu_backend_matches_the_cpu_or_says_why_not() {
     };
     let cpu = tmp.path().join("cpu.tsv");
     assert!(run(None, &cpu).status.success());
-    let want = lsmat(&cpu);
-    assert_eq!(want.len(), 64 * 64);
+    let read = |p: &Path| aam_data::DistanceMatrix::read(p, &aam_data::MatrixIds::Auto).unwrap();
+    let want = read(&cpu);
+    assert_eq!(want.len(), 64);
     let available = available();
     for gpu in ["wgpu", "cuda", "rocm"] {
         let out = tmp.path().join(format!("{gpu}.tsv"));
@@ -286,11 +272,14 @@ fn unifrac_on_each_gpu_backend_matches_the_cpu_or_says_why_not() {
             continue;
         }
         assert!(o.status.success(), "{gpu}: {stderr}");
-        let diff = lsmat(&out)
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
-        assert!(diff <= 1e-5, "{gpu}: max |gpu - cpu| = {diff:e}");
+        let got = read(&out);
+        assert_eq!(got.ids(), want.ids(), "{gpu}");
+        for i in 0..want.len() {
+            for j in 0..want.len() {
+                // (A NaN fails too.)
+                let d = (got.get(i, j) - want.get(i, j)).abs();
+                assert!(d <= 1e-5, "{gpu}: ({i}, {j}) |gpu - cpu| = {d:e}");
+            }
+        }
     }
 }

@@ -109,8 +109,11 @@ fn pair_sums<F: Float>(
     }
     let mut a = Array::<F>::new(PER);
     let mut b = Array::<F>::new(PER);
+    // Variance adjusted: the samples' depths, and this branch's proportions.
     let mut da = Array::<F>::new(PER);
     let mut db = Array::<F>::new(PER);
+    let mut pa = Array::<F>::new(PER);
+    let mut pb = Array::<F>::new(PER);
     if vaw {
         #[unroll]
         for r in 0..PER {
@@ -145,8 +148,16 @@ fn pair_sums<F: Float>(
                 b[r] = sb[e * TILE + tx + r * SIDE];
             }
             if vaw {
-                // As `striped::Vaw::pair`, term by term.
+                // As `striped::Vaw::pair`, term by term; the proportions
+                // once per sample, not per pair.
                 let length = sl[e];
+                if !presence {
+                    #[unroll]
+                    for r in 0..PER {
+                        pa[r] = a[r] / da[r];
+                        pb[r] = b[r] / db[r];
+                    }
+                }
                 #[unroll]
                 for r in 0..PER {
                     #[unroll]
@@ -161,8 +172,8 @@ fn pair_sums<F: Float>(
                                 }
                                 acc2[r * PER + c] += lv;
                             } else {
-                                let u = a[r] / da[r];
-                                let v = b[c] / db[c];
+                                let u = pa[r];
+                                let v = pb[c];
                                 if generalized {
                                     let sum = (u + v) / weight;
                                     let sub = F::abs(u - v) / weight;
