@@ -10,7 +10,8 @@
 #                         -p aam-cli --features cuda,fusion; xz
 #   .carry/oral2550/*.xz  as benches/pretrain_device.sh (tests/oral2550_carry.sh)
 # Env: BINS (default aam-rs), EPOCHS (default 2: the cold epoch, then a warm one),
-#      TRAIN_TIMEOUT (s per build, default 300), TRAIN_ARGS (extra flags).
+#      TRAIN_TIMEOUT (s per build, default 300), TRAIN_ARGS (extra flags; `--time-phases host`
+#      logs the first step, timed in training.log from the model's line).
 # Writes to $OUT: pretrain_<bin>.log, compile_<bin>.log (CubeCL's, one line per compiled
 # kernel), and prints per build the epochs' times and the compiled kernels by kind.
 set -uo pipefail
@@ -20,7 +21,8 @@ BIN=${BINS%% *} source tests/oral2550_carry.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for bin in ${BINS:-aam-rs}; do
   xz -dc ".carry/gpu/$bin.xz" > "/tmp/bin/$bin"; chmod +x "/tmp/bin/$bin"
-  rm -rf target/autotune target/cuda target/hip /tmp/run
+  # CubeCL's caches, and the driver's cache of PTX compiled to machine code (a fresh node has neither).
+  rm -rf target/autotune target/cuda target/hip /tmp/run ~/.nv/ComputeCache
   printf '[compilation.logger]\nlevel = "basic"\nfile = "%s"\n' "$OUT/compile_$bin.log" > cubecl.toml
   start=$(date +%s)
   AAM_LOG=info timeout "${TRAIN_TIMEOUT:-300}" "/tmp/bin/$bin" pretrain --backend cuda \
@@ -30,6 +32,10 @@ for bin in ${BINS:-aam-rs}; do
   rc=$?
   echo "== $bin: rc=$rc wall=$(( $(date +%s) - start ))s"
   grep -o 'epoch [0-9]*/[0-9]*:.*' "$OUT/pretrain_$bin.log" | sed -E 's/train \[.*\] val \[(.*total_loss [0-9.]+).*\] (lr .*)/val [\1] \2/'
+  # The first step: from the model's line to the first step's (`--time-phases` logs step 1;
+  # builds with --compile-workers also log "first step done").
+  cp /tmp/run/training.log "$OUT/training_$bin.log" 2>/dev/null
+  grep -E 'model: [0-9]+ parameters|profile over 1 batches|first step done|helper processes' /tmp/run/training.log 2>/dev/null | cut -c1-160
   log="$OUT/compile_$bin.log"
   [ -f "$log" ] || { echo "no compilation log"; continue; }
   [ "$bin" = "${BINS%% *}" ] && head -c 400 "$log" | cut -c1-200

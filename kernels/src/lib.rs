@@ -46,7 +46,7 @@
 //! | folder       | trait              | public calls |
 //! |--------------|--------------------|--------------|
 //! | `attention/` | [`AttentionOps`]   | [`fused_attention`], [`fused_packed_attention`], [`reference_attention`]; the plan and the kernel families |
-//! | `dense/`     | [`DenseOps`]       | [`dense`], [`matmul`], [`row_product`], [`sum_rows`]; the column-sum kernels every bias gradient uses |
+//! | `dense/`     | [`DenseOps`]       | [`dense`], [`matmul`], [`row_product`], [`sum_rows`]; the column-sum kernels every bias gradient uses; [`set_compile_ahead_hook`] (compiling the dense layers' kernels ahead, elsewhere) |
 //! | `dropout/`   | [`DropoutOps`]     | [`dropout`], [`dropout_add`] |
 //! | `gelu/`      | [`GeluOps`]        | [`gelu_dropout`], [`gelu_dropout_dense`] |
 //! | `norm/`      | [`LayerNormOps`]   | [`layer_norm`] |
@@ -95,6 +95,9 @@ pub use attention::plan::{
 pub use attention::{
     fused_attention, fused_packed_attention, reference_attention, AttentionDropout, AttentionOps,
     KernelChoice,
+};
+pub use dense::ahead::{
+    announce_rows, run_dense_problem, set_compile_ahead_hook, Ahead, AheadHook, DenseProblem,
 };
 pub use dense::{dense, matmul, row_product, sum_rows, DenseOps, ROWS_PER_PART};
 pub use dropout::{dropout, dropout_add, seeded_dropout_runs, DropoutOps};

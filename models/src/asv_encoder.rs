@@ -16,7 +16,7 @@
 use aam_kernels::{unpack_rows, AttentionBackend, RowSlots};
 use burn::nn::Embedding;
 use burn::prelude::*;
-use burn::tensor::Distribution;
+use burn::tensor::{DType, Distribution};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -211,6 +211,19 @@ impl<B: AttentionBackend> AsvEncoder<B> {
         let device = tokens.device();
         // 1. one row per filled ASV slot
         let (rows, non_empty) = tokens.into_filled_rows();
+        if B::ad_enabled(&device) {
+            // The dense layers' row counts (tokens, ASV slots, samples), for a
+            // program that compiles their kernels ahead (`aam_kernels::announce_rows`).
+            // Their types: the transformer layers' under mixed precision, and
+            // the model's own (embeddings, pooling, heads).
+            let [n, length] = rows.dims();
+            let model = <B::FloatElem as burn::tensor::Element>::dtype();
+            let dtypes: Vec<DType> = crate::precision::compute_dtype()
+                .into_iter()
+                .chain([model])
+                .collect();
+            aam_kernels::announce_rows(&[n * length, batch * slots, batch], &dtypes);
+        }
         // 2. masked-nucleotide corruption, training only
         let corrupt = B::ad_enabled(&device) && self.mask_ratio > 0.0 && return_nucleotides;
         let (corrupted, mask_indices) = if corrupt {

@@ -134,6 +134,25 @@ impl BackendKind {
     /// kept, and whether this run has to compile them (the first run on a
     /// machine, or after a CubeCL upgrade). `None` on the other backends.
     pub fn kernel_cache_note(self) -> Option<String> {
+        let empty = self.kernel_cache_is_empty()?;
+        #[cfg(any(feature = "cuda", feature = "rocm"))]
+        let root = aam_kernels::kernel_cache_root();
+        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
+        let root = std::path::PathBuf::new();
+        Some(if empty {
+            format!(
+                "compiling this GPU's kernels during the first steps, once; they are kept in {} \
+                 (docs/backends.md: one cache for many jobs)",
+                root.display()
+            )
+        } else {
+            format!("compiled kernels: {} (reused)", root.display())
+        })
+    }
+
+    /// Whether this backend compiles its kernels at run time into an on-disk
+    /// cache (CUDA, ROCm) that holds none yet; `None` on the other backends.
+    pub fn kernel_cache_is_empty(self) -> Option<bool> {
         #[cfg(any(feature = "cuda", feature = "rocm"))]
         {
             let runtime = match self {
@@ -144,17 +163,10 @@ impl BackendKind {
                 _ => return None,
             };
             let root = aam_kernels::kernel_cache_root();
-            let cached = std::fs::read_dir(root.join(runtime))
-                .is_ok_and(|mut entries| entries.next().is_some());
-            Some(if cached {
-                format!("compiled kernels: {} (reused)", root.display())
-            } else {
-                format!(
-                    "compiling this GPU's kernels during the first steps, once; they are kept in {} \
-                     (docs/backends.md: one cache for many jobs)",
-                    root.display()
-                )
-            })
+            Some(
+                !std::fs::read_dir(root.join(runtime))
+                    .is_ok_and(|mut entries| entries.next().is_some()),
+            )
         }
         #[cfg(not(any(feature = "cuda", feature = "rocm")))]
         {

@@ -21,6 +21,7 @@
 //! share and the backend choice are the crate's library (`aam_cli::args`,
 //! `aam_cli::backend`); every option is listed in `docs/cli.md`.
 
+mod compile_workers;
 mod convert;
 mod diagnose;
 mod embed;
@@ -78,6 +79,9 @@ enum Command {
     Unifrac(unifrac::UnifracArgs),
     /// The reference's random-forest baseline on a run's train/validation split.
     RfBaseline(rf_baseline::RfBaselineArgs),
+    /// A `--compile-workers` helper of `pretrain`/`train` (started by them).
+    #[command(hide = true)]
+    CompileKernels(compile_workers::CompileKernelsArgs),
 }
 
 fn main() -> ExitCode {
@@ -102,6 +106,7 @@ fn main() -> ExitCode {
         Command::Diagnose(args) => diagnose::run(args),
         Command::Unifrac(args) => unifrac::run(args),
         Command::RfBaseline(args) => rf_baseline::run(args),
+        Command::CompileKernels(args) => compile_workers::run(args),
     };
     aam_cli::exit_code(result)
 }

@@ -4,6 +4,7 @@ use aam_train::checkpoint::EpochRecord;
 use aam_train::run::{BatchStatus, Observer};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::compile_workers::CompileWorkers;
 use crate::stop::StopSignal;
 
 /// Draws one bar per epoch on stderr (hidden when stderr is not a terminal)
@@ -12,6 +13,10 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     epochs: usize,
     stop: StopSignal,
+    started: std::time::Instant,
+    first_step_logged: bool,
+    /// Handed problems until the first step ends.
+    helpers: Option<CompileWorkers>,
 }
 
 impl Progress {
@@ -22,7 +27,16 @@ impl Progress {
             bar: None,
             epochs,
             stop,
+            started: std::time::Instant::now(),
+            first_step_logged: false,
+            helpers: None,
         }
+    }
+
+    /// With `--compile-workers` helpers, stopped when the first step ends.
+    pub fn with_helpers(mut self, helpers: Option<CompileWorkers>) -> Self {
+        self.helpers = helpers;
+        self
     }
 
     fn bar(&mut self, len: usize, prefix: String) -> &ProgressBar {
@@ -51,6 +65,18 @@ impl Progress {
 
 impl Observer for Progress {
     fn batch(&mut self, s: &BatchStatus) {
+        if !self.first_step_logged {
+            // On a machine that compiles its kernels, the first step's time is
+            // mostly that (docs/backends.md).
+            self.first_step_logged = true;
+            if let Some(helpers) = self.helpers.take() {
+                helpers.stop();
+            }
+            tracing::info!(
+                "first step done, {:.1} s after training started",
+                self.started.elapsed().as_secs_f64()
+            );
+        }
         let prefix = format!("epoch {}/{}", s.epoch + 1, self.epochs);
         let bar = self.bar(s.batches, prefix);
         bar.set_length(s.batches as u64);

@@ -32,6 +32,7 @@ use aam_cli::args::{
     ResumeFrom, RunArgs,
 };
 
+use crate::compile_workers::CompileWorkers;
 use crate::progress::Progress;
 use crate::stop::StopSignal;
 
@@ -891,6 +892,9 @@ fn start(
     // Across processes only process 0 writes the run's files. SLURM tells a
     // task its rank through its environment: read here, once.
     let world = r.parallel.world(|k| std::env::var(k).ok())?;
+    // Started now, so that their device contexts are up when the first
+    // forward pass hands them problems.
+    let helpers = compile_helpers(&r, &world);
     if world.writes() {
         std::fs::create_dir_all(&r.output_dir)
             .with_context(|| format!("creating --output-dir {}", r.output_dir.display()))?;
@@ -924,9 +928,37 @@ fn start(
                 data,
                 resume,
                 pretrained,
+                helpers,
             ),
         }
     })
+}
+
+/// `--compile-workers` helpers, where they help: CUDA or ROCm, an empty
+/// kernel cache, process 0 of the run (the processes of its node share the
+/// cache). A helper that cannot start is a warning: the run compiles its
+/// kernels itself.
+fn compile_helpers(r: &RunArgs, world: &World) -> Option<CompileWorkers> {
+    if r.backend.kernel_cache_is_empty() != Some(true) || world.rank != 0 {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let count = r.compile_workers.unwrap_or((cores / 2).min(8));
+    if count == 0 {
+        return None;
+    }
+    match CompileWorkers::start(count, r.backend, r.matmul_kernels) {
+        Ok(helpers) => {
+            tracing::info!(
+                "{count} helper processes compile the dense layers' kernels during the first step (--compile-workers)"
+            );
+            Some(helpers)
+        }
+        Err(e) => {
+            tracing::warn!("no kernel-compiling helpers: {e:#}");
+            None
+        }
+    }
 }
 
 /// A run resumed into an --output-dir without `checkpoints/best.safetensors`
@@ -987,6 +1019,7 @@ fn fit_on<B: AttentionBackend>(
     data: TrainData,
     resume: Option<Checkpoint>,
     pretrained: Option<Pretrained>,
+    helpers: Option<CompileWorkers>,
 ) -> Result<()> {
     r.precision.check::<B>(&devices[0], &r.backend.name())?;
     if devices.len() > 1 {
@@ -1019,6 +1052,7 @@ fn fit_on<B: AttentionBackend>(
             data,
             resume,
             pretrained,
+            helpers,
         )
     } else {
         fit_with::<Autodiff<B>>(
@@ -1030,6 +1064,7 @@ fn fit_on<B: AttentionBackend>(
             data,
             resume,
             pretrained,
+            helpers,
         )
     }
 }
@@ -1121,6 +1156,7 @@ fn fit_with<AB>(
     data: TrainData,
     resume: Option<Checkpoint>,
     pretrained: Option<Pretrained>,
+    helpers: Option<CompileWorkers>,
 ) -> Result<()>
 where
     AB: burn::tensor::backend::AutodiffBackend + AttentionBackend,
@@ -1141,6 +1177,9 @@ where
             model
         }
     };
+    if let Some(helpers) = &helpers {
+        helpers.expect_layers(&model.state_dict_shapes(&model_config));
+    }
     let mut run = run;
     if let (Some(search), None) = (r.batch_size_search, &resume) {
         search_batch_size::<AB>(
@@ -1163,7 +1202,7 @@ where
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     tracing::info!("model: {n_params} parameters; backend {}", r.backend.name());
-    let mut progress = Progress::new(run.epochs, stop.clone());
+    let mut progress = Progress::new(run.epochs, stop.clone()).with_helpers(helpers);
     let summary = fit::<AB>(
         devices,
         world,

@@ -283,3 +283,52 @@ fn unifrac_on_each_gpu_backend_matches_the_cpu_or_says_why_not() {
         }
     }
 }
+
+/// `aam-rs compile-kernels` (the `--compile-workers` helper of `pretrain`):
+/// on every compiled backend with a device it runs the dense problems it
+/// reads (a layer's forward and its backward's halves, as helpers get them) and
+/// exits 0 at the end of its input; a malformed line is an error naming the
+/// line, never a panic.
+#[test]
+fn compile_kernels_runs_its_problems_and_names_a_bad_line() {
+    use std::io::Write;
+    let helper = |kind: &str, input: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+            .args(["compile-kernels", "--backend", kind])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starts");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let available = available();
+    for kind in compiled() {
+        if !available[kind] {
+            continue;
+        }
+        let out = helper(
+            kind,
+            "300 64 256 f32 1 1 0 0 0\n300 64 256 f32 1 0 1 0 0\n300 64 256 f32 1 0 0 1 1\n",
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{kind}: {stderr}");
+        let out = helper(
+            kind,
+            "300 64 256 f32 1 1 0 0 0\n300 64 wide f32 1 0 0 1 1\n",
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && stderr.contains("stdin line 2: outputs `wide`")
+                && !stderr.contains("panicked"),
+            "{kind}: {stderr}"
+        );
+    }
+}

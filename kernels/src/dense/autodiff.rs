@@ -11,6 +11,7 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::ops::FloatTensor;
 
+use super::ahead::{Ahead, DenseProblem};
 use crate::{AttentionBackend, AttentionDropout, DenseOps};
 
 impl<B: AttentionBackend, C: CheckpointStrategy> DenseOps for Autodiff<B, C> {
@@ -138,6 +139,24 @@ impl DenseBackward {
         let nodes = core::array::from_fn(|i| tensors[i].node.clone());
         match DenseBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {
+                super::ahead::announce(|| {
+                    use burn::tensor::TensorMetadata;
+                    let tracked = |i: usize| !tensors[i].node.requirement.is_none();
+                    let [rows, inputs] = tensors[0].primitive.shape().dims::<2>();
+                    Ahead::Dense(DenseProblem {
+                        rows,
+                        inputs,
+                        outputs: tensors[1].primitive.shape().dims::<2>()[0],
+                        dtype: tensors[0].primitive.dtype(),
+                        bias,
+                        forward: false,
+                        want: [
+                            tracked(0) || (h_bias && tracked(N - 1)),
+                            tracked(1),
+                            bias && tracked(2),
+                        ],
+                    })
+                });
                 let state = DenseSaved {
                     x: prep.checkpoint(&tensors[0]),
                     weight: prep.checkpoint(&tensors[1]),

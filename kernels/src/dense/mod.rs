@@ -25,6 +25,7 @@ use burn::prelude::*;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::TensorPrimitive;
 
+pub(crate) mod ahead;
 pub(crate) mod autodiff;
 #[cfg(feature = "cubecl")]
 pub(crate) mod cube;
