@@ -157,3 +157,84 @@ fn cuda_training_gradients_equal_the_cpus_on_a_real_batch() {
         CUDA_GRAD_RTOL,
     );
 }
+
+/// What `--compile-workers` hands its helper processes covers a real
+/// pretraining step: every dense backward the step announces is among the
+/// problems made from the row counts the model announced before its first
+/// layer and the model's weight shapes (`aam_kernels::dense_problems`),
+/// forward and backward, except the token embedding's table, used
+/// transposed with no input gradient (its own announcement covers it).
+#[test]
+fn the_announced_row_counts_and_weights_cover_every_dense_layer_of_a_step() {
+    use aam_kernels::{covers, dense_layers, dense_problems, Ahead};
+    use std::sync::Mutex;
+
+    let batch = demo_batch();
+    let config = model_config();
+    let cpu = Default::default();
+    let model = config.init::<NdArray<f32>>(&cpu).unwrap();
+    let layers = dense_layers(&model.state_dict_shapes(&config));
+    let state: HashMap<String, StateTensor> = model.state_dict(&config).into_iter().collect();
+    // The hook is the process's, and the other tests of this binary run
+    // their steps on other threads at the same time: keep this thread's.
+    let here = std::thread::current().id();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    aam_kernels::set_compile_ahead_hook(Some(Arc::new(move |a| {
+        if std::thread::current().id() == here {
+            sink.lock().unwrap().push(a)
+        }
+    })));
+    let loss = LossConfig::default();
+    let stepped =
+        step_gradients::<NdArray<f32>>(&config, &state, &batch, &loss, Slots::Filled, &cpu);
+    aam_kernels::set_compile_ahead_hook(None);
+    stepped.unwrap();
+
+    let seen = seen.lock().unwrap().clone();
+    let mut made = Vec::new();
+    let mut announced = Vec::new();
+    for ahead in &seen {
+        match ahead {
+            Ahead::Rows { rows, dtypes } => made.extend(dense_problems(rows, dtypes, &layers)),
+            Ahead::Dense(p) => announced.push(*p),
+        }
+    }
+    assert!(
+        !made.is_empty() && announced.len() >= 8,
+        "the step announced {} dense layers and {} problems were made",
+        announced.len(),
+        made.len()
+    );
+    let mut rows: Vec<usize> = announced.iter().map(|p| p.rows).collect();
+    rows.sort();
+    rows.dedup();
+    eprintln!(
+        "{} dense layers announced, at row counts {rows:?}; {} problems made ahead",
+        announced.len(),
+        made.len()
+    );
+    let transposed_table = |p: &aam_kernels::DenseProblem| {
+        !p.want[0]
+            && layers
+                .iter()
+                .any(|l| (l.outputs, l.inputs) == (p.inputs, p.outputs))
+    };
+    let uncovered: Vec<_> = announced
+        .iter()
+        .filter(|p| !made.iter().any(|m| covers(m, p)) && !transposed_table(p))
+        .collect();
+    assert!(uncovered.is_empty(), "not made ahead: {uncovered:?}");
+    // The forwards too: each announced layer's forward is among them.
+    for p in &announced {
+        let forward = aam_kernels::DenseProblem {
+            forward: true,
+            want: [false; 3],
+            ..*p
+        };
+        assert!(
+            made.iter().any(|m| covers(m, &forward)) || transposed_table(p),
+            "forward not made ahead: {forward:?}"
+        );
+    }
+}

@@ -97,7 +97,8 @@ pub use attention::{
     KernelChoice,
 };
 pub use dense::ahead::{
-    announce_rows, run_dense_problem, set_compile_ahead_hook, Ahead, AheadHook, DenseProblem,
+    announce_rows, covers, dense_layers, dense_problems, run_dense_problem, set_compile_ahead_hook,
+    Ahead, AheadHook, DenseLayer, DenseProblem,
 };
 pub use dense::{dense, matmul, row_product, sum_rows, DenseOps, ROWS_PER_PART};
 pub use dropout::{dropout, dropout_add, seeded_dropout_runs, DropoutOps};

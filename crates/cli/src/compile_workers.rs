@@ -8,9 +8,9 @@
 //! its levels' row counts before its first layer, and each dense layer's
 //! forward its backward's problem (`aam_kernels::set_compile_ahead_hook`).
 //! From the row counts and the model's weight shapes this module makes the
-//! problems of every dense layer at every level (a superset of those the
-//! step runs), forwards first, then each backward split into its `dx` and
-//! its `dw`/`db` halves, and hands them in turn to a few
+//! problems of every dense layer at every level (`aam_kernels::dense_problems`,
+//! a superset of those the step runs), forwards first, then each backward
+//! split into its `dx` and its `dw`/`db` halves, and hands them in turn to a few
 //! `aam-rs compile-kernels` processes (their own device contexts, the same
 //! on-disk kernel cache), which run each on zeros. When the training
 //! process launches those kernels CubeCL finds them compiled in the cache.
@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use aam_cli::args::MatmulKernels;
 use aam_cli::backend::BackendKind;
-use aam_kernels::{Ahead, DenseProblem};
+use aam_kernels::{Ahead, DenseLayer, DenseProblem};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
@@ -75,8 +75,8 @@ pub struct CompileWorkers {
 struct Shared {
     stdins: Vec<Option<ChildStdin>>,
     children: Vec<Child>,
-    /// The model's dense layers: `(outputs, inputs, bias)` of each weight.
-    layers: Vec<(usize, usize, bool)>,
+    /// The model's dense layers.
+    layers: Vec<DenseLayer>,
     seen: HashSet<DenseProblem>,
     next: usize,
     sent: usize,
@@ -130,27 +130,11 @@ impl CompileWorkers {
         Ok(Self { shared })
     }
 
-    /// The model's dense layers, from its torch-named weight shapes: every
-    /// 2-D `...weight` is one (`[outputs, inputs]`), with a bias where a
-    /// `...bias` of the same name is.
+    /// The model's dense layers, from its torch-named weight shapes
+    /// (`aam_kernels::dense_layers`).
     pub fn expect_layers(&self, shapes: &[(String, Vec<usize>)]) {
-        let names: HashSet<&str> = shapes.iter().map(|(n, _)| n.as_str()).collect();
-        let mut layers = Vec::new();
-        for (name, shape) in shapes {
-            let (Some(stem), [outputs, inputs]) = (name.strip_suffix("weight"), shape.as_slice())
-            else {
-                continue;
-            };
-            let layer = (
-                *outputs,
-                *inputs,
-                names.contains(format!("{stem}bias").as_str()),
-            );
-            if !layers.contains(&layer) {
-                layers.push(layer);
-            }
-        }
-        self.shared.lock().unwrap_or_else(|e| e.into_inner()).layers = layers;
+        self.shared.lock().unwrap_or_else(|e| e.into_inner()).layers =
+            aam_kernels::dense_layers(shapes);
     }
 
     /// Ends the announcements; the helpers run what they were handed.
@@ -159,33 +143,14 @@ impl CompileWorkers {
 
 impl Shared {
     fn receive(&mut self, ahead: Ahead) {
-        match ahead {
-            // Every layer at every level in every type, forwards first (the
-            // training reaches them first): a superset of the step's.
+        let problems = match ahead {
             Ahead::Rows { rows, dtypes } => {
-                let mut all = Vec::new();
-                for forward in [true, false] {
-                    for &dtype in &dtypes {
-                        for &rows in &rows {
-                            for &(outputs, inputs, bias) in &self.layers {
-                                all.push(DenseProblem {
-                                    rows,
-                                    inputs,
-                                    outputs,
-                                    dtype,
-                                    bias,
-                                    forward,
-                                    want: [!forward, !forward, bias && !forward],
-                                });
-                            }
-                        }
-                    }
-                }
-                for problem in all {
-                    self.hand_out(problem);
-                }
+                aam_kernels::dense_problems(&rows, &dtypes, &self.layers)
             }
-            Ahead::Dense(problem) => self.hand_out(problem),
+            Ahead::Dense(problem) => vec![problem],
+        };
+        for problem in problems {
+            self.hand_out(problem);
         }
     }
 

@@ -93,6 +93,83 @@ pub fn announce_rows(rows: &[usize], dtypes: &[DType]) {
     });
 }
 
+/// A dense layer as [`dense_problems`] sees it: its weight's
+/// `[outputs, inputs]` and whether it has a bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DenseLayer {
+    pub outputs: usize,
+    pub inputs: usize,
+    pub bias: bool,
+}
+
+/// The distinct dense layers of a model, from its torch-named parameter
+/// shapes: every 2-D `...weight` is one, with a bias where a `...bias` of the
+/// same stem is. (A table used transposed, as the token embedding's, is
+/// another layer than this says; its forward announces it.)
+pub fn dense_layers(shapes: &[(String, Vec<usize>)]) -> Vec<DenseLayer> {
+    let names: std::collections::HashSet<&str> = shapes.iter().map(|(n, _)| n.as_str()).collect();
+    let mut layers = Vec::new();
+    for (name, shape) in shapes {
+        let (Some(stem), [outputs, inputs]) = (name.strip_suffix("weight"), shape.as_slice())
+        else {
+            continue;
+        };
+        let layer = DenseLayer {
+            outputs: *outputs,
+            inputs: *inputs,
+            bias: names.contains(format!("{stem}bias").as_str()),
+        };
+        if !layers.contains(&layer) {
+            layers.push(layer);
+        }
+    }
+    layers
+}
+
+/// Every layer at every announced row count in every announced type: the
+/// forwards first (a training step reaches them first), then the backwards
+/// with every gradient. A superset of the dense problems of the step that
+/// announced `rows` and `dtypes`, the transposed tables aside.
+pub fn dense_problems(
+    rows: &[usize],
+    dtypes: &[DType],
+    layers: &[DenseLayer],
+) -> Vec<DenseProblem> {
+    let mut all = Vec::new();
+    for forward in [true, false] {
+        for &dtype in dtypes {
+            for &rows in rows {
+                for layer in layers {
+                    all.push(DenseProblem {
+                        rows,
+                        inputs: layer.inputs,
+                        outputs: layer.outputs,
+                        dtype,
+                        bias: layer.bias,
+                        forward,
+                        want: [!forward, !forward, layer.bias && !forward],
+                    });
+                }
+            }
+        }
+    }
+    all
+}
+
+/// Whether running `by` compiles the kernels `problem` needs: the same
+/// layer and type, and the forward or each wanted gradient too.
+pub fn covers(by: &DenseProblem, problem: &DenseProblem) -> bool {
+    let same = (by.rows, by.inputs, by.outputs, by.dtype, by.bias)
+        == (
+            problem.rows,
+            problem.inputs,
+            problem.outputs,
+            problem.dtype,
+            problem.bias,
+        );
+    same && (by.forward || !problem.forward) && (0..3).all(|i| by.want[i] || !problem.want[i])
+}
+
 /// Runs `problem` on zeros on `device` and waits for it: the kernels it
 /// launches are those of a training step's dense layer of that shape,
 /// compiled (and kept in CubeCL's cache) if they were not.
@@ -204,14 +281,16 @@ mod tests {
     /// announced once the hook is removed.
     #[test]
     fn the_forward_announces_each_backward_problem() {
-        type B = Autodiff<NdArray<f32>>;
+        // f64, as every test of this crate: the CPU device's float type is
+        // the process's, set by the first tensor made on it.
+        type B = Autodiff<NdArray<f64>>;
         let device = Default::default();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let sink = seen.clone();
         set_compile_ahead_hook(Some(Arc::new(move |a| sink.lock().unwrap().push(a))));
         // Sizes no other test uses: the hook is the process's, and tests run
         // in parallel.
-        announce_rows(&[7, 3], &[DType::F32]);
+        announce_rows(&[7, 3], &[DType::F64]);
         let x = Tensor::<B, 2>::ones([7, 13], &device);
         let w1 = Tensor::<B, 2>::ones([11, 13], &device).require_grad();
         let b1 = Tensor::<B, 1>::zeros([11], &device).require_grad();
@@ -236,7 +315,7 @@ mod tests {
             rows: 7,
             inputs,
             outputs,
-            dtype: DType::F32,
+            dtype: DType::F64,
             bias,
             forward: false,
             want,
@@ -250,19 +329,19 @@ mod tests {
             vec![
                 Ahead::Rows {
                     rows: vec![7, 3],
-                    dtypes: vec![DType::F32]
+                    dtypes: vec![DType::F64]
                 },
                 Ahead::Dense(want[0]),
                 Ahead::Dense(want[1])
             ]
         );
-        assert_eq!(want[0].to_string(), "7 13 11 f32 1 0 0 1 1");
+        assert_eq!(want[0].to_string(), "7 13 11 f64 1 0 0 1 1");
         for p in want.iter().chain(&[DenseProblem {
             forward: true,
             ..want[0]
         }]) {
             assert_eq!(p.to_string().parse::<DenseProblem>().as_ref(), Ok(p));
-            run_dense_problem::<NdArray<f32>>(p, &device).unwrap();
+            run_dense_problem::<NdArray<f64>>(p, &device).unwrap();
         }
         for bad in [
             "7 13 11 f32 1 0 0 1",
@@ -273,5 +352,58 @@ mod tests {
         ] {
             assert!(bad.parse::<DenseProblem>().is_err(), "{bad}");
         }
+    }
+
+    /// Layers from torch names (a bias by the weight's stem, repeats once,
+    /// vectors and 3-D tensors none), and the problems made from them.
+    #[test]
+    fn layers_from_weight_shapes_and_the_problems_made_of_them() {
+        let shapes: Vec<(String, Vec<usize>)> = [
+            ("a.in_proj_weight", vec![24, 8]),
+            ("a.in_proj_bias", vec![24]),
+            ("b.in_proj_weight", vec![24, 8]),
+            ("b.in_proj_bias", vec![24]),
+            ("head.weight", vec![1, 8]),
+            ("norm.weight", vec![8]),
+            ("pos.weight", vec![1, 4, 8]),
+        ]
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s))
+        .collect();
+        let layers = dense_layers(&shapes);
+        let layer = |outputs, inputs, bias| DenseLayer {
+            outputs,
+            inputs,
+            bias,
+        };
+        assert_eq!(layers, vec![layer(24, 8, true), layer(1, 8, false)]);
+        let made = dense_problems(&[100, 6], &[DType::BF16, DType::F32], &layers);
+        assert_eq!(made.len(), 2 * 2 * 2 * 2);
+        assert!(made[..8].iter().all(|p| p.forward && p.want == [false; 3]));
+        assert_eq!(made[0].dtype, DType::BF16);
+        let backward = DenseProblem {
+            rows: 6,
+            inputs: 8,
+            outputs: 1,
+            dtype: DType::F32,
+            bias: false,
+            forward: false,
+            want: [true, true, false],
+        };
+        assert!(made.iter().any(|m| covers(m, &backward)));
+        assert!(!made.iter().any(|m| covers(
+            m,
+            &DenseProblem {
+                rows: 7,
+                ..backward
+            }
+        )));
+        assert!(!covers(
+            &DenseProblem {
+                want: [false, true, false],
+                ..backward
+            },
+            &backward
+        ));
     }
 }
