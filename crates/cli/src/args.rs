@@ -306,9 +306,9 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value_t)]
     pub matmul_kernels: MatmulKernels,
     /// On CUDA and ROCm, when this machine's kernel cache is empty: helper
-    /// processes that compile the dense layers' backward kernels while the
-    /// first forward pass runs, so that the first step does not wait for
-    /// them (0: none; default: half this machine's cores, at most 8).
+    /// processes that compile the dense layers' kernels during the first
+    /// step, before the training reaches them (0: none; default: half this
+    /// machine's cores, at most 8).
     #[arg(long, value_name = "N")]
     pub compile_workers: Option<usize>,
     #[command(flatten)]

@@ -134,11 +134,7 @@ impl BackendKind {
     /// kept, and whether this run has to compile them (the first run on a
     /// machine, or after a CubeCL upgrade). `None` on the other backends.
     pub fn kernel_cache_note(self) -> Option<String> {
-        let empty = self.kernel_cache_is_empty()?;
-        #[cfg(any(feature = "cuda", feature = "rocm"))]
-        let root = aam_kernels::kernel_cache_root();
-        #[cfg(not(any(feature = "cuda", feature = "rocm")))]
-        let root = std::path::PathBuf::new();
+        let (root, empty) = self.kernel_cache()?;
         Some(if empty {
             format!(
                 "compiling this GPU's kernels during the first steps, once; they are kept in {} \
@@ -153,6 +149,12 @@ impl BackendKind {
     /// Whether this backend compiles its kernels at run time into an on-disk
     /// cache (CUDA, ROCm) that holds none yet; `None` on the other backends.
     pub fn kernel_cache_is_empty(self) -> Option<bool> {
+        self.kernel_cache().map(|(_, empty)| empty)
+    }
+
+    /// CUDA's and ROCm's kernel cache root, and whether it holds none of this
+    /// backend's kernels yet.
+    fn kernel_cache(self) -> Option<(std::path::PathBuf, bool)> {
         #[cfg(any(feature = "cuda", feature = "rocm"))]
         {
             let runtime = match self {
@@ -163,10 +165,9 @@ impl BackendKind {
                 _ => return None,
             };
             let root = aam_kernels::kernel_cache_root();
-            Some(
-                !std::fs::read_dir(root.join(runtime))
-                    .is_ok_and(|mut entries| entries.next().is_some()),
-            )
+            let empty = !std::fs::read_dir(root.join(runtime))
+                .is_ok_and(|mut entries| entries.next().is_some());
+            Some((root, empty))
         }
         #[cfg(not(any(feature = "cuda", feature = "rocm")))]
         {

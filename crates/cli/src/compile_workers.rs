@@ -102,11 +102,10 @@ impl CompileWorkers {
                 .args(["--matmul-kernels", matmul])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::null());
-            // Their log is errors only: the training process logs the rest,
-            // and CubeCL warns when helpers tune the same reduction at once.
-            if std::env::var_os("AAM_LOG").is_none() {
-                command.env("AAM_LOG", "error");
-            }
+            // Their log is errors only (the log filter `aam_cli::init` reads):
+            // the training process logs the rest, and CubeCL warns when
+            // helpers tune the same reduction at once.
+            command.env("AAM_LOG", "error");
             let mut child = command
                 .spawn()
                 .with_context(|| format!("starting {} compile-kernels", exe.display()))?;

@@ -13,8 +13,8 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     epochs: usize,
     stop: StopSignal,
-    started: std::time::Instant,
-    first_step_logged: bool,
+    /// When training started, until the first step's line is logged.
+    started: Option<std::time::Instant>,
     /// Handed problems until the first step ends.
     helpers: Option<CompileWorkers>,
 }
@@ -27,8 +27,7 @@ impl Progress {
             bar: None,
             epochs,
             stop,
-            started: std::time::Instant::now(),
-            first_step_logged: false,
+            started: Some(std::time::Instant::now()),
             helpers: None,
         }
     }
@@ -65,16 +64,15 @@ impl Progress {
 
 impl Observer for Progress {
     fn batch(&mut self, s: &BatchStatus) {
-        if !self.first_step_logged {
+        if let Some(started) = self.started.take() {
             // On a machine that compiles its kernels, the first step's time is
             // mostly that (docs/backends.md).
-            self.first_step_logged = true;
             if let Some(helpers) = self.helpers.take() {
                 helpers.stop();
             }
             tracing::info!(
                 "first step done, {:.1} s after training started",
-                self.started.elapsed().as_secs_f64()
+                started.elapsed().as_secs_f64()
             );
         }
         let prefix = format!("epoch {}/{}", s.epoch + 1, self.epochs);
