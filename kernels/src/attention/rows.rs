@@ -124,6 +124,77 @@ fn sum_lanes_at(
     }
 }
 
+/// Where a unit of a query-row kernel ([`attention_forward`],
+/// [`attention_backward_dq`]) stands: its sample `n` and head `h`, its query
+/// `row` (`active` when the row exists; `compute` when the unit runs the key
+/// loop: every unit with `parts > 1`, whose partners shuffle in it), its
+/// `lane` and head-dimension `part`, where the head's keys and values start,
+/// the key tiles, and the dropout key of its head.
+#[derive(CubeType)]
+struct QueryUnit {
+    bh: usize,
+    tq: usize,
+    tk: usize,
+    head_key: u32,
+    n: usize,
+    h: usize,
+    part: usize,
+    lane: usize,
+    row: usize,
+    active: bool,
+    compute: bool,
+    k_base: usize,
+    v_base: usize,
+    n_tiles: usize,
+    first_quad: usize,
+}
+
+/// The [`QueryUnit`] of this unit (launch: cube x: n·H + h − bh_offset,
+/// y: query block; units = query rows × `lanes` × `parts`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_unit<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    call: &Scalars,
+    #[comptime] head_dim: usize,
+    #[comptime] tile_keys: usize,
+    #[comptime] lanes: usize,
+    #[comptime] parts: usize,
+) -> QueryUnit {
+    let tq = q.shape(2);
+    let tk = k.shape(2);
+    let bh = (CUBE_POS_X + call.bh_offset) as usize;
+    let n = bh / call.heads as usize;
+    let h = bh % call.heads as usize;
+    let part = UNIT_POS_X as usize % parts;
+    let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
+    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / (lanes * parts);
+    let active = row < tq;
+    let mut compute = active;
+    if comptime!(parts > 1) {
+        compute = true;
+    }
+    QueryUnit {
+        bh,
+        tq,
+        tk,
+        head_key: dropout_head_key(call.seed, bh as u32),
+        n,
+        h,
+        part,
+        lane: (UNIT_POS_X as usize / parts) % lanes,
+        row,
+        active,
+        compute,
+        k_base: head_start(k, call.k_offset, n, h),
+        v_base: head_start(v, call.v_offset, n, h),
+        n_tiles: tk.div_ceil(tile_keys),
+        first_quad: part * comptime!(head_dim.div_ceil(4) / parts),
+    }
+}
+
 /// Forward: `out = softmax(q·kᵀ·scale, masked)·v` and the row log-sum-exp.
 ///
 /// A row's head dimensions may be split over `parts` adjacent units, as in
@@ -157,31 +228,12 @@ pub fn attention_forward<F: Float>(
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let tq = q.shape(2);
-    let tk = k.shape(2);
-    let bh = (CUBE_POS_X + call.bh_offset) as usize;
-    let head_key = dropout_head_key(call.seed, bh as u32);
-    let n = bh / call.heads as usize;
-    let part = UNIT_POS_X as usize % parts;
-    let lane = (UNIT_POS_X as usize / parts) % lanes;
-    let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
-    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / (lanes * parts);
-    let active = row < tq;
-    // With parts, partners shuffle inside the key loop: every unit runs it.
-    let mut compute = active;
-    if comptime!(parts > 1) {
-        compute = true;
-    }
-    let h = bh % call.heads as usize;
-    let k_base = head_start(k, call.k_offset, n, h);
-    let v_base = head_start(v, call.v_offset, n, h);
-    let n_tiles = tk.div_ceil(tile_keys);
+    let u = query_unit::<F>(q, k, v, call, head_dim, tile_keys, lanes, parts);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
     let dims = comptime!(head_dim / parts);
-    let first_quad = part * quads;
-    let q_base = row_start(q, 0u32, n, h, row) + part * dims;
-    let out_base = row_start(out, 0u32, n, h, row) + part * dims;
+    let q_base = row_start(q, 0u32, u.n, u.h, u.row) + u.part * dims;
+    let out_base = row_start(out, 0u32, u.n, u.h, u.row) + u.part * dims;
 
     let mut q_row = Array::<f32>::new(comptime!(quads * 4));
     let mut acc = Array::<f32>::new(comptime!(quads * 4));
@@ -190,10 +242,10 @@ pub fn attention_forward<F: Float>(
         q_row[d] = 0.0;
         acc[d] = 0.0;
     }
-    if active {
+    if u.active {
         #[unroll(unroll)]
         for d in 0..dims {
-            let q_bias = bias_at(bias, h * head_dim + part * dims + d, with_bias);
+            let q_bias = bias_at(bias, u.h * head_dim + u.part * dims + d, with_bias);
             q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * call.scale;
         }
     }
@@ -210,9 +262,9 @@ pub fn attention_forward<F: Float>(
     m -= 1.0e30;
     let mut l = 0.0f32;
 
-    for t in 0..n_tiles {
+    for t in 0..u.n_tiles {
         // Uniform over the cube: every unit takes the same branch.
-        if tile_valid[n * n_tiles + t] > 0.0 {
+        if tile_valid[u.n * u.n_tiles + t] > 0.0 {
             load_key_tile::<F>(
                 k,
                 v,
@@ -221,26 +273,26 @@ pub fn attention_forward<F: Float>(
                 &mut k_tile,
                 &mut v_tile,
                 &mut valid_tile,
-                k_base,
-                v_base,
-                call.k_offset as usize + h * head_dim,
-                call.v_offset as usize + h * head_dim,
-                n * tk,
+                u.k_base,
+                u.v_base,
+                call.k_offset as usize + u.h * head_dim,
+                call.v_offset as usize + u.h * head_dim,
+                u.n * u.tk,
                 t * tile_keys,
-                tk,
+                u.tk,
                 head_dim,
                 tile_keys,
                 stride,
                 with_bias,
             );
             sync_cube();
-            if compute {
+            if u.compute {
                 let mut tile_max = 0.0f32;
                 tile_max -= 1.0e30;
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
-                    let jj = i * lanes + lane;
-                    let at = jj * stride + first_quad;
+                    let jj = i * lanes + u.lane;
+                    let at = jj * stride + u.first_quad;
                     let s = sum_parts(dot_quads(&q_row, &k_tile, at, quads, unroll), parts);
                     let score = select(valid_tile[jj] > 0.0, s, -1.0e30f32);
                     tile_max = f32::max(tile_max, score);
@@ -257,16 +309,17 @@ pub fn attention_forward<F: Float>(
                 }
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
-                    let jj = i * lanes + lane;
+                    let jj = i * lanes + u.lane;
                     let p = select(valid_tile[jj] > 0.0, (scores[i] - m_new).exp(), 0.0f32);
                     l += p;
                     let mut weight = p;
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
-                        let keep = dropout_keep(head_key, row as u32, col, call.dropout_threshold);
+                        let keep =
+                            dropout_keep(u.head_key, u.row as u32, col, call.dropout_threshold);
                         weight = select(keep, p * call.dropout_scale, 0.0f32);
                     }
-                    let at = jj * stride + first_quad;
+                    let at = jj * stride + u.first_quad;
                     add_scaled_quads(&mut acc, weight, &v_tile, at, quads, unroll);
                 }
                 m = m_new;
@@ -287,14 +340,14 @@ pub fn attention_forward<F: Float>(
     // l ≥ 1 once any key was valid (the maximum contributes exp(0)); a row
     // with no valid key gets zeros.
     let seen = l > 0.0;
-    if active && lane == 0 {
+    if u.active && u.lane == 0 {
         let inv = select(seen, 1.0f32 / l, 0.0f32);
         #[unroll(unroll)]
         for d in 0..dims {
             out[out_base + d] = F::cast_from(acc[d] * inv);
         }
-        if part == 0 {
-            lse[bh * tq + row] = select(seen, m + l.ln(), 0.0f32);
+        if u.part == 0 {
+            lse[u.bh * u.tq + u.row] = select(seen, m + l.ln(), 0.0f32);
         }
     }
 }
@@ -507,33 +560,14 @@ pub fn attention_backward_dq<F: Float>(
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let tq = q.shape(2);
-    let tk = k.shape(2);
-    let bh = (CUBE_POS_X + call.bh_offset) as usize;
-    let head_key = dropout_head_key(call.seed, bh as u32);
-    let n = bh / call.heads as usize;
-    let part = UNIT_POS_X as usize % parts;
-    let lane = (UNIT_POS_X as usize / parts) % lanes;
-    let rows_per_cube = CUBE_DIM_X as usize / (lanes * parts);
-    let row = CUBE_POS_Y as usize * rows_per_cube + UNIT_POS_X as usize / (lanes * parts);
-    let active = row < tq;
-    // With parts, partners shuffle inside the key loop: every unit runs it.
-    let mut compute = active;
-    if comptime!(parts > 1) {
-        compute = true;
-    }
-    let h = bh % call.heads as usize;
-    let k_base = head_start(k, call.k_offset, n, h);
-    let v_base = head_start(v, call.v_offset, n, h);
-    let n_tiles = tk.div_ceil(tile_keys);
+    let u = query_unit::<F>(q, k, v, call, head_dim, tile_keys, lanes, parts);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
     let dims = comptime!(head_dim / parts);
-    let first_quad = part * quads;
-    let q_base = row_start(q, 0u32, n, h, row) + part * dims;
-    let out_base = row_start(out, 0u32, n, h, row) + part * dims;
-    let do_base = row_start(dout, 0u32, n, h, row) + part * dims;
-    let dq_base = row_start(dq, 0u32, n, h, row) + part * dims;
+    let q_base = row_start(q, 0u32, u.n, u.h, u.row) + u.part * dims;
+    let out_base = row_start(out, 0u32, u.n, u.h, u.row) + u.part * dims;
+    let do_base = row_start(dout, 0u32, u.n, u.h, u.row) + u.part * dims;
+    let dq_base = row_start(dq, 0u32, u.n, u.h, u.row) + u.part * dims;
 
     let mut q_row = Array::<f32>::new(comptime!(quads * 4));
     let mut do_row = Array::<f32>::new(comptime!(quads * 4));
@@ -546,27 +580,27 @@ pub fn attention_backward_dq<F: Float>(
         do_row[d] = 0.0;
         acc[d] = 0.0;
     }
-    if active {
+    if u.active {
         #[unroll(unroll)]
         for d in 0..dims {
-            let q_bias = bias_at(bias, h * head_dim + part * dims + d, with_bias);
+            let q_bias = bias_at(bias, u.h * head_dim + u.part * dims + d, with_bias);
             q_row[d] = (f32::cast_from(q[q_base + d]) + q_bias) * call.scale;
             do_row[d] = f32::cast_from(dout[do_base + d]);
             row_delta += do_row[d] * f32::cast_from(out[out_base + d]);
         }
-        row_lse = lse[bh * tq + row];
+        row_lse = lse[u.bh * u.tq + u.row];
     }
     row_delta = sum_parts(row_delta, parts);
-    if active && lane == 0 && part == 0 {
-        delta[bh * tq + row] = row_delta;
+    if u.active && u.lane == 0 && u.part == 0 {
+        delta[u.bh * u.tq + u.row] = row_delta;
     }
 
     let mut k_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
     let mut v_tile = SharedMemory::<Quad>::new(comptime!(tile_keys * stride));
     let mut valid_tile = SharedMemory::<f32>::new(tile_keys);
 
-    for t in 0..n_tiles {
-        if tile_valid[n * n_tiles + t] > 0.0 {
+    for t in 0..u.n_tiles {
+        if tile_valid[u.n * u.n_tiles + t] > 0.0 {
             load_key_tile::<F>(
                 k,
                 v,
@@ -575,30 +609,31 @@ pub fn attention_backward_dq<F: Float>(
                 &mut k_tile,
                 &mut v_tile,
                 &mut valid_tile,
-                k_base,
-                v_base,
-                call.k_offset as usize + h * head_dim,
-                call.v_offset as usize + h * head_dim,
-                n * tk,
+                u.k_base,
+                u.v_base,
+                call.k_offset as usize + u.h * head_dim,
+                call.v_offset as usize + u.h * head_dim,
+                u.n * u.tk,
                 t * tile_keys,
-                tk,
+                u.tk,
                 head_dim,
                 tile_keys,
                 stride,
                 with_bias,
             );
             sync_cube();
-            if compute {
+            if u.compute {
                 #[unroll(unroll)]
                 for i in 0usize..keys_per_lane {
-                    let jj = i * lanes + lane;
-                    let at = jj * stride + first_quad;
+                    let jj = i * lanes + u.lane;
+                    let at = jj * stride + u.first_quad;
                     let s = sum_parts(dot_quads(&q_row, &k_tile, at, quads, unroll), parts);
                     let mut dp = sum_parts(dot_quads(&do_row, &v_tile, at, quads, unroll), parts);
                     let p = select(valid_tile[jj] > 0.0, (s - row_lse).exp(), 0.0f32);
                     if use_dropout {
                         let col = (t * tile_keys + jj) as u32;
-                        let keep = dropout_keep(head_key, row as u32, col, call.dropout_threshold);
+                        let keep =
+                            dropout_keep(u.head_key, u.row as u32, col, call.dropout_threshold);
                         dp = select(keep, dp * call.dropout_scale, 0.0f32);
                     }
                     let ds = p * (dp - row_delta);
@@ -612,7 +647,7 @@ pub fn attention_backward_dq<F: Float>(
     if comptime!(lanes > 1) {
         sum_lanes(&mut acc, lanes, head_dim, unroll);
     }
-    if active && lane == 0 {
+    if u.active && u.lane == 0 {
         #[unroll(unroll)]
         for d in 0..dims {
             dq[dq_base + d] = F::cast_from(acc[d] * call.scale);
