@@ -14,7 +14,8 @@
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_TIMEOUT (s per run, default 280: NVRTC compiles a kernel per shape, dtype and
 # dropout setting), PARITY_THREADS (tests at once, default 8: their kernels compile in
-# parallel), PARITY_FILTER (filter of the parity run, default fused_parity::), OPS_FILTER
+# parallel), PARITY_PARALLEL (1: the three suites at once), PARITY_FILTER (filter of the
+# parity run, default fused_parity::), OPS_FILTER
 # (default ops::packed_attention::), WGPU_PARITY (1: also run fused_parity:: of the test
 # binary built with --features wgpu,ndarray, carried as .carry/gpu/kernels_wgpu.xz, on the
 # GPU through Vulkan; carry .gl too: the Vulkan
@@ -23,7 +24,7 @@
 # two builds are compared interleaved in one call), KERNELS (e.g. "lanes=1 cuda-cores": also
 # time the first bench with each AAM_BENCH_KERNELS setting, one run each), REGISTERS (1: after
 # the timings, registers and spills of each compiled CUDA kernel, from CubeCL's PTX cache, by
-# benches/ptx_registers.py).
+# benches/ptx_registers.py), PT (0: leave out PyTorch's SDPA timings).
 # Writes to $OUT: fused_parity{,_wgpu}.log, half_precision.log, ops.log,
 # rs_attention[_<bench>][_r<round>].jsonl, rs_attention_kernels_<setting>.jsonl,
 # pt_attention.jsonl, registers.jsonl.
@@ -47,11 +48,19 @@ cuda_test() {
   echo "rc=$rc"
 }
 if [ "${PARITY:-1}" = 1 ]; then
-  cuda_test fused_parity "cuda: every kernel of the plan, and each fallback by KernelChoice" "" \
-    "${PARITY_FILTER:-fused_parity::}"
-  cuda_test half_precision "cuda: tensor-core forward and gradients against the f32 kernel" 'BF16 \(151' \
-    half_precision::
-  cuda_test ops "cuda: ${OPS_FILTER:-ops::packed_attention::}" 'BF16 .*t=151' "${OPS_FILTER:-ops::packed_attention::}"
+  # The three suites at once (PARITY_PARALLEL=1; their NVRTC compiles share the cores) or in turn.
+  suites=(
+    'cuda_test fused_parity "cuda: every kernel of the plan, and each fallback by KernelChoice" "" "${PARITY_FILTER:-fused_parity::}"'
+    'cuda_test half_precision "cuda: tensor-core forward and gradients against the f32 kernel" "BF16 \(151" half_precision::'
+    'cuda_test ops "cuda: ${OPS_FILTER:-ops::packed_attention::}" "BF16 .*t=151" "${OPS_FILTER:-ops::packed_attention::}"'
+  )
+  if [ "${PARITY_PARALLEL:-0}" = 1 ]; then
+    for i in 0 1 2; do (eval "${suites[$i]}"; exit $status) > "/tmp/gpu/suite_$i.txt" 2>&1 & done
+    for i in 0 1 2; do wait -n || status=1; done
+    cat /tmp/gpu/suite_{0,1,2}.txt
+  else
+    for suite in "${suites[@]}"; do eval "$suite"; done
+  fi
 fi
 if [ "${WGPU_PARITY:-0}" = 1 ]; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
@@ -81,9 +90,11 @@ for setting in ${KERNELS:-}; do
   AAM_BENCH_KERNELS=$setting "/tmp/gpu/$first" > "$OUT/rs_attention_kernels_${setting//[=,]/_}.jsonl" 2>&1 || status=1
   grep '"fused"' "$OUT/rs_attention_kernels_${setting//[=,]/_}.jsonl"
 done
-echo "== PyTorch SDPA (pt_attention.py)"
-PYTHONUNBUFFERED=1 python3 benches/pt_attention.py > "$OUT/pt_attention.jsonl" 2>&1 || status=1
-grep -v Warning "$OUT/pt_attention.jsonl" | grep '^{'
+if [ "${PT:-1}" = 1 ]; then
+  echo "== PyTorch SDPA (pt_attention.py)"
+  PYTHONUNBUFFERED=1 python3 benches/pt_attention.py > "$OUT/pt_attention.jsonl" 2>&1 || status=1
+  grep -v Warning "$OUT/pt_attention.jsonl" | grep '^{'
+fi
 if [ "${REGISTERS:-0}" = 1 ]; then
   echo "== registers (ptxas -v on CubeCL's cached PTX)"
   python3 benches/ptx_registers.py . --keep "$OUT/ptx" > "$OUT/registers.jsonl" 2>&1 || status=1

@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for bin in ${BINS:-aam-rs}; do
   xz -dc ".carry/gpu/$bin.xz" > "/tmp/bin/$bin"; chmod +x "/tmp/bin/$bin"
   # CubeCL's caches, and the driver's cache of PTX compiled to machine code (a fresh node has neither).
-  rm -rf target/autotune target/cuda target/hip /tmp/run ~/.nv/ComputeCache
+  rm -rf target/aam-kernels-* target/autotune target/cuda target/hip /tmp/run ~/.nv/ComputeCache
   printf '[compilation.logger]\nlevel = "basic"\nfile = "%s"\n' "$OUT/compile_$bin.log" > cubecl.toml
   start=$(date +%s)
   AAM_LOG=info timeout "${TRAIN_TIMEOUT:-300}" "/tmp/bin/$bin" pretrain --backend cuda \

@@ -4,7 +4,7 @@
 # parts: $OUT/cache.txz.00, .01, ... Put them in .carry/gpu/cache/ and carry that folder.
 # COLD=1 starts from an empty cache and keeps nothing (a first run on a fresh node).
 restore_kernel_cache() {
-  [ "${COLD:-0}" = 1 ] && { rm -rf target/autotune target/cuda target/hip; return 0; }
+  [ "${COLD:-0}" = 1 ] && { rm -rf target/aam-kernels-* target/autotune target/cuda target/hip; return 0; }
   if compgen -G ".carry/gpu/cache/cache.txz.*" >/dev/null; then
     cat .carry/gpu/cache/cache.txz.* | xz -dc | tar xf -
   elif [ -f .carry/gpu/cache.tgz ]; then

@@ -30,7 +30,7 @@ for bin in ${BINS:-.carry/serve/aam-rs.xz}; do
   k=$((k + 1))
   xz -dc "$bin" > "/tmp/bin/aam-rs-$k"; chmod +x "/tmp/bin/aam-rs-$k"
   echo "== $k: $bin"
-  [ "${COLD_EACH:-0}" = 1 ] && rm -rf target/autotune target/cuda target/hip
+  [ "${COLD_EACH:-0}" = 1 ] && rm -rf target/aam-kernels-* target/autotune target/cuda target/hip
   /tmp/bin/serve-bench --aam-rs "/tmp/bin/aam-rs-$k" --model /tmp/serve/model.safetensors \
     --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
     --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --json "$OUT/serve-$k.json" \

@@ -110,9 +110,9 @@ pub use matmul::{
 };
 pub use norm::{layer_norm, LayerNormOps};
 pub use pool::{attention_pool, PoolOps};
-pub use runtime::RuntimeOps;
 #[cfg(feature = "cubecl")]
 pub use runtime::{kernel_cache_root, persist_compiled_kernels};
+pub use runtime::{RuntimeOps, KERNELS_BUILD};
 pub use slots::{unpack_rows, RowSlots, SlotOps};
 pub use tensor_ops::with_row_bias;
 pub(crate) use tensor_ops::{add_row_bias, as_rows, column_sum_last};

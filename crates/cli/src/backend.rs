@@ -343,6 +343,9 @@ pub fn list() -> Result<()> {
                 .for_each(|(i, d)| println!("          [{i}] {d}")),
             Err(err) => println!("          unavailable: {err:#}"),
         }
+        if let Some((root, _)) = kind.kernel_cache() {
+            println!("          compiled kernels: {}", root.display());
+        }
     }
     Ok(())
 }

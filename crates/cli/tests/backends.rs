@@ -87,6 +87,49 @@ fn backends_lists_every_compiled_backend_and_nothing_else() {
     assert!(ndarray_block[0].contains("[0] cpu"), "{stdout}");
 }
 
+/// CubeCL finds a compiled kernel on disk by its type name, not its code:
+/// each build of the kernels keeps its own folder, so that a newer build
+/// never loads an older one's kernels from a shared cache.
+#[test]
+fn each_build_keeps_its_compiled_gpu_kernels_in_a_folder_of_its_own() {
+    if !cfg!(any(feature = "cuda", feature = "rocm")) {
+        return;
+    }
+    // A folder with a Cargo.toml: CubeCL's cache root is its `target/`.
+    let dir = std::env::temp_dir().join(format!("aam-kernel-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("Cargo.toml"), "").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
+        .arg("backends")
+        .current_dir(&dir)
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let roots: Vec<&str> = stdout
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("compiled kernels: "))
+        .collect();
+    let gpu_kinds = compiled()
+        .iter()
+        .filter(|k| ["cuda", "rocm"].contains(k))
+        .count();
+    assert_eq!(roots.len(), gpu_kinds, "{stdout}");
+    for root in roots {
+        let build = Path::new(root)
+            .strip_prefix(dir.join("target"))
+            .unwrap_or_else(|_| panic!("{root} is not below {}", dir.display()));
+        let name = build.to_str().unwrap();
+        let hash = name
+            .strip_prefix("aam-kernels-")
+            .unwrap_or_else(|| panic!("{name}"));
+        assert!(
+            hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+            "{name}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn unknown_backend_is_refused_with_the_compiled_list() {
     let out = aam_rs(&[

@@ -64,10 +64,10 @@ use cubecl::prelude::*;
 
 use super::args::Scalars;
 use super::mma_io::{
-    half_stride, head_rows, read_quad, row_operands, stage_rows, store_pair, AccPair, HeadRows,
-    Pair, ValidPair,
+    half_stride, head_rows, read_quad, row_operands, stage_rows, store_pair, AccPair, Half4,
+    HeadRows, Pair, RowOperands, ValidPair,
 };
-use crate::cube::{bias_at, cube_head, dropout_keep, row_start, CubeHead, Quad, FAST_EXP};
+use crate::cube::{bias_at, cube_head, dropout_keep, CubeHead, Quad, FAST_EXP};
 
 /// One TF32 operand element of `mma.sync.m16n8k8` (a unit's register).
 type Tf32One = Vector<tf32, Const<1>>;
@@ -143,193 +143,150 @@ struct PlaneRows {
     row0: usize,
 }
 
-/// Forward of one (n, h) a cube: `out = softmax(q·kᵀ·scale, masked)·v` and
-/// the row log-sum-exp, on tensor cores as split TF32 (see the module doc).
-/// `keys` is `k.shape(2)` rounded up (keys past it count as masked, so that
-/// calls of nearby lengths share a compiled kernel), `head_dim` 16, 32 or
-/// 64; `units` is 32 a plane;
-/// `chunk_tiles` key tiles of 8 a step of the online softmax. Where `keys ≤
-/// block_keys` the cube loads all of the head's keys once and its planes
-/// take blocks of 16 queries in turn; else (`keys` a multiple of
-/// `block_keys`) each plane owns one block of queries (cube y: which
-/// `units / 32` blocks) and the cube streams the keys through shared memory
-/// `block_keys` at a time, skipping blocks that are all padding.
-///
-/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
-#[cube(launch, fast_math = FAST_EXP)]
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma<F: Float, N: Size>(
-    q: &Tensor<F>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    out: &mut Tensor<Pair<F>>,
-    lse: &mut Tensor<f32>,
-    call: &Scalars,
-    #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
-    #[comptime] block_keys: usize,
-    #[comptime] units: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] use_dropout: bool,
-    #[comptime] with_bias: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let tq = q.shape(2);
-    let head = cube_head(call.heads, call.bh_offset, call.seed);
-    let rows = comptime!(block_rows(keys, block_keys, false));
-    let mut stage = SplitStage {
-        kt: SharedMemory::<SplitQuad>::new(comptime!(
-            block_rows(keys, block_keys, false) * split_stride(head_dim / 2)
-        )),
-        vt: SharedMemory::<SplitQuad>::new(comptime!(
-            head_dim * split_stride(block_rows(keys, block_keys, false) / 2)
-        )),
-        valid: SharedMemory::<ValidPair>::new(comptime!(block_rows(keys, block_keys, false) / 2)),
-        chunk_valid: SharedMemory::<f32>::new(comptime!(
-            block_rows(keys, block_keys, false).div_ceil(8)
-        )),
-    };
-    let out_rows = head_rows(out, 0u32, &head);
-    let key_rows = KeyRows {
-        k: head_rows(k, call.k_offset, &head),
-        v: head_rows(v, call.v_offset, &head),
-    };
-    let planes = comptime!(units / 32);
-    if comptime!(keys <= block_keys) {
-        load_block_tf32::<F, N>(
-            k,
-            v,
-            &key_rows,
-            bias,
-            key_valid,
-            &head,
-            &mut stage,
-            call,
-            0,
-            keys,
-            rows,
-            head_dim,
-            chunk_tiles,
-            units,
-            with_bias,
-        );
-        let mut block = UNIT_POS_X as usize / 32;
-        while block < tq.div_ceil(16) {
-            let q_ops = q_operands_tf32(q, bias, &head, block, tq, call.scale, head_dim, with_bias);
-            let mut plane = plane_rows(block, head_dim);
-            attend_block_tf32(
-                &stage,
-                &q_ops,
-                &mut plane,
-                &head,
-                call,
-                0,
-                keys,
-                rows,
-                head_dim,
-                chunk_tiles,
-                use_dropout,
-            );
-            write_rows::<F>(out, &out_rows, lse, &plane, &head, tq, head_dim);
-            block += planes;
-        }
-    } else {
-        let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
-        let q_ops = q_operands_tf32(q, bias, &head, block, tq, call.scale, head_dim, with_bias);
-        let mut plane = plane_rows(block, head_dim);
-        for b in 0..comptime!(keys / block_keys) {
-            let start = b * block_keys;
-            if load_block_tf32::<F, N>(
-                k,
-                v,
-                &key_rows,
-                bias,
-                key_valid,
-                &head,
-                &mut stage,
-                call,
-                start,
-                block_keys,
-                rows,
-                head_dim,
-                chunk_tiles,
-                units,
-                with_bias,
-            ) {
-                attend_block_tf32(
-                    &stage,
-                    &q_ops,
-                    &mut plane,
-                    &head,
-                    call,
-                    start,
-                    block_keys,
-                    rows,
-                    head_dim,
-                    chunk_tiles,
-                    use_dropout,
-                );
-            }
-        }
-        write_rows::<F>(out, &out_rows, lse, &plane, &head, tq, head_dim);
-    }
-}
-
-/// A cube's shared memory of split keys and values (see the kernel), their
-/// validity by pair and each chunk's count of valid keys.
+/// The shared memory of a cube: a block of keys and values in the
+/// family's operand layout (`E`: split TF32 quads or f16/bf16 quads, see
+/// [`MmaOperands::stage_keys`]), their validity by pair and each chunk's
+/// count of valid keys.
 #[derive(CubeType)]
-struct SplitStage {
-    kt: SharedMemory<SplitQuad>,
-    vt: SharedMemory<SplitQuad>,
+struct KeyStage<E: CubePrimitive> {
+    kt: SharedMemory<E>,
+    vt: SharedMemory<E>,
     valid: SharedMemory<ValidPair>,
     chunk_valid: SharedMemory<f32>,
 }
 
-/// Loads keys `[start, start + count)` of the head into `stage` (K by key:
-/// quad `key·stride + 4·s + t` holds dims `d = 8s + t` and `d + 4`, the two
-/// of a `B` operand, his then los; V by dim: quad `d·stride + p` holds keys
-/// `2p`, `2p + 1`; zero where masked or past `count`), after a cube sync
-/// (the last block's readers are done) and with one after. Returns whether
-/// any key of the block is valid (the same in every unit: the cube skips
-/// the block otherwise). Every unit must call it.
+/// A [`KeyStage`] of `rows` keys whose K and V take `k_len` and `v_len`
+/// elements.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_block_tf32<F: Float, N: Size>(
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    key_rows: &KeyRows,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    head: &CubeHead,
-    stage: &mut SplitStage,
-    args: &Scalars,
-    start: usize,
-    #[comptime] count: usize,
+fn key_stage<E: CubePrimitive>(
+    #[comptime] k_len: usize,
+    #[comptime] v_len: usize,
     #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] units: usize,
-    #[comptime] with_bias: bool,
-) -> bool {
-    let any = load_validity(
-        key_valid,
-        head,
-        &mut stage.valid,
-        &mut stage.chunk_valid,
-        start,
-        count,
-        rows,
-        chunk_tiles,
-        units,
+) -> KeyStage<E> {
+    KeyStage::<E> {
+        kt: SharedMemory::<E>::new(k_len),
+        vt: SharedMemory::<E>::new(v_len),
+        valid: SharedMemory::<ValidPair>::new(comptime!(rows / 2)),
+        chunk_valid: SharedMemory::<f32>::new(comptime!(rows.div_ceil(8))),
+    }
+}
+
+/// The rows of Q, K, V and the output of the cube's head.
+#[derive(CubeType)]
+struct ForwardViews {
+    q: HeadRows,
+    k: HeadRows,
+    v: HeadRows,
+    out: HeadRows,
+}
+
+/// What the split-TF32 (f32) and the f16/bf16 forwards differ in: the
+/// element K and V are staged in, Q's element and operands, and one chunk's
+/// products. [`mma_forward`], the rest (key blocks, query blocks, the
+/// online softmax, the output), is the same for both.
+#[cube]
+trait MmaOperands<F: Float, N: Size>: 'static + Send + Sync {
+    /// The element of the staged keys and values.
+    type Staged: CubePrimitive;
+    /// Q's element in its buffer.
+    type Query: CubePrimitive;
+    /// A plane's Q operands for a block of 16 queries.
+    type QueryOps: CubeType;
+
+    /// A cube's stage of `rows` keys.
+    fn new_stage(#[comptime] rows: usize, #[comptime] head_dim: usize) -> KeyStage<Self::Staged>;
+
+    /// Writes keys `[start, start + count)` of the head into `stage` in the
+    /// family's layout (zero where masked or past `count`), their validity
+    /// being loaded. Every unit must call it.
+    #[allow(clippy::too_many_arguments)]
+    fn stage_keys(
+        k: &Tensor<Vector<F, N>>,
+        v: &Tensor<Vector<F, N>>,
+        views: &ForwardViews,
+        bias: &Tensor<F>,
+        head: &CubeHead,
+        stage: &mut KeyStage<Self::Staged>,
+        call: &Scalars,
+        start: usize,
+        #[comptime] count: usize,
+        #[comptime] rows: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] units: usize,
+        #[comptime] with_bias: bool,
     );
-    if any {
+
+    /// Q's operands (scaled, biased; zero past `tq`) of query block `block`.
+    #[allow(clippy::too_many_arguments)]
+    fn query_operands(
+        q: &Tensor<Self::Query>,
+        views: &ForwardViews,
+        bias: &Tensor<F>,
+        head: &CubeHead,
+        block: usize,
+        tq: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] with_bias: bool,
+    ) -> Self::QueryOps;
+
+    /// One chunk of `tiles` key tiles from tile `first` of the block at key
+    /// `start`: scores, the softmax step and `o += P̃·V`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_chunk(
+        stage: &KeyStage<Self::Staged>,
+        q_ops: &Self::QueryOps,
+        plane: &mut PlaneRows,
+        head: &CubeHead,
+        call: &Scalars,
+        first: usize,
+        start: usize,
+        #[comptime] tiles: usize,
+        #[comptime] rows: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] use_dropout: bool,
+    );
+}
+
+/// f32 as split TF32 (`m16n8k8`): K by key (quad `key·stride + 4·s + t`
+/// holds dims `d = 8s + t` and `d + 4`, the two of a `B` operand, his then
+/// los), V by dim (quad `d·stride + p` holds keys `2p`, `2p + 1`).
+struct SplitTf32;
+
+#[cube]
+impl<F: Float, N: Size> MmaOperands<F, N> for SplitTf32 {
+    type Staged = SplitQuad;
+    type Query = F;
+    type QueryOps = Sequence<QOperand>;
+
+    fn new_stage(#[comptime] rows: usize, #[comptime] head_dim: usize) -> KeyStage<SplitQuad> {
+        key_stage::<SplitQuad>(
+            comptime!(rows * split_stride(head_dim / 2)),
+            comptime!(head_dim * split_stride(rows / 2)),
+            rows,
+        )
+    }
+
+    fn stage_keys(
+        k: &Tensor<Vector<F, N>>,
+        v: &Tensor<Vector<F, N>>,
+        views: &ForwardViews,
+        bias: &Tensor<F>,
+        head: &CubeHead,
+        stage: &mut KeyStage<SplitQuad>,
+        call: &Scalars,
+        start: usize,
+        #[comptime] _count: usize,
+        #[comptime] rows: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] units: usize,
+        #[comptime] with_bias: bool,
+    ) {
         let unit = UNIT_POS_X as usize;
         let k_stride = comptime!(split_stride(head_dim / 2));
         let v_stride = comptime!(split_stride(rows / 2));
-        let k_bias = args.k_offset as usize + head.h * head_dim;
-        let v_bias = args.v_offset as usize + head.h * head_dim;
+        let k_bias = call.k_offset as usize + head.h * head_dim;
+        let v_bias = call.v_offset as usize + head.h * head_dim;
         // K by key: a unit reads 8 dims of a key (two vector loads of four
         // where `N` is 4) and writes its four split quads (dims `8s + t` and
         // `+ 4`).
@@ -340,7 +297,7 @@ fn load_block_tf32<F: Float, N: Size>(
             let mut low = Quad::new(0.0f32);
             let mut high = Quad::new(0.0f32);
             if stage.valid[key / 2][key % 2] > 0.0 {
-                let at = key_rows.k.base + (start + key) * key_rows.k.stride + s * 8;
+                let at = views.k.base + (start + key) * views.k.stride + s * 8;
                 low = read_quad::<F, N>(k, at);
                 high = read_quad::<F, N>(k, at + 4);
                 #[unroll]
@@ -364,14 +321,11 @@ fn load_block_tf32<F: Float, N: Size>(
             let mut first = Quad::new(0.0f32);
             let mut second = Quad::new(0.0f32);
             if stage.valid[p][0] > 0.0 {
-                first =
-                    read_quad::<F, N>(v, key_rows.v.base + (start + p * 2) * key_rows.v.stride + d);
+                first = read_quad::<F, N>(v, views.v.base + (start + p * 2) * views.v.stride + d);
             }
             if stage.valid[p][1] > 0.0 {
-                second = read_quad::<F, N>(
-                    v,
-                    key_rows.v.base + (start + p * 2 + 1) * key_rows.v.stride + d,
-                );
+                second =
+                    read_quad::<F, N>(v, views.v.base + (start + p * 2 + 1) * views.v.stride + d);
             }
             #[unroll]
             for c in 0..4usize {
@@ -384,12 +338,93 @@ fn load_block_tf32<F: Float, N: Size>(
             item += units;
         }
     }
-    sync_cube();
-    any
+
+    /// PTX's A layout: element r at row g + 8·(r % 2), col t + 4·(r / 2) of
+    /// each step of 8 dims, hi and lo.
+    fn query_operands(
+        q: &Tensor<F>,
+        views: &ForwardViews,
+        bias: &Tensor<F>,
+        head: &CubeHead,
+        block: usize,
+        tq: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] with_bias: bool,
+    ) -> Sequence<QOperand> {
+        let lane = UNIT_POS_X as usize % 32;
+        let q_bias = head.h * head_dim;
+        let mut q_ops = Sequence::<QOperand>::new();
+        #[unroll]
+        for s in 0..comptime!(head_dim / 8) {
+            let mut hi = Array::<Tf32One>::new(4usize);
+            let mut lo = Array::<Tf32One>::new(4usize);
+            #[unroll]
+            for r in 0..4usize {
+                let row = block * 16 + lane / 4 + (r % 2) * 8;
+                let d = s * 8 + lane % 4 + (r / 2) * 4;
+                let mut value = 0.0f32;
+                if row < tq {
+                    let at = views.q.base + row * views.q.stride + d;
+                    value = (f32::cast_from(q[at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
+                }
+                let h = to_tf32(value);
+                hi[r] = Tf32One::new(h);
+                lo[r] = Tf32One::new(to_tf32(value - f32::cast_from(h)));
+            }
+            q_ops.push(QOperand { hi, lo });
+        }
+        q_ops
+    }
+
+    fn attend_chunk(
+        stage: &KeyStage<SplitQuad>,
+        q_ops: &Sequence<QOperand>,
+        plane: &mut PlaneRows,
+        head: &CubeHead,
+        call: &Scalars,
+        first: usize,
+        start: usize,
+        #[comptime] tiles: usize,
+        #[comptime] rows: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] use_dropout: bool,
+    ) {
+        let mut scores = scores_tf32(
+            &stage.kt,
+            q_ops,
+            first,
+            tiles,
+            head_dim,
+            comptime!(split_stride(head_dim / 2)),
+        );
+        softmax_step(
+            &mut scores,
+            &stage.valid,
+            plane,
+            first,
+            start,
+            head,
+            call.dropout_threshold,
+            call.dropout_scale,
+            tiles,
+            head_dim,
+            use_dropout,
+        );
+        add_weights_times_values_tf32(
+            &scores,
+            &stage.vt,
+            plane,
+            first,
+            tiles,
+            head_dim,
+            comptime!(split_stride(rows / 2)),
+        );
+    }
 }
 
 /// Two f32 values split into TF32 `[hi(a), hi(b), lo(a), lo(b)]`, the
-/// layout of [`SplitStage`]'s quads.
+/// layout of [`SplitTf32`]'s staged quads.
 #[cube]
 fn split_pair(a: f32, b: f32) -> SplitQuad {
     let mut x = SplitQuad::new(to_tf32(0.0f32));
@@ -402,364 +437,43 @@ fn split_pair(a: f32, b: f32) -> SplitQuad {
     x
 }
 
-/// The split forward's K and V rows.
-#[derive(CubeType)]
-struct KeyRows {
-    k: HeadRows,
-    v: HeadRows,
-}
-
-/// Q's split operands for a plane's query block (rows g, g+8 × dims t,
-/// t+4 of each step of 8; zero past `tq`): PTX's A layout, element r at
-/// row g + 8·(r % 2), col t + 4·(r / 2).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn q_operands_tf32<F: Float>(
-    q: &Tensor<F>,
-    bias: &Tensor<F>,
-    head: &CubeHead,
-    block: usize,
-    tq: usize,
-    scale: f32,
-    #[comptime] head_dim: usize,
-    #[comptime] with_bias: bool,
-) -> Sequence<QOperand> {
-    let lane = UNIT_POS_X as usize % 32;
-    let q_bias = head.h * head_dim;
-    let mut q_ops = Sequence::<QOperand>::new();
-    #[unroll]
-    for s in 0..comptime!(head_dim / 8) {
-        let mut hi = Array::<Tf32One>::new(4usize);
-        let mut lo = Array::<Tf32One>::new(4usize);
-        #[unroll]
-        for r in 0..4usize {
-            let row = block * 16 + lane / 4 + (r % 2) * 8;
-            let d = s * 8 + lane % 4 + (r / 2) * 4;
-            let mut value = 0.0f32;
-            if row < tq {
-                let at = row_start(q, 0u32, head.n, head.h, row) + d;
-                value = (f32::cast_from(q[at]) + bias_at(bias, q_bias + d, with_bias)) * scale;
-            }
-            let h = to_tf32(value);
-            hi[r] = Tf32One::new(h);
-            lo[r] = Tf32One::new(to_tf32(value - f32::cast_from(h)));
-        }
-        q_ops.push(QOperand { hi, lo });
-    }
-    q_ops
-}
-
-/// A plane's online softmax and `P̃·V` over a loaded block of `count` keys
-/// from key `start` (`rows` rows in `stage`), chunk by chunk, skipping
-/// chunks with no valid key.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn attend_block_tf32(
-    stage: &SplitStage,
-    q_ops: &Sequence<QOperand>,
-    plane: &mut PlaneRows,
-    head: &CubeHead,
-    args: &Scalars,
-    start: usize,
-    #[comptime] count: usize,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] use_dropout: bool,
-) {
-    let full_chunks = comptime!(count / (chunk_tiles * 8));
-    let last_tiles =
-        comptime!(mma_key_rows(count, false) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
-    for c in 0..full_chunks {
-        if stage.chunk_valid[c] > 0.0 {
-            attend_chunk_tf32(
-                stage,
-                q_ops,
-                plane,
-                head,
-                args,
-                c * chunk_tiles,
-                start,
-                chunk_tiles,
-                rows,
-                head_dim,
-                use_dropout,
-            );
-        }
-    }
-    if comptime!(last_tiles > 0) {
-        if stage.chunk_valid[full_chunks] > 0.0 {
-            attend_chunk_tf32(
-                stage,
-                q_ops,
-                plane,
-                head,
-                args,
-                full_chunks * chunk_tiles,
-                start,
-                last_tiles,
-                rows,
-                head_dim,
-                use_dropout,
-            );
-        }
-    }
-}
-
-/// One chunk of `tiles` key tiles from tile `first` of the block at key
-/// `start`: scores, the softmax step and `o += P̃·V`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn attend_chunk_tf32(
-    stage: &SplitStage,
-    q_ops: &Sequence<QOperand>,
-    plane: &mut PlaneRows,
-    head: &CubeHead,
-    args: &Scalars,
-    first: usize,
-    start: usize,
-    #[comptime] tiles: usize,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] use_dropout: bool,
-) {
-    let mut scores = scores_tf32(
-        &stage.kt,
-        q_ops,
-        first,
-        tiles,
-        head_dim,
-        comptime!(split_stride(head_dim / 2)),
-    );
-    softmax_step(
-        &mut scores,
-        &stage.valid,
-        plane,
-        first,
-        start,
-        head,
-        args.dropout_threshold,
-        args.dropout_scale,
-        tiles,
-        head_dim,
-        use_dropout,
-    );
-    add_weights_times_values_tf32(
-        &scores,
-        &stage.vt,
-        plane,
-        first,
-        tiles,
-        head_dim,
-        comptime!(split_stride(rows / 2)),
-    );
-}
-
-/// [`attention_forward_mma`] for f16/bf16: `m16n8k16` products of the
-/// storage type into f32, no split (see the module doc). `chunk_tiles` must
-/// be even.
-///
-/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
-#[cube(launch, fast_math = FAST_EXP)]
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma_half<F: Float, N: Size>(
-    q: &Tensor<Pair<F>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    out: &mut Tensor<Pair<F>>,
-    lse: &mut Tensor<f32>,
-    call: &Scalars,
-    #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
-    #[comptime] block_keys: usize,
-    #[comptime] units: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] use_dropout: bool,
-    #[comptime] with_bias: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let tq = q.shape(2);
-    let head = cube_head(call.heads, call.bh_offset, call.seed);
-    let rows = comptime!(block_rows(keys, block_keys, true));
-    let mut stage = HalfStage::<F> {
-        kt: SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
-            block_rows(keys, block_keys, true) * half_stride(head_dim / 4)
-        )),
-        vt: SharedMemory::<Vector<F, Const<4>>>::new(comptime!(
-            head_dim * half_stride(block_rows(keys, block_keys, true) / 4)
-        )),
-        valid: SharedMemory::<ValidPair>::new(comptime!(block_rows(keys, block_keys, true) / 2)),
-        chunk_valid: SharedMemory::<f32>::new(comptime!(
-            block_rows(keys, block_keys, true).div_ceil(8)
-        )),
-    };
-    let views = HalfViews {
-        q: head_rows(q, 0u32, &head),
-        k: head_rows(k, call.k_offset, &head),
-        v: head_rows(v, call.v_offset, &head),
-        out: head_rows(out, 0u32, &head),
-    };
-    let planes = comptime!(units / 32);
-    if comptime!(keys <= block_keys) {
-        load_block_half::<F, N>(
-            k,
-            v,
-            &views,
-            bias,
-            key_valid,
-            &head,
-            &mut stage,
-            call,
-            0,
-            keys,
-            rows,
-            head_dim,
-            chunk_tiles,
-            units,
-            with_bias,
-        );
-        let mut block = UNIT_POS_X as usize / 32;
-        while block < tq.div_ceil(16) {
-            let q_ops = row_operands::<F>(
-                q,
-                &views.q,
-                bias,
-                head.h * head_dim,
-                block,
-                tq,
-                call.scale,
-                head_dim,
-                with_bias,
-                true,
-            );
-            let mut plane = plane_rows(block, head_dim);
-            attend_block_half::<F>(
-                &stage,
-                &q_ops,
-                &mut plane,
-                &head,
-                call,
-                0,
-                keys,
-                rows,
-                head_dim,
-                chunk_tiles,
-                use_dropout,
-            );
-            write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
-            block += planes;
-        }
-    } else {
-        let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
-        let q_ops = row_operands::<F>(
-            q,
-            &views.q,
-            bias,
-            head.h * head_dim,
-            block,
-            tq,
-            call.scale,
-            head_dim,
-            with_bias,
-            true,
-        );
-        let mut plane = plane_rows(block, head_dim);
-        for b in 0..comptime!(keys / block_keys) {
-            let start = b * block_keys;
-            if load_block_half::<F, N>(
-                k,
-                v,
-                &views,
-                bias,
-                key_valid,
-                &head,
-                &mut stage,
-                call,
-                start,
-                block_keys,
-                rows,
-                head_dim,
-                chunk_tiles,
-                units,
-                with_bias,
-            ) {
-                attend_block_half::<F>(
-                    &stage,
-                    &q_ops,
-                    &mut plane,
-                    &head,
-                    call,
-                    start,
-                    block_keys,
-                    rows,
-                    head_dim,
-                    chunk_tiles,
-                    use_dropout,
-                );
-            }
-        }
-        write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
-    }
-}
-
-/// [`SplitStage`] for f16/bf16: K by key (unit `key·stride + 4·s + t` holds
-/// dims `16s + 2t`, `+1`, `+8`, `+9`, a `B` operand's four), V by dim (unit
+/// f16/bf16 as they are (`m16n8k16`), staged by 16-byte vectors
+/// ([`stage_rows`]): K by key (unit `key·stride + 4·s + t` holds dims
+/// `16s + 2t`, `+1`, `+8`, `+9`, a `B` operand's four), V by dim (unit
 /// `d·stride + 4·p + t` holds keys `16p + 2t`, `+1`, `+8`, `+9`).
-#[derive(CubeType)]
-struct HalfStage<F: Float> {
-    kt: SharedMemory<Vector<F, Const<4>>>,
-    vt: SharedMemory<Vector<F, Const<4>>>,
-    valid: SharedMemory<ValidPair>,
-    chunk_valid: SharedMemory<f32>,
-}
+struct HalfMma;
 
-/// The f16/bf16 forward's rows of Q, K, V and the output.
-#[derive(CubeType)]
-struct HalfViews {
-    q: HeadRows,
-    k: HeadRows,
-    v: HeadRows,
-    out: HeadRows,
-}
-
-/// [`load_block_tf32`] for f16/bf16 ([`HalfStage`]'s layout), by 16-byte
-/// vectors ([`stage_rows`]): K by row, then V by dim on the units after
-/// K's.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_block_half<F: Float, N: Size>(
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    views: &HalfViews,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    head: &CubeHead,
-    stage: &mut HalfStage<F>,
-    args: &Scalars,
-    start: usize,
-    #[comptime] count: usize,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] units: usize,
-    #[comptime] with_bias: bool,
-) -> bool {
-    let any = load_validity(
-        key_valid,
-        head,
-        &mut stage.valid,
-        &mut stage.chunk_valid,
-        start,
-        count,
-        rows,
-        chunk_tiles,
-        units,
-    );
-    if any {
-        let k_bias = args.k_offset as usize + head.h * head_dim;
-        let v_bias = args.v_offset as usize + head.h * head_dim;
+impl<F: Float, N: Size> MmaOperands<F, N> for HalfMma {
+    type Staged = Half4<F>;
+    type Query = Pair<F>;
+    type QueryOps = RowOperands<F>;
+
+    fn new_stage(#[comptime] rows: usize, #[comptime] head_dim: usize) -> KeyStage<Half4<F>> {
+        key_stage::<Half4<F>>(
+            comptime!(rows * half_stride(head_dim / 4)),
+            comptime!(head_dim * half_stride(rows / 4)),
+            rows,
+        )
+    }
+
+    fn stage_keys(
+        k: &Tensor<Vector<F, N>>,
+        v: &Tensor<Vector<F, N>>,
+        views: &ForwardViews,
+        bias: &Tensor<F>,
+        head: &CubeHead,
+        stage: &mut KeyStage<Half4<F>>,
+        call: &Scalars,
+        start: usize,
+        #[comptime] count: usize,
+        #[comptime] rows: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] units: usize,
+        #[comptime] with_bias: bool,
+    ) {
+        let k_bias = call.k_offset as usize + head.h * head_dim;
+        let v_bias = call.v_offset as usize + head.h * head_dim;
         stage_rows::<F, N>(
             k,
             &views.k,
@@ -803,37 +517,368 @@ fn load_block_half<F: Float, N: Size>(
             true,
         );
     }
+
+    fn query_operands(
+        q: &Tensor<Pair<F>>,
+        views: &ForwardViews,
+        bias: &Tensor<F>,
+        head: &CubeHead,
+        block: usize,
+        tq: usize,
+        scale: f32,
+        #[comptime] head_dim: usize,
+        #[comptime] with_bias: bool,
+    ) -> RowOperands<F> {
+        row_operands::<F>(
+            q,
+            &views.q,
+            bias,
+            head.h * head_dim,
+            block,
+            tq,
+            scale,
+            head_dim,
+            with_bias,
+            true,
+        )
+    }
+
+    fn attend_chunk(
+        stage: &KeyStage<Half4<F>>,
+        q_ops: &RowOperands<F>,
+        plane: &mut PlaneRows,
+        head: &CubeHead,
+        call: &Scalars,
+        first: usize,
+        start: usize,
+        #[comptime] tiles: usize,
+        #[comptime] rows: usize,
+        #[comptime] head_dim: usize,
+        #[comptime] use_dropout: bool,
+    ) {
+        let mut scores = scores_half::<F>(
+            &stage.kt,
+            q_ops,
+            first,
+            tiles,
+            head_dim,
+            comptime!(half_stride(head_dim / 4)),
+        );
+        softmax_step(
+            &mut scores,
+            &stage.valid,
+            plane,
+            first,
+            start,
+            head,
+            call.dropout_threshold,
+            call.dropout_scale,
+            tiles,
+            head_dim,
+            use_dropout,
+        );
+        add_products_half::<F>(
+            &scores,
+            &stage.vt,
+            &mut plane.o,
+            first,
+            tiles,
+            head_dim,
+            comptime!(half_stride(rows / 4)),
+        );
+    }
+}
+
+/// Forward of one (n, h) a cube: `out = softmax(q·kᵀ·scale, masked)·v` and
+/// the row log-sum-exp, on tensor cores as split TF32 (see the module doc).
+/// `keys` is `k.shape(2)` rounded up (keys past it count as masked, so that
+/// calls of nearby lengths share a compiled kernel), `head_dim` 16, 32 or
+/// 64; `units` is 32 a plane;
+/// `chunk_tiles` key tiles of 8 a step of the online softmax. Where `keys ≤
+/// block_keys` the cube loads all of the head's keys once and its planes
+/// take blocks of 16 queries in turn; else (`keys` a multiple of
+/// `block_keys`) each plane owns one block of queries (cube y: which
+/// `units / 32` blocks) and the cube streams the keys through shared memory
+/// `block_keys` at a time, skipping blocks that are all padding.
+///
+/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
+#[cube(launch, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_mma<F: Float, N: Size>(
+    q: &Tensor<F>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    out: &mut Tensor<Pair<F>>,
+    lse: &mut Tensor<f32>,
+    call: &Scalars,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] block_keys: usize,
+    #[comptime] units: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    mma_forward::<F, N, SplitTf32>(
+        q,
+        k,
+        v,
+        bias,
+        key_valid,
+        out,
+        lse,
+        call,
+        head_dim,
+        keys,
+        block_keys,
+        units,
+        chunk_tiles,
+        use_dropout,
+        with_bias,
+        false,
+    );
+}
+
+/// [`attention_forward_mma`] for f16/bf16: `m16n8k16` products of the
+/// storage type into f32, no split (see the module doc). `chunk_tiles` must
+/// be even.
+///
+/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
+#[cube(launch, fast_math = FAST_EXP)]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_mma_half<F: Float, N: Size>(
+    q: &Tensor<Pair<F>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    out: &mut Tensor<Pair<F>>,
+    lse: &mut Tensor<f32>,
+    call: &Scalars,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] block_keys: usize,
+    #[comptime] units: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    mma_forward::<F, N, HalfMma>(
+        q,
+        k,
+        v,
+        bias,
+        key_valid,
+        out,
+        lse,
+        call,
+        head_dim,
+        keys,
+        block_keys,
+        units,
+        chunk_tiles,
+        use_dropout,
+        with_bias,
+        true,
+    );
+}
+
+/// Both forwards (`M` the operand family, `half` whether it is f16/bf16's).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_forward<F: Float, N: Size, M: MmaOperands<F, N>>(
+    q: &Tensor<M::Query>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    out: &mut Tensor<Pair<F>>,
+    lse: &mut Tensor<f32>,
+    call: &Scalars,
+    #[comptime] head_dim: usize,
+    #[comptime] keys: usize,
+    #[comptime] block_keys: usize,
+    #[comptime] units: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] use_dropout: bool,
+    #[comptime] with_bias: bool,
+    #[comptime] half: bool,
+) {
+    let tq = q.shape(2);
+    let head = cube_head(call.heads, call.bh_offset, call.seed);
+    let rows = comptime!(block_rows(keys, block_keys, half));
+    let mut stage = M::new_stage(rows, head_dim);
+    let views = ForwardViews {
+        q: head_rows(q, 0u32, &head),
+        k: head_rows(k, call.k_offset, &head),
+        v: head_rows(v, call.v_offset, &head),
+        out: head_rows(out, 0u32, &head),
+    };
+    let planes = comptime!(units / 32);
+    if comptime!(keys <= block_keys) {
+        load_block::<F, N, M>(
+            k,
+            v,
+            &views,
+            bias,
+            key_valid,
+            &head,
+            &mut stage,
+            call,
+            0,
+            keys,
+            rows,
+            head_dim,
+            chunk_tiles,
+            units,
+            with_bias,
+        );
+        let mut block = UNIT_POS_X as usize / 32;
+        while block < tq.div_ceil(16) {
+            let q_ops = M::query_operands(
+                q, &views, bias, &head, block, tq, call.scale, head_dim, with_bias,
+            );
+            let mut plane = plane_rows(block, head_dim);
+            attend_block::<F, N, M>(
+                &stage,
+                &q_ops,
+                &mut plane,
+                &head,
+                call,
+                0,
+                keys,
+                rows,
+                head_dim,
+                chunk_tiles,
+                use_dropout,
+                half,
+            );
+            write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
+            block += planes;
+        }
+    } else {
+        let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
+        let q_ops = M::query_operands(
+            q, &views, bias, &head, block, tq, call.scale, head_dim, with_bias,
+        );
+        let mut plane = plane_rows(block, head_dim);
+        for b in 0..comptime!(keys / block_keys) {
+            let start = b * block_keys;
+            if load_block::<F, N, M>(
+                k,
+                v,
+                &views,
+                bias,
+                key_valid,
+                &head,
+                &mut stage,
+                call,
+                start,
+                block_keys,
+                rows,
+                head_dim,
+                chunk_tiles,
+                units,
+                with_bias,
+            ) {
+                attend_block::<F, N, M>(
+                    &stage,
+                    &q_ops,
+                    &mut plane,
+                    &head,
+                    call,
+                    start,
+                    block_keys,
+                    rows,
+                    head_dim,
+                    chunk_tiles,
+                    use_dropout,
+                    half,
+                );
+            }
+        }
+        write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
+    }
+}
+
+/// Loads keys `[start, start + count)` of the head into `stage` (see
+/// [`MmaOperands::stage_keys`]), after a cube sync (the last block's
+/// readers are done) and with one after. Returns whether any key of the
+/// block is valid (the same in every unit: the cube skips the block
+/// otherwise). Every unit must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_block<F: Float, N: Size, M: MmaOperands<F, N>>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    views: &ForwardViews,
+    bias: &Tensor<F>,
+    key_valid: &Tensor<f32>,
+    head: &CubeHead,
+    stage: &mut KeyStage<M::Staged>,
+    call: &Scalars,
+    start: usize,
+    #[comptime] count: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] chunk_tiles: usize,
+    #[comptime] units: usize,
+    #[comptime] with_bias: bool,
+) -> bool {
+    let any = load_validity(
+        key_valid,
+        head,
+        &mut stage.valid,
+        &mut stage.chunk_valid,
+        start,
+        count,
+        rows,
+        chunk_tiles,
+        units,
+    );
+    if any {
+        M::stage_keys(
+            k, v, views, bias, head, stage, call, start, count, rows, head_dim, units, with_bias,
+        );
+    }
     sync_cube();
     any
 }
 
-/// [`attend_block_tf32`] for f16/bf16.
+/// A plane's online softmax and `P̃·V` over a loaded block of `count` keys
+/// from key `start` (`rows` rows in `stage`), chunk by chunk, skipping
+/// chunks with no valid key.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn attend_block_half<F: Float>(
-    stage: &HalfStage<F>,
-    q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
+fn attend_block<F: Float, N: Size, M: MmaOperands<F, N>>(
+    stage: &KeyStage<M::Staged>,
+    q_ops: &M::QueryOps,
     plane: &mut PlaneRows,
     head: &CubeHead,
-    args: &Scalars,
+    call: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] use_dropout: bool,
+    #[comptime] half: bool,
 ) {
     let full_chunks = comptime!(count / (chunk_tiles * 8));
     let last_tiles =
-        comptime!(mma_key_rows(count, true) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
+        comptime!(mma_key_rows(count, half) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
     for c in 0..full_chunks {
         if stage.chunk_valid[c] > 0.0 {
-            attend_chunk_half::<F>(
+            M::attend_chunk(
                 stage,
                 q_ops,
                 plane,
                 head,
-                args,
+                call,
                 c * chunk_tiles,
                 start,
                 chunk_tiles,
@@ -845,12 +890,12 @@ fn attend_block_half<F: Float>(
     }
     if comptime!(last_tiles > 0) {
         if stage.chunk_valid[full_chunks] > 0.0 {
-            attend_chunk_half::<F>(
+            M::attend_chunk(
                 stage,
                 q_ops,
                 plane,
                 head,
-                args,
+                call,
                 full_chunks * chunk_tiles,
                 start,
                 last_tiles,
@@ -860,55 +905,6 @@ fn attend_block_half<F: Float>(
             );
         }
     }
-}
-
-/// One chunk of `tiles` key tiles from tile `first` of the block at key
-/// `start`: scores, the softmax step and `o += P̃·V`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn attend_chunk_half<F: Float>(
-    stage: &HalfStage<F>,
-    q_ops: &Sequence<Array<Vector<F, Const<2>>>>,
-    plane: &mut PlaneRows,
-    head: &CubeHead,
-    args: &Scalars,
-    first: usize,
-    start: usize,
-    #[comptime] tiles: usize,
-    #[comptime] rows: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] use_dropout: bool,
-) {
-    let mut scores = scores_half::<F>(
-        &stage.kt,
-        q_ops,
-        first,
-        tiles,
-        head_dim,
-        comptime!(half_stride(head_dim / 4)),
-    );
-    softmax_step(
-        &mut scores,
-        &stage.valid,
-        plane,
-        first,
-        start,
-        head,
-        args.dropout_threshold,
-        args.dropout_scale,
-        tiles,
-        head_dim,
-        use_dropout,
-    );
-    add_products_half::<F>(
-        &scores,
-        &stage.vt,
-        &mut plane.o,
-        first,
-        tiles,
-        head_dim,
-        comptime!(half_stride(rows / 4)),
-    );
 }
 
 /// Loads the validity of keys `[start, start + count)` by pair (0 past

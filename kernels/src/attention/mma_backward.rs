@@ -83,15 +83,12 @@ struct KeyBlock<F: Float> {
     chunk_valid: SharedMemory<f32>,
 }
 
-/// The key side's rows and the dropout arguments.
+/// The head's K and V rows in their buffers (offsets and dropout are the
+/// launch's [`Scalars`]).
 #[derive(CubeType)]
-struct BackwardArgs {
-    k_rows: HeadRows,
-    v_rows: HeadRows,
-    k_offset: u32,
-    v_offset: u32,
-    dropout_threshold: u32,
-    dropout_scale: f32,
+struct KeyViews {
+    k: HeadRows,
+    v: HeadRows,
 }
 
 /// A plane's 16 queries in the dQ kernel: the `Q` (scaled, biased) and `dO`
@@ -156,13 +153,9 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
             block_rows(keys, block_keys, true).div_ceil(8)
         )),
     };
-    let args = BackwardArgs {
-        k_rows: head_rows(k, call.k_offset, &head),
-        v_rows: head_rows(v, call.v_offset, &head),
-        k_offset: call.k_offset,
-        v_offset: call.v_offset,
-        dropout_threshold: call.dropout_threshold,
-        dropout_scale: call.dropout_scale,
+    let key_views = KeyViews {
+        k: head_rows(k, call.k_offset, &head),
+        v: head_rows(v, call.v_offset, &head),
     };
     let views = QueryViews {
         q: head_rows(q, 0u32, &head),
@@ -173,8 +166,8 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
     let planes = comptime!(units / 32);
     if comptime!(keys <= block_keys) {
         load_keys::<F, N>(
-            k, v, bias, key_valid, &head, &mut stage, &args, 0, keys, rows, head_dim, units,
-            with_bias,
+            k, v, bias, key_valid, &head, &mut stage, &key_views, call, 0, keys, rows, head_dim,
+            units, with_bias,
         );
         let mut block = UNIT_POS_X as usize / 32;
         while block < tq.div_ceil(16) {
@@ -188,7 +181,7 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
                 &query,
                 &mut acc,
                 &head,
-                &args,
+                call,
                 0,
                 keys,
                 rows,
@@ -208,15 +201,15 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
         for b in 0..comptime!(keys / block_keys) {
             let start = b * block_keys;
             if load_keys::<F, N>(
-                k, v, bias, key_valid, &head, &mut stage, &args, start, block_keys, rows, head_dim,
-                units, with_bias,
+                k, v, bias, key_valid, &head, &mut stage, &key_views, call, start, block_keys,
+                rows, head_dim, units, with_bias,
             ) {
                 dq_block::<F>(
                     &stage,
                     &query,
                     &mut acc,
                     &head,
-                    &args,
+                    call,
                     start,
                     block_keys,
                     rows,
@@ -241,7 +234,8 @@ fn load_keys<F: Float, N: Size>(
     key_valid: &Tensor<f32>,
     head: &CubeHead,
     stage: &mut KeyBlock<F>,
-    args: &BackwardArgs,
+    views: &KeyViews,
+    call: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
@@ -261,11 +255,11 @@ fn load_keys<F: Float, N: Size>(
         units,
     );
     if any {
-        let k_bias = args.k_offset as usize + head.h * head_dim;
-        let v_bias = args.v_offset as usize + head.h * head_dim;
+        let k_bias = call.k_offset as usize + head.h * head_dim;
+        let v_bias = call.v_offset as usize + head.h * head_dim;
         stage_rows::<F, N>(
             k,
-            &args.k_rows,
+            &views.k,
             bias,
             k_bias,
             &mut stage.k_rows,
@@ -288,7 +282,7 @@ fn load_keys<F: Float, N: Size>(
         // after K's.
         stage_rows::<F, N>(
             v,
-            &args.v_rows,
+            &views.v,
             bias,
             v_bias,
             &mut stage.v_rows,
@@ -437,7 +431,7 @@ fn dq_block<F: Float>(
     query: &QueryRows<F>,
     acc: &mut Sequence<Array<AccPair>>,
     head: &CubeHead,
-    args: &BackwardArgs,
+    call: &Scalars,
     start: usize,
     #[comptime] count: usize,
     #[comptime] rows: usize,
@@ -488,11 +482,11 @@ fn dq_block<F: Float>(
                     let mut dp1 = g1[e];
                     if use_dropout {
                         let key = (start + (first + j) * 8 + t * 2 + e) as u32;
-                        let keep0 = dropout_keep(head.head_key, row0, key, args.dropout_threshold);
+                        let keep0 = dropout_keep(head.head_key, row0, key, call.dropout_threshold);
                         let keep1 =
-                            dropout_keep(head.head_key, row0 + 8, key, args.dropout_threshold);
-                        dp0 = select(keep0, dp0 * args.dropout_scale, 0.0f32);
-                        dp1 = select(keep1, dp1 * args.dropout_scale, 0.0f32);
+                            dropout_keep(head.head_key, row0 + 8, key, call.dropout_threshold);
+                        dp0 = select(keep0, dp0 * call.dropout_scale, 0.0f32);
+                        dp1 = select(keep1, dp1 * call.dropout_scale, 0.0f32);
                     }
                     w0[e] = select(ok[e] > 0.0, p0 * (dp0 - delta0), 0.0f32);
                     w1[e] = select(ok[e] > 0.0, p1 * (dp1 - delta1), 0.0f32);
@@ -604,17 +598,7 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
     let mut cube_valid = SharedMemory::<f32>::new(1usize);
     let block = CUBE_POS_Y as usize * planes + UNIT_POS_X as usize / 32;
     let keys = key_rows::<F>(
-        k,
-        v,
-        bias,
-        key_valid,
-        &head,
-        block,
-        tk,
-        call.k_offset,
-        call.v_offset,
-        head_dim,
-        with_bias,
+        k, v, bias, key_valid, &head, block, tk, call, head_dim, with_bias,
     );
     let q_rows = head_rows(q, 0u32, &head);
     let do_rows = head_rows(dout, 0u32, &head);
@@ -666,8 +650,7 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
                             &head,
                             c * 2,
                             start,
-                            call.dropout_threshold,
-                            call.dropout_scale,
+                            call,
                             block_queries,
                             head_dim,
                             use_dropout,
@@ -701,17 +684,16 @@ fn key_rows<F: Float>(
     head: &CubeHead,
     block: usize,
     tk: usize,
-    k_offset: u32,
-    v_offset: u32,
+    call: &Scalars,
     #[comptime] head_dim: usize,
     #[comptime] with_bias: bool,
 ) -> KeyRows<F> {
     let key0 = block * 16 + UNIT_POS_X as usize % 32 / 4;
     let k_ops = row_operands::<F>(
         k,
-        &head_rows(k, k_offset, head),
+        &head_rows(k, call.k_offset, head),
         bias,
-        k_offset as usize + head.h * head_dim,
+        call.k_offset as usize + head.h * head_dim,
         block,
         tk,
         1.0f32,
@@ -721,9 +703,9 @@ fn key_rows<F: Float>(
     );
     let v_ops = row_operands::<F>(
         v,
-        &head_rows(v, v_offset, head),
+        &head_rows(v, call.v_offset, head),
         bias,
-        v_offset as usize + head.h * head_dim,
+        call.v_offset as usize + head.h * head_dim,
         block,
         tk,
         1.0f32,
@@ -852,8 +834,7 @@ fn dkdv_chunk<F: Float>(
     head: &CubeHead,
     first: usize,
     start: usize,
-    dropout_threshold: u32,
-    dropout_scale: f32,
+    call: &Scalars,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] use_dropout: bool,
@@ -899,13 +880,13 @@ fn dkdv_chunk<F: Float>(
             if use_dropout {
                 let query = (start + (first + j) * 8 + t * 2 + e) as u32;
                 z0 = select(
-                    dropout_keep(head.head_key, query, key0, dropout_threshold),
-                    dropout_scale,
+                    dropout_keep(head.head_key, query, key0, call.dropout_threshold),
+                    call.dropout_scale,
                     0.0f32,
                 );
                 z1 = select(
-                    dropout_keep(head.head_key, query, key0 + 8, dropout_threshold),
-                    dropout_scale,
+                    dropout_keep(head.head_key, query, key0 + 8, call.dropout_threshold),
+                    call.dropout_scale,
                     0.0f32,
                 );
             }

@@ -95,19 +95,27 @@ pub trait RuntimeOps: Backend {
 /// CubeCL JIT-compiles every kernel of a training step the first time it
 /// runs; on CUDA that took ~6 minutes for the default model's step on an
 /// H100, every run. CubeCL can keep the compiled code, but only when its
-/// configuration asks for it; this asks, next to CubeCL's autotune results
-/// (`target/` of the enclosing Cargo workspace, else the user cache
-/// directory's `cubecl/`). A `cubecl.toml` that sets `[compilation] cache`
-/// wins. Call it once, before the first device is used; later calls, or
-/// calls after CubeCL read its configuration, change nothing.
+/// configuration asks for it; this asks, with the autotune results, in a
+/// folder of this build's own, [`KERNELS_BUILD`], below CubeCL's cache
+/// root (`target/` of the enclosing Cargo workspace, else the user cache
+/// directory's `cubecl/`): CubeCL finds a kernel on disk by its type name
+/// and compile-time arguments, not its code, so builds whose kernels differ
+/// must not share one. A `cubecl.toml` that sets `[compilation] cache`
+/// wins (and then the folder is the user's to keep apart). Call it once,
+/// before the first device is used; later calls, or calls after CubeCL read
+/// its configuration, change nothing.
 #[cfg(feature = "cubecl")]
 pub fn persist_compiled_kernels() {
+    use cubecl::config::cache::CacheConfig;
     use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
         if config.compilation.cache.is_none() {
-            config.compilation.cache = Some(config.autotune.cache.clone());
+            let folder = format!("aam-kernels-{KERNELS_BUILD}");
+            let build = CacheConfig::File(config.autotune.cache.root().join(folder));
+            config.compilation.cache = Some(build.clone());
+            config.autotune.cache = build;
         }
         // Once CubeCL has loaded its configuration it cannot change (`set`
         // would panic); the run then goes on without the cache.
@@ -117,6 +125,10 @@ pub fn persist_compiled_kernels() {
         }
     });
 }
+
+/// This build's kernels' name: a hash of the kernel crate's source and of
+/// the CubeCL, CubeK and Burn versions it was built with (`build.rs`).
+pub const KERNELS_BUILD: &str = env!("AAM_KERNELS_BUILD");
 
 /// Where CubeCL keeps compiled kernels and autotune results for this
 /// process (after [`persist_compiled_kernels`]): the root that holds
