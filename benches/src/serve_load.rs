@@ -5,14 +5,17 @@
 //!    compiled), then on the samples it embedded (those at least as deep as
 //!    the model's rarefaction depth; the service gets the same) and on their
 //!    first 64 (a quarter of a smaller table): samples/s of the first with process start and model load,
-//!    and without them (the difference of the two runs), the baseline.
+//!    and without them (the difference of the two runs), the baseline;
+//!    with `--rounds R` the pair R times, the median the baseline.
 //! 2. Service: `aam-rs serve` on a free local port; for each concurrency,
 //!    that many clients send `--samples-per-request` samples of the table
 //!    per `POST /embed` (round robin) until `--requests` have been answered:
 //!    requests/s, samples/s, p50/p99 latency, and the mean device batch of
 //!    that phase from `/metrics` (`aam_inference_duration_seconds`; at
 //!    concurrency 1, one request's forward pass and preparation), and the
-//!    largest difference of any answered embedding from the offline one.
+//!    largest difference of any answered embedding from the offline one;
+//!    with `--rounds R` all phases R times over, then each concurrency's
+//!    median against the median offline run.
 //! 3. Soak (`--soak-minutes M`, instead of 2's phases): requests at a
 //!    steady `--soak-rate` per second for M minutes, from `--soak-clients`
 //!    threads (at most that many in flight: a slower server sees them all
@@ -59,6 +62,12 @@ struct Args {
     /// Concurrent clients, one phase each.
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     concurrency: Vec<usize>,
+    /// Rounds: the offline pair of runs this many times, then the
+    /// concurrency phases this many times over; the baseline is the median
+    /// offline figure, and each concurrency's summary the median of its
+    /// rounds (one GPU run varies by 10-20% from the next).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Requests per phase (at least 4 per client).
     #[arg(long, default_value_t = 400)]
     requests: usize,
@@ -136,13 +145,26 @@ fn main() {
     let small = 64.min(n / 4);
     std::fs::write(&all, biom_json(&samples)).unwrap();
     std::fs::write(&few, biom_json(&samples[..small])).unwrap();
-    let (t_all, t_few) = (embed(&all), embed(&few));
-    let offline_process = n as f64 / t_all;
-    let offline = (n - small) as f64 / (t_all - t_few).max(1e-9);
-    println!(
-        "offline embed: warm-up {warm_up:.2} s; {n} samples in {t_all:.2} s = {offline_process:.1} samples/s \
-         with process start and model load; {small} samples in {t_few:.2} s; so {offline:.1} samples/s without them"
-    );
+    println!("offline embed: warm-up {warm_up:.2} s");
+    let mut offline_rounds = Vec::new();
+    let mut offline_process = 0.0;
+    for round in 1..=args.rounds.max(1) {
+        let (t_all, t_few) = (embed(&all), embed(&few));
+        offline_process = n as f64 / t_all;
+        let offline = (n - small) as f64 / (t_all - t_few).max(1e-9);
+        println!(
+            "offline embed, round {round}: {n} samples in {t_all:.2} s = {offline_process:.1} samples/s \
+             with process start and model load; {small} samples in {t_few:.2} s; so {offline:.1} samples/s without them"
+        );
+        offline_rounds.push(offline);
+    }
+    let offline = median(&offline_rounds);
+    if offline_rounds.len() > 1 {
+        println!(
+            "offline embed: median {offline:.1} samples/s of {} rounds",
+            offline_rounds.len()
+        );
+    }
 
     // 2. The service.
     let mut server = Command::new(&args.aam_rs)
@@ -209,7 +231,10 @@ fn main() {
         return;
     }
     let mut phases = Vec::new();
-    for &c in &args.concurrency {
+    let rounds: Vec<(usize, usize)> = (1..=args.rounds.max(1))
+        .flat_map(|r| args.concurrency.iter().map(move |&c| (r, c)))
+        .collect();
+    for (round, c) in rounds {
         let total = args.requests.max(4 * c);
         let before = inference(&addr);
         let next = Arc::new(AtomicUsize::new(0));
@@ -254,6 +279,9 @@ fn main() {
         let batch_ms = 1e3 * (after.0 - before.0) / (after.1 - before.1).max(1.0);
         let batch_samples =
             (total * args.samples_per_request) as f64 / (after.1 - before.1).max(1.0);
+        if args.rounds > 1 && c == args.concurrency[0] {
+            println!("-- round {round}");
+        }
         println!(
             "concurrency {c:3}: {:8.1} requests/s {samples_per_s:8.1} samples/s ({:.2}x offline), p50 {:7.2} ms, p99 {:7.2} ms; device batches {batch_samples:.1} samples, {batch_ms:.2} ms mean; largest difference from offline {largest:.1e}",
             total as f64 / seconds,
@@ -262,7 +290,7 @@ fn main() {
             1e3 * pct(0.99),
         );
         phases.push(json!({
-            "concurrency": c, "requests": total, "seconds": seconds,
+            "round": round, "concurrency": c, "requests": total, "seconds": seconds,
             "requests_per_s": total as f64 / seconds, "samples_per_s": samples_per_s,
             "ratio_to_offline": samples_per_s / offline,
             "p50_ms": 1e3 * pct(0.5), "p99_ms": 1e3 * pct(0.99),
@@ -275,12 +303,41 @@ fn main() {
         .status();
     let _ = server.wait();
     let _ = std::fs::remove_dir_all(&tmp);
+    // Each concurrency's median over the rounds, against the median offline run.
+    let mut summary = Vec::new();
+    if args.rounds > 1 {
+        for &c in &args.concurrency {
+            let rates: Vec<f64> = phases
+                .iter()
+                .filter(|p| p["concurrency"] == c)
+                .map(|p| p["samples_per_s"].as_f64().unwrap())
+                .collect();
+            let (mid, low, high) = (
+                median(&rates),
+                rates.iter().copied().fold(f64::INFINITY, f64::min),
+                rates.iter().copied().fold(0f64, f64::max),
+            );
+            println!(
+                "concurrency {c:3}, median of {} rounds: {mid:8.1} samples/s = {:.2}x the median offline run \
+                 (rounds {:.2}x-{:.2}x)",
+                rates.len(),
+                mid / offline,
+                low / offline,
+                high / offline
+            );
+            summary.push(json!({
+                "concurrency": c, "median_samples_per_s": mid, "median_ratio_to_offline": mid / offline,
+                "rounds_samples_per_s": rates,
+            }));
+        }
+    }
     if let Some(path) = &args.json {
         let out = json!({
             "table": args.table, "model": args.model, "backend": args.backend, "samples": n,
             "samples_per_request": args.samples_per_request,
-            "offline_samples_per_s": offline, "offline_with_start_samples_per_s": offline_process,
-            "phases": phases,
+            "offline_samples_per_s": offline, "offline_rounds_samples_per_s": offline_rounds,
+            "offline_with_start_samples_per_s": offline_process,
+            "phases": phases, "summary": summary,
         });
         std::fs::write(path, serde_json::to_string_pretty(&out).unwrap()).unwrap();
     }
@@ -390,6 +447,18 @@ fn soak(args: &Args, addr: &str, pid: u32, bodies: Arc<Vec<String>>) {
     }
     for c in clients {
         c.join().unwrap();
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 
