@@ -1,6 +1,8 @@
-//! The runtime arguments every attention kernel takes, as one launch struct:
-//! the launch sites build it once per chunk of heads ([`Scalars::launch`]),
-//! and the kernels read its fields where they used to take ten scalars.
+//! The arguments every attention kernel takes, as two launch structs: the
+//! runtime scalars ([`Scalars`]; the launch sites build it once per chunk of
+//! heads, [`HostScalars::launch`]) and the shared inputs ([`Operands`]: Q, K,
+//! V, the bias and the keys' validity). Each kernel lists only what is its
+//! own besides them (its outputs, saved statistics, tile validity).
 
 use cubecl::prelude::*;
 
@@ -92,4 +94,22 @@ impl HostScalars {
             self.seed,
         )
     }
+}
+
+/// The operands every attention kernel reads, as one launch argument: Q, K
+/// and V (`Q`, `K`: the elements a kernel reads them by), the packed
+/// projection's bias (`B`; any tensor where the call has none) and each
+/// key's validity (1 or 0, `[N, Tk]`). `launch.rs` builds it once a call.
+#[derive(CubeLaunch, CubeType)]
+pub struct Operands<Q: CubePrimitive, K: CubePrimitive, B: CubePrimitive> {
+    /// The queries.
+    pub q: Tensor<Q>,
+    /// The keys.
+    pub k: Tensor<K>,
+    /// The values.
+    pub v: Tensor<K>,
+    /// The bias added to Q, K and V as they are loaded.
+    pub bias: Tensor<B>,
+    /// Each key's validity.
+    pub key_valid: Tensor<f32>,
 }

@@ -62,7 +62,7 @@
 use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 
-use super::args::Scalars;
+use super::args::{Operands, Scalars};
 use super::mma_io::{
     half_stride, head_rows, read_quad, row_operands, stage_rows, store_pair, AccPair, Half4,
     HeadRows, Pair, RowOperands, ValidPair,
@@ -605,11 +605,7 @@ impl<F: Float, N: Size> MmaOperands<F, N> for HalfMma {
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_mma<F: Float, N: Size>(
-    q: &Tensor<F>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
+    ops: &Operands<F, Vector<F, N>, F>,
     out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
     call: &Scalars,
@@ -622,6 +618,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
     #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     mma_forward::<F, N, SplitTf32>(
         q,
         k,
@@ -650,11 +647,7 @@ pub fn attention_forward_mma<F: Float, N: Size>(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_mma_half<F: Float, N: Size>(
-    q: &Tensor<Pair<F>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
+    ops: &Operands<Pair<F>, Vector<F, N>, F>,
     out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
     call: &Scalars,
@@ -667,6 +660,7 @@ pub fn attention_forward_mma_half<F: Float, N: Size>(
     #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     mma_forward::<F, N, HalfMma>(
         q,
         k,

@@ -50,7 +50,7 @@
 
 use cubecl::prelude::*;
 
-use super::args::Scalars;
+use super::args::{Operands, Scalars};
 use super::mma::{add_products_half, block_rows, load_validity, scores_half};
 use super::mma_io::{
     half_stride, head_rows, row_operands, stage_rows, store_pair, AccPair, Half4, HeadRows, Pair,
@@ -116,14 +116,10 @@ struct QueryRows<F: Float> {
 #[cube(launch_unchecked, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
-    q: &Tensor<Pair<F>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
+    ops: &Operands<Pair<F>, Vector<F, N>, F>,
     out: &Tensor<Pair<F>>,
     dout: &Tensor<Pair<F>>,
     lse: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     dq: &mut Tensor<Pair<F>>,
     delta: &mut Tensor<f32>,
     call: &Scalars,
@@ -135,6 +131,7 @@ pub fn attention_backward_dq_mma_half<F: Float, N: Size>(
     #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let tq = q.shape(2);
     let head = cube_head(call.heads, call.bh_offset, call.seed);
     let rows = comptime!(block_rows(keys, block_keys, true));
@@ -561,14 +558,10 @@ struct KeyRows<F: Float> {
 #[cube(launch_unchecked, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Pair<F>>,
-    v: &Tensor<Pair<F>>,
-    bias: &Tensor<F>,
+    ops: &Operands<Vector<F, N>, Pair<F>, F>,
     dout: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     dkv: &mut Tensor<Pair<F>>,
     call: &Scalars,
     #[comptime] head_dim: usize,
@@ -579,6 +572,7 @@ pub fn attention_backward_dkdv_mma_half<F: Float, N: Size>(
     #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let tq = q.shape(2);
     let tk = k.shape(2);
     let head = cube_head(call.heads, call.bh_offset, call.seed);

@@ -36,8 +36,9 @@
 //!   where there is no `mma.sync` (HIP, CUDA before Ampere).
 //!
 //! Every kernel takes the call's runtime scalars (score scale, heads,
-//! operand offsets, dropout) as one launch struct, `args::Scalars`, which
-//! `launch.rs` builds once per call.
+//! operand offsets, dropout) as one launch struct, `args::Scalars`, and its
+//! shared inputs (Q, K, V, bias, the keys' validity) as another,
+//! `args::Operands`, which `launch.rs` builds once per call.
 //!
 //! Every kernel skips key tiles that are all padding, gives a row whose keys
 //! are all masked a zero output, and draws attention dropout from the same

@@ -41,7 +41,7 @@
 
 use cubecl::prelude::*;
 
-use super::args::Scalars;
+use super::args::{Operands, Scalars};
 use crate::cube::{bias_at, dropout_head_key, dropout_keep, head_start, row_start, Quad, FAST_EXP};
 
 /// Merges the online-softmax states `(m, l, acc)` of the lanes of a group
@@ -209,11 +209,7 @@ fn query_unit<F: Float>(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
+    ops: &Operands<F, F, F>,
     tile_valid: &Tensor<f32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
@@ -228,6 +224,7 @@ pub fn attention_forward<F: Float>(
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let u = query_unit::<F>(q, k, v, call, head_dim, tile_keys, lanes, parts);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
@@ -538,14 +535,10 @@ fn sum_parts(x: f32, #[comptime] parts: usize) -> f32 {
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dq<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
+    ops: &Operands<F, F, F>,
     out: &Tensor<F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     dq: &mut Tensor<F>,
     delta: &mut Tensor<f32>,
@@ -560,6 +553,7 @@ pub fn attention_backward_dq<F: Float>(
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let u = query_unit::<F>(q, k, v, call, head_dim, tile_keys, lanes, parts);
     let keys_per_lane = comptime!(tile_keys / lanes);
     let quads = comptime!(head_dim.div_ceil(4) / parts);
@@ -926,14 +920,10 @@ fn write_key_gradients<F: Float>(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
+    ops: &Operands<F, F, F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     tile_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
     call: &Scalars,
@@ -947,6 +937,7 @@ pub fn attention_backward_dkdv<F: Float>(
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + call.bh_offset) as usize;
@@ -1128,14 +1119,10 @@ pub fn attention_backward_dkdv<F: Float>(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_merged<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
+    ops: &Operands<F, F, F>,
     dout: &Tensor<F>,
     out: &Tensor<F>,
     lse: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
     dq: &mut Tensor<F>,
     call: &Scalars,
@@ -1151,6 +1138,7 @@ pub fn attention_backward_merged<F: Float>(
     #[comptime] unroll: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + call.bh_offset) as usize;

@@ -53,7 +53,7 @@
 use cubecl::cmma::{self, MatrixIdent, MatrixLayout};
 use cubecl::prelude::*;
 
-use super::args::Scalars;
+use super::args::{Operands, Scalars};
 use crate::cube::{dropout_head_key, dropout_keep, FAST_EXP};
 
 /// Side of a tensor-core tile: 16 rows, 16 keys, 16 head dims.
@@ -101,10 +101,7 @@ pub fn shared_bytes(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward_tc<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    key_valid: &Tensor<f32>,
+    ops: &Operands<F, F, F>,
     block_valid: &Tensor<f32>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
@@ -116,6 +113,7 @@ pub fn attention_forward_tc<F: Float>(
     #[comptime] use_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.key_valid);
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + call.bh_offset) as usize;
@@ -603,13 +601,10 @@ fn load_plane_rows<F: Float>(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dq_tc<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+    ops: &Operands<F, F, F>,
     out: &Tensor<F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     block_valid: &Tensor<f32>,
     dq: &mut Tensor<F>,
     delta: &mut Tensor<f32>,
@@ -621,6 +616,7 @@ pub fn attention_backward_dq_tc<F: Float>(
     #[comptime] use_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.key_valid);
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + call.bh_offset) as usize;
@@ -809,13 +805,10 @@ pub fn attention_backward_dq_tc<F: Float>(
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_dkdv_tc<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
+    ops: &Operands<F, F, F>,
     dout: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     block_valid: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
@@ -827,6 +820,7 @@ pub fn attention_backward_dkdv_tc<F: Float>(
     #[comptime] use_dropout: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.key_valid);
     let tq = q.shape(2);
     let tk = k.shape(2);
     let bh = (CUBE_POS_X + call.bh_offset) as usize;

@@ -49,7 +49,7 @@
 
 use cubecl::prelude::*;
 
-use super::args::Scalars;
+use super::args::{Operands, Scalars};
 use super::mma_io::{head_rows, read_quad, HeadRows};
 use crate::cube::{bias_at, cube_head, dropout_keep, row_start, CubeHead, Quad, FAST_EXP};
 
@@ -89,14 +89,10 @@ pub fn tiled_shared_bytes(keys: usize, head_dim: usize, tile: usize) -> usize {
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_tiled<F: Float, N: Size>(
-    q: &Tensor<Vector<F, N>>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
+    ops: &Operands<Vector<F, N>, Vector<F, N>, F>,
     dout: &Tensor<Vector<F, N>>,
     out: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
-    key_valid: &Tensor<f32>,
     dkv: &mut Tensor<F>,
     dq: &mut Tensor<F>,
     call: &Scalars,
@@ -108,6 +104,7 @@ pub fn attention_backward_tiled<F: Float, N: Size>(
     #[comptime] with_bias: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
     let tq = q.shape(2);
     let head = cube_head(call.heads, call.bh_offset, call.seed);
     let unit = UNIT_POS_X as usize;
