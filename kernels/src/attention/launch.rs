@@ -16,7 +16,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 use cubecl::{CubeCount, CubeDim};
 
 use super::args::{HostScalars, OperandsLaunch};
-use super::mma::{attention_forward_mma, attention_forward_mma_half};
+use super::mma::{attention_forward_mma, HalfMma, SplitTf32};
 use super::mma_backward::{attention_backward_dkdv_mma_half, attention_backward_dq_mma_half};
 use super::plan::{AttentionPlan, AttentionShape, Backward, DeviceInfo, Forward, TensorCorePlan};
 use super::rows::{
@@ -149,6 +149,39 @@ where
     (dq, dk, dv)
 }
 
+/// A packed self-attention call: the projection `qkv` (`[N, T, 3·D]`,
+/// contiguous), its `[N, H, T, 3·Dh]` heads view, `D`, `Dh` and the plan.
+struct Packed<R: CubeRuntime> {
+    qkv: CubeTensor<R>,
+    qkv_heads: CubeTensor<R>,
+    d: usize,
+    dh: usize,
+    plan: AttentionPlan,
+}
+
+impl<R: CubeRuntime> Packed<R> {
+    fn new(qkv: CubeTensor<R>, heads: usize, kernels: KernelChoice) -> Self {
+        let qkv = into_contiguous(qkv);
+        let [n, t, d3] = dims3(&qkv);
+        let (d, dh) = (d3 / 3, d3 / 3 / heads);
+        let qkv_heads = heads_view(&qkv, heads, dh);
+        let views = [(&qkv_heads, 0), (&qkv_heads, d), (&qkv_heads, 2 * d)];
+        let plan = plan(
+            &qkv,
+            [n * heads, t, t, dh],
+            row_vector_width(&views) >= 2,
+            kernels,
+        );
+        Self {
+            qkv,
+            qkv_heads,
+            d,
+            dh,
+            plan,
+        }
+    }
+}
+
 /// [`crate::AttentionOps::packed_attention_forward`]: `(out, lse)`.
 pub(crate) fn packed_forward<R, F, I, BT>(
     qkv: CubeTensor<R>,
@@ -165,17 +198,13 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    let qkv = into_contiguous(qkv);
-    let [n, t, d3] = dims3(&qkv);
-    let (d, dh) = (d3 / 3, d3 / 3 / heads);
-    let qkv_heads = heads_view(&qkv, heads, dh);
-    let views = [(&qkv_heads, 0), (&qkv_heads, d), (&qkv_heads, 2 * d)];
-    let plan = plan(
-        &qkv,
-        [n * heads, t, t, dh],
-        row_vector_width(&views) >= 2,
-        kernels,
-    );
+    let Packed {
+        qkv,
+        qkv_heads,
+        d,
+        dh,
+        plan,
+    } = Packed::new(qkv, heads, kernels);
     if let Forward::TensorCore(_) = plan.forward {
         return packed::packed_forward_ops::<Cube<R, F, I, BT>>(
             qkv,
@@ -187,8 +216,9 @@ where
             kernels,
         );
     }
+    let [n, t, _] = dims3(&qkv);
     let out = empty(&qkv, Shape::new([n, t, d]), qkv.dtype);
-    let bias = bias.map(|b| packed_bias(b, d3, qkv.dtype));
+    let bias = bias.map(|b| packed_bias(b, 3 * d, qkv.dtype));
     let lse = forward_views::<R, F, I, BT>(
         plan.forward,
         [&qkv_heads, &qkv_heads, &qkv_heads],
@@ -220,17 +250,13 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    let qkv = into_contiguous(qkv);
-    let [n, t, d3] = dims3(&qkv);
-    let (d, dh) = (d3 / 3, d3 / 3 / heads);
-    let qkv_heads = heads_view(&qkv, heads, dh);
-    let views = [(&qkv_heads, 0), (&qkv_heads, d), (&qkv_heads, 2 * d)];
-    let plan = plan(
-        &qkv,
-        [n * heads, t, t, dh],
-        row_vector_width(&views) >= 2,
-        kernels,
-    );
+    let Packed {
+        qkv,
+        qkv_heads,
+        d,
+        dh,
+        plan,
+    } = Packed::new(qkv, heads, kernels);
     if let Backward::TensorCore { .. } = plan.backward {
         return packed::packed_backward_ops::<Cube<R, F, I, BT>>(
             qkv,
@@ -248,7 +274,7 @@ where
     let [out, dout] = [out, dout].map(into_contiguous);
     let dqkv = empty(&qkv, qkv.meta.shape().clone(), qkv.dtype);
     let dqkv_heads = heads_view(&dqkv, heads, dh);
-    let bias = bias.map(|b| packed_bias(b, d3, qkv.dtype));
+    let bias = bias.map(|b| packed_bias(b, 3 * d, qkv.dtype));
     backward_views::<R, F, I, BT>(
         plan.backward,
         [&qkv_heads, &qkv_heads, &qkv_heads],
@@ -304,11 +330,11 @@ where
     // 8), the split-TF32 one by vectors of up to four.
     let width = row_vector_width(&[(q, 0), (k, kv_offsets[0]), (v, kv_offsets[1]), (out, 0)]);
     if let Forward::Mma(mma) = plan {
-        // One argument list for both kernels, each with its staging
-        // vectors' width after the cube dim.
+        // The one kernel for both operand families (`M`), each with its
+        // staging vectors' width after the cube dim.
         macro_rules! launch_mma {
-            ($kernel:ident, $offset:expr, $count:expr, $width:expr) => {
-                $kernel::launch::<R>(
+            ($family:ty, $offset:expr, $count:expr, $width:expr) => {
+                attention_forward_mma::launch::<$family, R>(
                     &client,
                     CubeCount::Static($count, mma.groups as u32, 1),
                     CubeDim::new_1d(mma.units as u32),
@@ -330,9 +356,9 @@ where
         }
         for (offset, count) in bh_chunks(n * h) {
             if mma.half {
-                launch_mma!(attention_forward_mma_half, offset, count, width);
+                launch_mma!(HalfMma, offset, count, width);
             } else {
-                launch_mma!(attention_forward_mma, offset, count, width.min(4));
+                launch_mma!(SplitTf32, offset, count, width.min(4));
             }
         }
         return lse;

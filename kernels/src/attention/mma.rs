@@ -1,7 +1,8 @@
 //! The attention forward on tensor cores with the products' operands and
 //! results in registers (`mma.sync`, whose register layout PTX defines): f32
-//! as split TF32 ("3xTF32", [`attention_forward_mma`]) and f16/bf16 as they
-//! are ([`attention_forward_mma_half`]). CUDA only. No Burn imports here.
+//! as split TF32 ("3xTF32") and f16/bf16 as they are, one kernel
+//! ([`attention_forward_mma`]) over the two operand families ([`SplitTf32`],
+//! [`HalfMma`]: [`MmaOperands`]). CUDA only. No Burn imports here.
 //!
 //! Why: the CUDA-core forwards (`rows.rs`, `tiled.rs`) are bound by issue
 //! slots at 64 multiply-adds a (query, key) pair (1.50 ms at the ASV shape on
@@ -110,9 +111,8 @@ pub const fn block_rows(keys: usize, block_keys: usize, half: bool) -> usize {
     }
 }
 
-/// Shared memory (bytes) of [`attention_forward_mma`] (`half`: of
-/// [`attention_forward_mma_half`]) holding `rows` key rows (see
-/// [`block_rows`]).
+/// Shared memory (bytes) of [`attention_forward_mma`] (`half`: with
+/// [`HalfMma`]) holding `rows` key rows (see [`block_rows`]).
 pub fn mma_shared_bytes(rows: usize, head_dim: usize, half: bool) -> usize {
     let operands = if half {
         (rows * half_stride(head_dim / 4) + head_dim * half_stride(rows / 4)) * 8
@@ -124,7 +124,7 @@ pub fn mma_shared_bytes(rows: usize, head_dim: usize, half: bool) -> usize {
 
 /// A plane's `Q` operand for one `k = 8` step: hi and lo.
 #[derive(CubeType)]
-struct QOperand {
+pub(crate) struct QOperand {
     hi: Array<Tf32One>,
     lo: Array<Tf32One>,
 }
@@ -137,7 +137,7 @@ type RowState = Array<f32>;
 /// type: the output accumulators (`o[dn]`: dims `8·dn..`, rows `g`, `g+8`),
 /// the softmax state, and the unit's rows.
 #[derive(CubeType)]
-struct PlaneRows {
+pub(crate) struct PlaneRows {
     o: Sequence<Array<AccPair>>,
     state: RowState,
     row0: usize,
@@ -148,7 +148,7 @@ struct PlaneRows {
 /// [`MmaOperands::stage_keys`]), their validity by pair and each chunk's
 /// count of valid keys.
 #[derive(CubeType)]
-struct KeyStage<E: CubePrimitive> {
+pub(crate) struct KeyStage<E: CubePrimitive> {
     kt: SharedMemory<E>,
     vt: SharedMemory<E>,
     valid: SharedMemory<ValidPair>,
@@ -173,7 +173,7 @@ fn key_stage<E: CubePrimitive>(
 
 /// The rows of Q, K, V and the output of the cube's head.
 #[derive(CubeType)]
-struct ForwardViews {
+pub(crate) struct ForwardViews {
     q: HeadRows,
     k: HeadRows,
     v: HeadRows,
@@ -182,10 +182,12 @@ struct ForwardViews {
 
 /// What the split-TF32 (f32) and the f16/bf16 forwards differ in: the
 /// element K and V are staged in, Q's element and operands, and one chunk's
-/// products. [`mma_forward`], the rest (key blocks, query blocks, the
-/// online softmax, the output), is the same for both.
+/// products. [`attention_forward_mma`], the rest (key blocks, query blocks,
+/// the online softmax, the output), is the same for both.
 #[cube]
-trait MmaOperands<F: Float, N: Size>: 'static + Send + Sync {
+pub(crate) trait MmaOperands<F: Float, N: Size>: 'static + Send + Sync {
+    /// Whether these are f16/bf16's operands (keys in steps of 16).
+    const HALF: bool;
     /// The element of the staged keys and values.
     type Staged: CubePrimitive;
     /// Q's element in its buffer.
@@ -251,10 +253,11 @@ trait MmaOperands<F: Float, N: Size>: 'static + Send + Sync {
 /// f32 as split TF32 (`m16n8k8`): K by key (quad `key·stride + 4·s + t`
 /// holds dims `d = 8s + t` and `d + 4`, the two of a `B` operand, his then
 /// los), V by dim (quad `d·stride + p` holds keys `2p`, `2p + 1`).
-struct SplitTf32;
+pub(crate) struct SplitTf32;
 
 #[cube]
 impl<F: Float, N: Size> MmaOperands<F, N> for SplitTf32 {
+    const HALF: bool = false;
     type Staged = SplitQuad;
     type Query = F;
     type QueryOps = Sequence<QOperand>;
@@ -441,10 +444,11 @@ fn split_pair(a: f32, b: f32) -> SplitQuad {
 /// ([`stage_rows`]): K by key (unit `key·stride + 4·s + t` holds dims
 /// `16s + 2t`, `+1`, `+8`, `+9`, a `B` operand's four), V by dim (unit
 /// `d·stride + 4·p + t` holds keys `16p + 2t`, `+1`, `+8`, `+9`).
-struct HalfMma;
+pub(crate) struct HalfMma;
 
 #[cube]
 impl<F: Float, N: Size> MmaOperands<F, N> for HalfMma {
+    const HALF: bool = true;
     type Staged = Half4<F>;
     type Query = Pair<F>;
     type QueryOps = RowOperands<F>;
@@ -590,7 +594,9 @@ impl<F: Float, N: Size> MmaOperands<F, N> for HalfMma {
 }
 
 /// Forward of one (n, h) a cube: `out = softmax(q·kᵀ·scale, masked)·v` and
-/// the row log-sum-exp, on tensor cores as split TF32 (see the module doc).
+/// the row log-sum-exp, on tensor cores: f32 as split TF32 (`M` = [`SplitTf32`]), f16/bf16 as
+/// they are (`M` = [`HalfMma`], `m16n8k16`; `chunk_tiles` even; see the
+/// module doc).
 /// `keys` is `k.shape(2)` rounded up (keys past it count as masked, so that
 /// calls of nearby lengths share a compiled kernel), `head_dim` 16, 32 or
 /// 64; `units` is 32 a plane;
@@ -604,8 +610,8 @@ impl<F: Float, N: Size> MmaOperands<F, N> for HalfMma {
 /// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
 #[cube(launch, fast_math = FAST_EXP)]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma<F: Float, N: Size>(
-    ops: &Operands<F, Vector<F, N>, F>,
+pub fn attention_forward_mma<F: Float, N: Size, M: MmaOperands<F, N>>(
+    ops: &Operands<M::Query, Vector<F, N>, F>,
     out: &mut Tensor<Pair<F>>,
     lse: &mut Tensor<f32>,
     call: &Scalars,
@@ -619,92 +625,9 @@ pub fn attention_forward_mma<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
-    mma_forward::<F, N, SplitTf32>(
-        q,
-        k,
-        v,
-        bias,
-        key_valid,
-        out,
-        lse,
-        call,
-        head_dim,
-        keys,
-        block_keys,
-        units,
-        chunk_tiles,
-        use_dropout,
-        with_bias,
-        false,
-    );
-}
-
-/// [`attention_forward_mma`] for f16/bf16: `m16n8k16` products of the
-/// storage type into f32, no split (see the module doc). `chunk_tiles` must
-/// be even.
-///
-/// Launch: cube x: n·H + h − bh_offset, y: query group; `units` units.
-#[cube(launch, fast_math = FAST_EXP)]
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma_half<F: Float, N: Size>(
-    ops: &Operands<Pair<F>, Vector<F, N>, F>,
-    out: &mut Tensor<Pair<F>>,
-    lse: &mut Tensor<f32>,
-    call: &Scalars,
-    #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
-    #[comptime] block_keys: usize,
-    #[comptime] units: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] use_dropout: bool,
-    #[comptime] with_bias: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let (q, k, v, bias, key_valid) = (&ops.q, &ops.k, &ops.v, &ops.bias, &ops.key_valid);
-    mma_forward::<F, N, HalfMma>(
-        q,
-        k,
-        v,
-        bias,
-        key_valid,
-        out,
-        lse,
-        call,
-        head_dim,
-        keys,
-        block_keys,
-        units,
-        chunk_tiles,
-        use_dropout,
-        with_bias,
-        true,
-    );
-}
-
-/// Both forwards (`M` the operand family, `half` whether it is f16/bf16's).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn mma_forward<F: Float, N: Size, M: MmaOperands<F, N>>(
-    q: &Tensor<M::Query>,
-    k: &Tensor<Vector<F, N>>,
-    v: &Tensor<Vector<F, N>>,
-    bias: &Tensor<F>,
-    key_valid: &Tensor<f32>,
-    out: &mut Tensor<Pair<F>>,
-    lse: &mut Tensor<f32>,
-    call: &Scalars,
-    #[comptime] head_dim: usize,
-    #[comptime] keys: usize,
-    #[comptime] block_keys: usize,
-    #[comptime] units: usize,
-    #[comptime] chunk_tiles: usize,
-    #[comptime] use_dropout: bool,
-    #[comptime] with_bias: bool,
-    #[comptime] half: bool,
-) {
     let tq = q.shape(2);
     let head = cube_head(call.heads, call.bh_offset, call.seed);
-    let rows = comptime!(block_rows(keys, block_keys, half));
+    let rows = comptime!(block_rows(keys, block_keys, M::HALF));
     let mut stage = M::new_stage(rows, head_dim);
     let views = ForwardViews {
         q: head_rows(q, 0u32, &head),
@@ -749,7 +672,6 @@ fn mma_forward<F: Float, N: Size, M: MmaOperands<F, N>>(
                 head_dim,
                 chunk_tiles,
                 use_dropout,
-                half,
             );
             write_rows::<F>(out, &views.out, lse, &plane, &head, tq, head_dim);
             block += planes;
@@ -791,7 +713,6 @@ fn mma_forward<F: Float, N: Size, M: MmaOperands<F, N>>(
                     head_dim,
                     chunk_tiles,
                     use_dropout,
-                    half,
                 );
             }
         }
@@ -860,11 +781,10 @@ fn attend_block<F: Float, N: Size, M: MmaOperands<F, N>>(
     #[comptime] head_dim: usize,
     #[comptime] chunk_tiles: usize,
     #[comptime] use_dropout: bool,
-    #[comptime] half: bool,
 ) {
     let full_chunks = comptime!(count / (chunk_tiles * 8));
     let last_tiles =
-        comptime!(mma_key_rows(count, half) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
+        comptime!(mma_key_rows(count, M::HALF) / 8 - count / (chunk_tiles * 8) * chunk_tiles);
     for c in 0..full_chunks {
         if stage.chunk_valid[c] > 0.0 {
             M::attend_chunk(

@@ -30,8 +30,8 @@
 //!   cube, as register-tiled products (units own 4 × 4 blocks).
 //! - `mma` (`mma.rs`, `mma_backward.rs`, `mma_io.rs`): CUDA's `mma.sync`
 //!   with operands and scores in registers; f32 as split TF32 (f32
-//!   accuracy), f16/bf16 as they are: one forward driver over a `#[cube]`
-//!   trait of what the two differ in (`MmaOperands`).
+//!   accuracy), f16/bf16 as they are: one forward kernel generic over a
+//!   `#[cube]` trait of what the two differ in (`MmaOperands`).
 //! - `cmma` (`tensor_core.rs`): CubeCL's portable 16×16×16 tiles, f16/bf16,
 //!   where there is no `mma.sync` (HIP, CUDA before Ampere).
 //!

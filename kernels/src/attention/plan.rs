@@ -642,8 +642,8 @@ fn mma_fits(device: &DeviceInfo, shape: &AttentionShape) -> bool {
         && shape.keys > 0
 }
 
-/// The `mma.sync` forward (`attention_forward_mma`, f32, or
-/// `attention_forward_mma_half`, f16/bf16).
+/// The `mma.sync` forward (`attention_forward_mma`, over split-TF32
+/// operands for f32 or f16/bf16's own).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MmaForward {
     /// Units in a cube: 32 a plane, each plane 16 queries at a time.
