@@ -14,7 +14,8 @@
 # Run from the repository root with carry [".carry/gpu"]. Env: PARITY (1: run the parity
 # tests), PARITY_TIMEOUT (s per run, default 280: NVRTC compiles a kernel per shape, dtype and
 # dropout setting), PARITY_THREADS (tests at once, default 8: their kernels compile in
-# parallel), PARITY_PARALLEL (1: the three suites at once), PARITY_FILTER (filter of the
+# parallel), PARITY_PARALLEL (1: the three suites at once; on an H200 PARITY_THREADS=6 with
+# PARITY_TIMEOUT=300 finished them in 150-180 s), PARITY_FILTER (filter of the
 # parity run, default fused_parity::), OPS_FILTER
 # (default ops::packed_attention::), WGPU_PARITY (1: also run fused_parity:: of the test
 # binary built with --features wgpu,ndarray, carried as .carry/gpu/kernels_wgpu.xz, on the
@@ -55,8 +56,9 @@ if [ "${PARITY:-1}" = 1 ]; then
     'cuda_test ops "cuda: ${OPS_FILTER:-ops::packed_attention::}" "BF16 .*t=151" "${OPS_FILTER:-ops::packed_attention::}"'
   )
   if [ "${PARITY_PARALLEL:-0}" = 1 ]; then
-    for i in 0 1 2; do (eval "${suites[$i]}"; exit $status) > "/tmp/gpu/suite_$i.txt" 2>&1 & done
-    for i in 0 1 2; do wait -n || status=1; done
+    pids=()
+    for i in 0 1 2; do (eval "${suites[$i]}"; exit $status) > "/tmp/gpu/suite_$i.txt" 2>&1 & pids+=($!); done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     cat /tmp/gpu/suite_{0,1,2}.txt
   else
     for suite in "${suites[@]}"; do eval "$suite"; done

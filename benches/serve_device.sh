@@ -15,7 +15,8 @@
 #      default .carry/serve/aam-rs.xz; several, space-separated, for an A/B in one call),
 #      COLD_EACH (1: each build starts from an empty kernel cache, as on a fresh node; none is kept),
 #      SERVE_ARGS (more `aam-rs serve` flags, e.g. "--max-batch-asvs=8192"),
-#      ROUNDS (default 1: the offline runs and the phases this many times; medians compared).
+#      ROUNDS (the offline runs and the phases this many times, medians compared; needs a
+#      serve-bench with --rounds).
 # Writes to $OUT: serve-<k>.txt and serve-<k>.json for the k-th of BINS, cache.txz.*.
 set -uo pipefail
 source benches/kernel_cache.sh
@@ -34,7 +35,7 @@ for bin in ${BINS:-.carry/serve/aam-rs.xz}; do
   [ "${COLD_EACH:-0}" = 1 ] && rm -rf target/aam-kernels-* target/autotune target/cuda target/hip
   /tmp/bin/serve-bench --aam-rs "/tmp/bin/aam-rs-$k" --model /tmp/serve/model.safetensors \
     --table /tmp/serve/oral_2550.biom --backend "${BACKEND:-cuda}" --batch-size 64 \
-    --concurrency 1,16,64 --requests "${REQUESTS:-1280}" --rounds "${ROUNDS:-1}" --json "$OUT/serve-$k.json" \
+    --concurrency 1,16,64 --requests "${REQUESTS:-1280}" ${ROUNDS:+--rounds "$ROUNDS"} --json "$OUT/serve-$k.json" \
     $(for a in ${SERVE_ARGS:-}; do printf -- '--serve-arg=%s ' "$a"; done) 2>&1 | tee "$OUT/serve-$k.txt"
 done
 [ "${COLD_EACH:-0}" = 1 ] || save_kernel_cache

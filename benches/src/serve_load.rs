@@ -63,9 +63,10 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     concurrency: Vec<usize>,
     /// Rounds: the offline pair of runs this many times, then the
-    /// concurrency phases this many times over; the baseline is the median
-    /// offline figure, and each concurrency's summary the median of its
-    /// rounds (one GPU run varies by 10-20% from the next).
+    /// concurrency phases this many times over (all offline rounds come
+    /// first: the service holds the device while it runs); the baseline is
+    /// the median offline figure, and each concurrency's summary the median
+    /// of its rounds (one GPU run varies by 10-20% from the next).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
     /// Requests per phase (at least 4 per client).
@@ -146,11 +147,11 @@ fn main() {
     std::fs::write(&all, biom_json(&samples)).unwrap();
     std::fs::write(&few, biom_json(&samples[..small])).unwrap();
     println!("offline embed: warm-up {warm_up:.2} s");
-    let mut offline_rounds = Vec::new();
-    let mut offline_process = 0.0;
+    let (mut offline_rounds, mut with_start_rounds) = (Vec::new(), Vec::new());
     for round in 1..=args.rounds.max(1) {
         let (t_all, t_few) = (embed(&all), embed(&few));
-        offline_process = n as f64 / t_all;
+        let offline_process = n as f64 / t_all;
+        with_start_rounds.push(offline_process);
         let offline = (n - small) as f64 / (t_all - t_few).max(1e-9);
         println!(
             "offline embed, round {round}: {n} samples in {t_all:.2} s = {offline_process:.1} samples/s \
@@ -159,6 +160,7 @@ fn main() {
         offline_rounds.push(offline);
     }
     let offline = median(&offline_rounds);
+    let offline_process = median(&with_start_rounds);
     if offline_rounds.len() > 1 {
         println!(
             "offline embed: median {offline:.1} samples/s of {} rounds",
@@ -231,8 +233,10 @@ fn main() {
         return;
     }
     let mut phases = Vec::new();
+    let mut concurrency = args.concurrency.clone();
+    concurrency.dedup();
     let rounds: Vec<(usize, usize)> = (1..=args.rounds.max(1))
-        .flat_map(|r| args.concurrency.iter().map(move |&c| (r, c)))
+        .flat_map(|r| concurrency.iter().map(move |&c| (r, c)))
         .collect();
     for (round, c) in rounds {
         let total = args.requests.max(4 * c);
@@ -279,7 +283,7 @@ fn main() {
         let batch_ms = 1e3 * (after.0 - before.0) / (after.1 - before.1).max(1.0);
         let batch_samples =
             (total * args.samples_per_request) as f64 / (after.1 - before.1).max(1.0);
-        if args.rounds > 1 && c == args.concurrency[0] {
+        if args.rounds > 1 && c == concurrency[0] {
             println!("-- round {round}");
         }
         println!(
@@ -306,7 +310,7 @@ fn main() {
     // Each concurrency's median over the rounds, against the median offline run.
     let mut summary = Vec::new();
     if args.rounds > 1 {
-        for &c in &args.concurrency {
+        for &c in &concurrency {
             let rates: Vec<f64> = phases
                 .iter()
                 .filter(|p| p["concurrency"] == c)

@@ -132,7 +132,7 @@ impl BackendKind {
     /// A line for the log before the first step on a backend that compiles
     /// its kernels at run time (CUDA, ROCm): where the compiled kernels are
     /// kept, and whether this run has to compile them (the first run on a
-    /// machine, or after a CubeCL upgrade). `None` on the other backends.
+    /// machine, or of a build with other kernels). `None` on the other backends.
     pub fn kernel_cache_note(self) -> Option<String> {
         let (root, empty) = self.kernel_cache()?;
         Some(if empty {

@@ -98,12 +98,15 @@ fn each_build_keeps_its_compiled_gpu_kernels_in_a_folder_of_its_own() {
     // A folder with a Cargo.toml: CubeCL's cache root is its `target/`.
     let dir = std::env::temp_dir().join(format!("aam-kernel-cache-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    // CubeCL starts from the working directory as the OS resolves it.
+    let dir = dir.canonicalize().unwrap();
     std::fs::write(dir.join("Cargo.toml"), "").unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_aam-rs"))
         .arg("backends")
         .current_dir(&dir)
         .output()
         .expect("runs");
+    std::fs::remove_dir_all(&dir).unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let roots: Vec<&str> = stdout
         .lines()
@@ -127,7 +130,6 @@ fn each_build_keeps_its_compiled_gpu_kernels_in_a_folder_of_its_own() {
             "{name}"
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

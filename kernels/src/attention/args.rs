@@ -99,7 +99,8 @@ impl HostScalars {
 /// The operands every attention kernel reads, as one launch argument: Q, K
 /// and V (`Q`, `K`: the elements a kernel reads them by), the packed
 /// projection's bias (`B`; any tensor where the call has none) and each
-/// key's validity (1 or 0, `[N, Tk]`). `launch.rs` builds it once a call.
+/// key's validity (1 or 0, `[N, Tk]`). `launch.rs` builds it for each
+/// launch (`operands`).
 #[derive(CubeLaunch, CubeType)]
 pub struct Operands<Q: CubePrimitive, K: CubePrimitive, B: CubePrimitive> {
     /// The queries.

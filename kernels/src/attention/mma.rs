@@ -41,7 +41,7 @@
 //!   and the cube streams the keys past sixteen planes [`BLOCK_KEYS`] at a
 //!   time, skipping blocks of padding whole ([`block_rows`]).
 //!
-//! The f16/bf16 kernel is the same with `m16n8k16` products and no split:
+//! With [`HalfMma`] (f16/bf16) the kernel runs `m16n8k16` products, no split:
 //! there a pair of 8-key tiles' scores is `P̃·V`'s `A` operand in PTX's own
 //! order (FlashAttention-2's layout), and `K`, `V` quads hold the four
 //! elements of a unit's `B` operand. It replaces `tensor_core.rs`'s `cmma`

@@ -38,7 +38,7 @@
 //! Every kernel takes the call's runtime scalars (score scale, heads,
 //! operand offsets, dropout) as one launch struct, `args::Scalars`, and its
 //! shared inputs (Q, K, V, bias, the keys' validity) as another,
-//! `args::Operands`, which `launch.rs` builds once per call.
+//! `args::Operands`, which `launch.rs` builds for each launch.
 //!
 //! Every kernel skips key tiles that are all padding, gives a row whose keys
 //! are all masked a zero output, and draws attention dropout from the same

@@ -126,8 +126,10 @@ pub fn persist_compiled_kernels() {
     });
 }
 
-/// This build's kernels' name: a hash of the kernel crate's source and of
-/// the CubeCL, CubeK and Burn versions it was built with (`build.rs`).
+/// This build's kernels' name: a hash of the source of the workspace's
+/// kernel-defining crates, of the patched CubeCL CUDA runtime, of this
+/// crate's manifest and version, and (where the workspace's lock file was
+/// at hand) of the CubeCL, CubeK and Burn versions (`build.rs`).
 pub const KERNELS_BUILD: &str = env!("AAM_KERNELS_BUILD");
 
 /// Where CubeCL keeps compiled kernels and autotune results for this
