@@ -3,7 +3,8 @@
 # in one call: benches/unifrac.sh with GPU=cuda on oral2550 and a synthetic
 # table of SAMPLES samples (both methods the issue names), every other method
 # on oral2550 for exactness, and one logged run of the synthetic table for
-# the time of each phase (reading, computing, writing).
+# the time of each phase (reading, computing, writing) of each of PHASE_METHODS
+# (default: unweighted weighted_normalized).
 # PARTS (default "timed exactness phases") picks among those and two more:
 # "vaw" (every method variance adjusted on oral2550, against `ssu --vaw`) and
 # "pretrain" (one epoch of `pretrain --tree --unifrac-gpu cuda` on oral2550).
@@ -56,9 +57,12 @@ if part vaw; then
     BIN="$W/bin" DATA="$D" bash benches/unifrac.sh
 fi
 if part phases; then
-  echo "== phases: the synthetic table, weighted_normalized"
-  AAM_LOG=aam_unifrac=debug,aam_data=debug,info aam-rs unifrac --table "$W/synth.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
-    --method weighted_normalized --output "$W/phases.h5" 2>&1 | grep -v -E 'cubecl|Using adapter' || true
+  for method in ${PHASE_METHODS:-unweighted weighted_normalized}; do
+    echo "== phases: the synthetic table, $method"
+    AAM_LOG=aam_unifrac=debug,aam_data=debug,info aam-rs unifrac --table "$W/synth.biom" --tree "$D/tree.fasttree-midpoint.nwk" --gpu cuda \
+      --method "$method" --output "$W/phases.h5" 2>&1 | grep -v -E 'cubecl|Using adapter' || true
+    rm -f "$W/phases.h5"
+  done
 fi
 if part pretrain; then
   # Training's kernels from an earlier call, where carried (.carry/gpu/cache).
