@@ -31,6 +31,13 @@ pub struct ServeArgs {
     /// request with more gets 413.
     #[arg(long, default_value_t = 16_384)]
     max_batch_asvs: usize,
+    /// Milliseconds a batch may wait, once the device is free, for requests
+    /// it expects: fewer queued than the last batch answered plus those
+    /// that waited for it. Clients that send again when answered then share
+    /// one batch instead of taking turns; one client alone never waits.
+    /// 0: a batch is what is queued.
+    #[arg(long, default_value_t = 5.0, value_name = "MS")]
+    batch_wait_ms: f64,
     /// Requests in flight (queued or running) before answering 429.
     #[arg(long, default_value_t = 512)]
     max_concurrent_requests: usize,
@@ -81,11 +88,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
     ] {
         ensure!(value > 0, "{flag} must be ≥ 1");
     }
+    ensure!(
+        args.batch_wait_ms.is_finite() && (0.0..=10_000.0).contains(&args.batch_wait_ms),
+        "--batch-wait-ms must be between 0 and 10000, not {}",
+        args.batch_wait_ms
+    );
     let config = ServeConfig {
         host: args.host.clone(),
         port: args.port,
         model_name: args.served_model_name.clone(),
         max_batch_asvs: args.max_batch_asvs,
+        batch_wait: std::time::Duration::from_secs_f64(args.batch_wait_ms / 1e3),
         max_concurrent_requests: args.max_concurrent_requests,
         max_request_samples: args.max_request_samples,
         max_body_bytes: args.max_body_bytes,

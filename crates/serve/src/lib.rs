@@ -20,6 +20,10 @@
 //!   while their ASVs fit in `max_batch_asvs` (sample IDs must not collide
 //!   within a batch; a request that does waits for the next one). Under
 //!   load a device batch is many requests; alone, a request runs at once.
+//!   Where fewer requests are queued than the last batch answered plus
+//!   those that waited for it, the batch waits up to `batch_wait` for the
+//!   rest: clients that send again when answered would otherwise split into
+//!   groups taking turns on the device, each paying a batch's fixed cost.
 //! - *A semaphore bounds the work in the server*: beyond
 //!   `max_concurrent_requests` requests in flight the answer is 429 at
 //!   once, not a growing queue.
@@ -65,6 +69,9 @@ pub struct ServeConfig {
     /// ASVs per device batch: requests are merged up to it, and a request
     /// with more is refused (413).
     pub max_batch_asvs: usize,
+    /// How long a batch may wait, from when the device is free, for the
+    /// requests it expects back (see the module doc); zero: what is queued.
+    pub batch_wait: std::time::Duration,
     /// Requests in flight (queued or running) before answering 429.
     pub max_concurrent_requests: usize,
     /// Samples per request before answering 413.
@@ -104,6 +111,7 @@ impl Default for ServeConfig {
             port: 8080,
             model_name: None,
             max_batch_asvs: 16_384,
+            batch_wait: std::time::Duration::from_millis(5),
             max_concurrent_requests: 512,
             max_request_samples: 64,
             max_body_bytes: 16 << 20,
