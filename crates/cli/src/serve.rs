@@ -41,6 +41,10 @@ pub struct ServeArgs {
     /// Requests in flight (queued or running) before answering 429.
     #[arg(long, default_value_t = 512)]
     max_concurrent_requests: usize,
+    /// Threads that parse and check requests (the model's thread comes on
+    /// top). Default: the machine's cores, at least 2 and at most 8.
+    #[arg(long, value_name = "N")]
+    http_threads: Option<usize>,
     /// Samples per request before answering 413.
     #[arg(long, default_value_t = 64)]
     max_request_samples: usize,
@@ -85,6 +89,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ("--max-concurrent-requests", args.max_concurrent_requests),
         ("--max-request-samples", args.max_request_samples),
         ("--max-body-bytes", args.max_body_bytes),
+        ("--http-threads", args.http_threads.unwrap_or(1)),
     ] {
         ensure!(value > 0, "{flag} must be ≥ 1");
     }
@@ -100,6 +105,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_batch_asvs: args.max_batch_asvs,
         batch_wait: std::time::Duration::from_secs_f64(args.batch_wait_ms / 1e3),
         max_concurrent_requests: args.max_concurrent_requests,
+        http_threads: args
+            .http_threads
+            .unwrap_or_else(aam_serve::default_http_threads),
         max_request_samples: args.max_request_samples,
         max_body_bytes: args.max_body_bytes,
         options: Options {

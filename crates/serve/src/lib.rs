@@ -74,6 +74,10 @@ pub struct ServeConfig {
     pub batch_wait: std::time::Duration,
     /// Requests in flight (queued or running) before answering 429.
     pub max_concurrent_requests: usize,
+    /// Threads that parse and check requests (the model thread comes on
+    /// top); by default the machine's cores, at least 2 and at most 8
+    /// ([`default_http_threads`]).
+    pub http_threads: usize,
     /// Samples per request before answering 413.
     pub max_request_samples: usize,
     /// Bytes per request body before answering 413.
@@ -113,12 +117,21 @@ impl Default for ServeConfig {
             max_batch_asvs: 16_384,
             batch_wait: std::time::Duration::from_millis(5),
             max_concurrent_requests: 512,
+            http_threads: default_http_threads(),
             max_request_samples: 64,
             max_body_bytes: 16 << 20,
             options: Options::default(),
             warm_up: WarmUp::default(),
         }
     }
+}
+
+/// The machine's cores, at least 2 and at most 8: enough threads to parse
+/// and check the requests of a batch's clients (each request's JSON is
+/// parsed and its samples checked on them) while they come back, so that
+/// they gather into one batch (`batch_wait`).
+pub fn default_http_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8))
 }
 
 /// Why the service could not start or stopped.
@@ -174,7 +187,7 @@ pub fn serve<B: AttentionBackend>(
         .clone()
         .unwrap_or_else(|| default_name(model));
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(config.http_threads.max(1))
         .enable_all()
         .build()
         .map_err(|source| ServeError::Io {
