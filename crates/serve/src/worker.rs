@@ -113,7 +113,7 @@ pub fn run<B: AttentionBackend>(
 /// `expect`, the budget is full or the deadline passes. Clients that send
 /// their next request when answered (a pipeline, a load test) otherwise
 /// split into groups that take turns on the device, each paying a batch's
-/// fixed cost (on an H200 about 7.6 ms of kernel launches); gathered, they
+/// fixed cost (on an H200 about 7.6 ms, whatever its size); gathered, they
 /// share one batch. A request that finds the service idle longer than
 /// `wait` runs at once, and one client alone never waits (it expects 1).
 pub(crate) fn next_batch(
